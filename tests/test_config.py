@@ -1,0 +1,173 @@
+"""Strict config loading: every bad input names the file, the dotted key, the expected type and a near key."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+
+import pytest
+
+from areal_lite.config import (
+    ConfigError,
+    GenerationHyperparameters,
+    GRPOConfig,
+    SGLangConfig,
+    describe,
+    load_expr_config,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+@dataclass
+class AgentRLConfig(GRPOConfig):
+    max_turns: int = field(default=128, metadata={"help": "maximum number of turns per trajectory"})
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# (yaml text, overrides, fragments the message must contain)
+BAD_CASES = [
+    ("actor:\n  optimzer:\n    lr: 1e-5\n", [], ["exp.yaml", "actor.optimzer", "did you mean 'actor.optimizer'"]),
+    ("gconfig:\n  max_new_token: 5\n", [], ["gconfig.max_new_token", "did you mean 'gconfig.max_new_tokens'"]),
+    ("gconfig:\n  max_new_tokens: 16.0\n", [], ["gconfig.max_new_tokens", "expected int", "float 16.0"]),
+    ("gconfig:\n  max_new_tokens: many\n", [], ["gconfig.max_new_tokens", "expected int", "str 'many'"]),
+    ("gconfig:\n  greedy: 1\n", [], ["gconfig.greedy", "expected bool"]),
+    ("gconfig:\n  stop: '</answer>'\n", [], ["gconfig.stop", "expected list[str] | null"]),
+    ("gconfig:\n  stop: [1, 2]\n", [], ["gconfig.stop[0]", "expected str"]),
+    ("gconfig:\n  stop_token_ids: [1, x]\n", [], ["gconfig.stop_token_ids[1]", "expected int"]),
+    ("actor:\n  optimizer:\n    lr: fast\n", [], ["actor.optimizer.lr", "expected float"]),
+    ("actor:\n  optimizer: 0.1\n", [], ["actor.optimizer", "expected a mapping (OptimizerConfig)"]),
+    ("actor:\n  dtype: fp32\n", [], ["actor.dtype", "expected one of", "float32"]),
+    ("backend: sglng\n", [], ["backend", "did you mean 'sglang'"]),
+    ("profile: gpus\n", [], ["profile", "did you mean 'gpu'"]),
+    ("rollout:\n  max_head_offpolicynes: 2\n", [], ["rollout.max_head_offpolicynes", "max_head_offpolicyness"]),
+    ("trainset:\n  batch_size: 2\n", [], ["trainset", "unknown key for GRPOConfig"]),
+    ("train_dataset:\n  batch_size: null\n", [], ["train_dataset.batch_size", "got null"]),
+    ("actor:\n  reward_norm:\n    mean_lvl: group\n", [], ["actor.reward_norm.mean_lvl", "actor.reward_norm.mean_level"]),
+    ("- a\n- b\n", [], ["exp.yaml", "top level must be a mapping"]),
+    ("actor: [1, 2\n", [], ["exp.yaml", "not valid YAML"]),
+    ("profiles:\n  cpux:\n    backend: embedded\n", [], ["profiles.cpux", "did you mean 'profiles.cpu'"]),
+    ("profiles:\n  cpu:\n    actor:\n      pth: x\n", [], ["profile cpu", "actor.pth", "actor.path"]),
+    ("profiles: 3\n", [], ["profiles", "expected a mapping"]),
+    ("", ["actor.optimizer.lr=abc"], ["command line", "actor.optimizer.lr", "expected float"]),
+    ("", ["gconfig.n_sample=4"], ["command line", "gconfig.n_sample", "gconfig.n_samples"]),
+    ("", ["actor.optimizer.lr"], ["command line", "key=value"]),
+    ("", ["--cfg", "x.yaml"], ["unknown option '--cfg'"]),
+    ("", ["=3"], ["empty key"]),
+    ("", ["gconfig.stop=[a, b"], ["cannot parse value"]),
+    ("", ["max_turns=3"], ["max_turns", "unknown key for GRPOConfig"]),
+]
+
+
+@pytest.mark.parametrize("text,overrides,fragments", BAD_CASES)
+def test_bad_config_messages(tmp_path, text, overrides, fragments):
+    path = write(tmp_path, text)
+    argv = ["--config", path] + overrides
+    with pytest.raises(ConfigError) as err:
+        load_expr_config(argv, GRPOConfig, verbose=False)
+    message = str(err.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_bad_case_count():
+    assert len(BAD_CASES) >= 20
+
+
+def test_missing_file_names_path():
+    with pytest.raises(ConfigError, match=r"/no/such/file.yaml: config file not found"):
+        load_expr_config(["--config", "/no/such/file.yaml"], GRPOConfig, verbose=False)
+    with pytest.raises(ConfigError, match="--config needs a file path"):
+        load_expr_config(["--config"], GRPOConfig, verbose=False)
+
+
+def test_overrides_and_types(tmp_path):
+    path = write(tmp_path, "actor:\n  optimizer:\n    lr: 1e-5\n  path: some/model\ngconfig:\n  n_samples: 4\n")
+    config, got_path = load_expr_config(
+        ["--config", path, "actor.optimizer.lr=2e-5", "gconfig.stop=['</answer>']", "trial_name=7"],
+        GRPOConfig,
+        verbose=False,
+    )
+    assert got_path == path
+    assert config.actor.optimizer.lr == pytest.approx(2e-5)
+    assert isinstance(config.actor.optimizer.lr, float)
+    assert config.gconfig.stop == ["</answer>"]
+    assert config.trial_name == "7"
+    # derived once, from the one place they are given
+    assert config.actor.group_size == 4
+    assert config.tokenizer_path == "some/model"
+    assert config.embedded.model_path == "some/model"
+
+
+def test_profiles_cpu_gpu_and_print(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        "backend: sglang\nactor:\n  path: big\nprofiles:\n  cpu:\n    backend: embedded\n    actor:\n      path: small\n",
+    )
+    cpu, _ = load_expr_config(["--config", path, "profile=cpu"], GRPOConfig)
+    assert (cpu.backend, cpu.actor.path, cpu.profile) == ("embedded", "small", "cpu")
+    assert "profile=cpu" in capsys.readouterr().out
+    gpu, _ = load_expr_config(["--config", path, "profile=gpu"], GRPOConfig)
+    assert (gpu.backend, gpu.actor.path, gpu.profile) == ("sglang", "big", "gpu")
+    # the command line beats the profile
+    cli, _ = load_expr_config(["--config", path, "profile=cpu", "actor.path=mine"], GRPOConfig, verbose=False)
+    assert cli.actor.path == "mine"
+    auto, _ = load_expr_config(["--config", path], GRPOConfig)
+    import torch
+
+    assert auto.profile == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert "auto:" in capsys.readouterr().out
+
+
+def test_subclass_adds_fields_and_twice_in_one_process():
+    argv = ["--config", os.path.join(CONFIGS, "search_agent.yaml"), "profile=cpu"]
+    first, _ = load_expr_config(argv, AgentRLConfig, verbose=False)
+    second, _ = load_expr_config(argv + ["max_turns=5"], AgentRLConfig, verbose=False)
+    assert first.max_turns == 3 and second.max_turns == 5
+    assert isinstance(first, AgentRLConfig)
+    assert first.gconfig.stop == ["</search>", "</answer>"]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS, "*.yaml"))))
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_shipped_configs_load(path, profile):
+    config, _ = load_expr_config(["--config", path, f"profile={profile}"], AgentRLConfig, verbose=False)
+    if profile == "cpu":
+        assert config.backend == "embedded"
+        assert "smollm2" in config.actor.path.lower()
+    elif "search_agent" in path or "gsm8k" in path:
+        assert config.actor.path.startswith("Qwen/Qwen2.5-1.5B")
+
+
+def test_generation_hyperparameters_new_and_sampling_params():
+    g = GenerationHyperparameters(n_samples=4, max_new_tokens=32, stop=["</answer>"])
+    one = g.new(n_samples=1)
+    assert one.n_samples == 1 and g.n_samples == 4 and one.stop == ["</answer>"]
+    with pytest.raises(TypeError, match="n_sample"):
+        g.new(n_sample=1)
+    params = g.new(greedy=True).to_sampling_params()
+    assert params["temperature"] == 0.0 and params["n"] == 1 and params["stop"] == ["</answer>"]
+    assert isinstance(params["max_new_tokens"], int)
+
+
+def test_build_cmd_is_argv():
+    cmd = SGLangConfig.build_cmd(SGLangConfig(model_path="m", disable_cuda_graph=True), port=1234, base_gpu_id=1)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--port") + 1] == "1234"
+    assert "--disable-cuda-graph" in cmd and "--skip-tokenizer-init" not in cmd
+    with pytest.raises(ConfigError, match="model_path"):
+        SGLangConfig.build_cmd(SGLangConfig())
+
+
+def test_every_field_has_help():
+    text = describe(GRPOConfig)
+    for line in text.splitlines():
+        assert not line.rstrip().endswith(":"), f"field without help: {line}"
+    assert "actor.optimizer.lr (float" in text
