@@ -1,0 +1,82 @@
+"""areal-lite: a thin helper package behind notebooks that teach (and run) RL of LLM agents.
+
+Every public name is importable from the package itself, so a notebook cell needs one import line:
+
+    from areal_lite import GRPOConfig, load_expr_config, launch_server, RemoteSGLangEngine
+
+Names are resolved lazily (PEP 562): `import areal_lite` is instant, and importing a name loads only its module
+(torch and transformers are imported by the modules that need them, when you first use one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (one module per notebook step)
+_EXPORTS: dict[str, str] = {}
+
+
+def _export(module: str, *names: str) -> None:
+    for name in names:
+        _EXPORTS[name] = module
+
+
+_export(
+    "config",
+    "ConfigError", "GenerationHyperparameters", "InferenceEngineConfig", "OptimizerConfig", "MicroBatchSpec",
+    "NormConfig", "PPOActorConfig", "SGLangConfig", "EmbeddedServerConfig", "DatasetConfig", "SaverConfig",
+    "StatsLoggerConfig", "EvaluatorConfig", "BaseExperimentConfig", "GRPOConfig", "load_expr_config",
+    "resolve_profile", "describe",
+)
+_export("io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
+_export("models", "prepare_model", "resolve_model_path", "build_tiny_model", "pick_device", "load_tokenizer")
+_export(
+    "data",
+    "load_gsm8k", "load_arithmetic", "to_messages", "build_factbook_corpus", "build_factbook_qa",
+    "build_factbook_qa_splits", "load_search_dataset", "load_dataset_from_config", "make_dataloader",
+    "cycle_dataloader",
+)
+_export(
+    "reward",
+    "extract_answer", "math_equal", "gsm8k_reward_fn", "normalize_answer", "f1_score", "exact_match",
+    "AsyncRewardWrapper",
+)
+_export(
+    "tools",
+    "parse_search_query", "parse_answer", "parse_boxed", "parse_access_url", "format_search_results",
+    "call_search_tool", "SearchToolError",
+)
+_export("rag", "launch_rag_server")
+_export("launch", "launch_server", "find_free_port", "find_free_ports", "ServerHandle", "ServerLaunchError")
+_export("engine", "RemoteSGLangEngine", "EngineError")
+_export(
+    "trajectory",
+    "concat_padded_tensors", "check_trajectory", "TrajectoryError", "TrajectoryBuilder", "show_trajectory",
+    "trajectory_to_text",
+)
+_export(
+    "workflow",
+    "RolloutWorkflow", "RLVRWorkflow", "ReflectionWorkflow", "SearchAgentWorkflow", "MultiTurnFeedbackWorkflow",
+    "GroupedWorkflow", "chat_prompt_ids", "discounted_returns",
+)
+_export("actor", "PPOActor")
+_export("plot", "plot_rewards", "plot_response_length", "plot_time_breakdown", "plot_sync_vs_async", "save_png")
+_export("prepare", "prepare_all")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_lite' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # cache: the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

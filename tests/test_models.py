@@ -1,0 +1,300 @@
+"""Tests for areal_lite.models: the tiny offline Qwen2, the SmolLM2 GGUF conversion, path resolution, devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from areal_lite import models
+from areal_lite.models import (
+    MARKER,
+    TAG_TOKENS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    load_tokenizer,
+    pick_device,
+    prepare_model,
+    resolve_model_path,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _file_bytes(path: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def _run_python(code: str, env_extra: dict | None = None, timeout: float = 300) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def test_tiny_model_loads_as_qwen2(tiny_model_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    cfg = model.config
+    assert cfg.model_type == "qwen2"
+    assert model.dtype == torch.float32
+    assert cfg.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert cfg.max_position_embeddings >= 4096
+    assert cfg.vocab_size == len(tiny_tokenizer) == 4096
+    assert tiny_tokenizer.eos_token == "<|im_end|>" and cfg.eos_token_id == tiny_tokenizer.eos_token_id
+    assert tiny_tokenizer.pad_token == "<|endoftext|>" and cfg.pad_token_id == tiny_tokenizer.pad_token_id
+    assert model.generation_config.eos_token_id == tiny_tokenizer.eos_token_id
+    # Reload is bit-identical to what was written.
+    saved = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    state = model.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_tiny_build_is_deterministic_across_processes(tiny_model_path, tmp_path):
+    # The session fixture built seed 0 in this process; rebuild it in a fresh interpreter (different hash seed).
+    other = tmp_path / "again"
+    proc = _run_python(
+        f"from areal_lite.models import build_tiny_model; build_tiny_model({str(other)!r}, seed=0)",
+        {"PYTHONHASHSEED": "12345"},
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert _file_bytes(str(other)) == _file_bytes(tiny_model_path)
+
+
+def test_tiny_different_seed_changes_weights_only(tiny_model_path, tmp_path):
+    path = build_tiny_model(str(tmp_path / "seed1"), seed=1)
+    a, b = _file_bytes(tiny_model_path), _file_bytes(path)
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"]
+    wa = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    wb = load_file(os.path.join(path, "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert not torch.equal(wa["model.embed_tokens.weight"], wb["model.embed_tokens.weight"])
+
+
+def test_tiny_build_is_idempotent_and_protects_other_folders(tiny_model_path, tmp_path):
+    weights = os.path.join(tiny_model_path, "model.safetensors")
+    mtime = os.stat(weights).st_mtime_ns
+    assert build_tiny_model(tiny_model_path, seed=0) == tiny_model_path
+    assert os.stat(weights).st_mtime_ns == mtime  # reused, not rebuilt
+    with pytest.raises(ValueError, match="different build"):
+        build_tiny_model(tiny_model_path, seed=1)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty"):
+        build_tiny_model(str(foreign))
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    # An existing empty folder (e.g. pytest's tmp_path) is fine, and building leaves the caller's RNG alone.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    assert os.path.exists(os.path.join(build_tiny_model(str(empty), seed=7, hidden_size=32, num_layers=1), MARKER))
+    assert torch.equal(torch.rand(3), expected)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_tiny_tokenizer_reload_keeps_ids(tiny_tokenizer):
+    # transformers reloads the folder as Qwen2Tokenizer; ids must match the tokenizer we trained.
+    fresh = build_tiny_tokenizer()
+    texts = [
+        "What is 12 + 345? Let me think.\n<think>12 + 345 = 357</think>\n<answer>357</answer>",
+        "  The capital of Côte d'Ivoire is Yamoussoukro.\t\n\nNaïve café!",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "<search>capital of France</search><information>Doc 1 (Title: France) Paris</information>",
+    ]
+    for text in texts:
+        assert tiny_tokenizer(text)["input_ids"] == fresh(text)["input_ids"], text
+
+
+def test_tag_and_chatml_tokens_are_single_ids(tiny_tokenizer):
+    tok = tiny_tokenizer
+    for tag in (*TAG_TOKENS, "<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        ids = tok.encode(tag, add_special_tokens=False)
+        assert len(ids) == 1, (tag, ids)
+        assert tok.convert_ids_to_tokens(ids[0]) == tag
+    ids = tok.encode("x<answer>5</answer><|im_end|>", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<answer>") in ids and tok.convert_tokens_to_ids("</answer>") in ids
+    # Tags survive skip_special_tokens (rewards parse them); ChatML markers do not.
+    assert tok.decode(ids, skip_special_tokens=True) == "x<answer>5</answer>"
+
+
+def test_chat_template(tiny_tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "<search>2+3</search>"},
+        {"role": "tool", "content": "<information>5</information>"},
+    ]
+    text = tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n<search>2+3</search><|im_end|>\n"
+        "<|im_start|>tool\n<information>5</information><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = tiny_tokenizer.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=False)
+    assert no_prompt == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=string.printable, max_size=200))
+def test_ascii_roundtrip(tiny_tokenizer, text):
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert tiny_tokenizer.decode(ids) == text
+
+
+def test_tiny_model_generates(tiny_model_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    prompt = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tiny_tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 5
+    assert int(out.max()) < len(tiny_tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SmolLM2 conversion
+
+
+@pytest.fixture(scope="module")
+def fresh_smollm(tmp_path_factory):
+    """Two processes convert SmolLM2 into the same empty cache at once; both must get the one valid result."""
+    cache = tmp_path_factory.mktemp("areal-cache")
+    code = """
+        import json
+        from areal_lite import models
+        convert = models.MODEL_REGISTRY["smollm2-135m-instruct"]
+        ran = []
+        models.MODEL_REGISTRY["smollm2-135m-instruct"] = lambda out: (ran.append(1), convert(out))
+        print(json.dumps({"path": models.prepare_model(), "converted": bool(ran)}))
+    """
+    procs = [_run_python(code, {"AREAL_LITE_CACHE": str(cache)}) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return str(cache), results
+
+
+def test_concurrent_prepare_model_gives_one_result(fresh_smollm):
+    cache, results = fresh_smollm
+    expected = os.path.join(cache, "models", "smollm2-135m-instruct")
+    assert [r["path"] for r in results] == [expected, expected]
+    assert sorted(r["converted"] for r in results) == [False, True]  # the loser waited on the lock, then reused
+    names = set(os.listdir(expected))
+    assert {MARKER, "config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    assert not [n for n in os.listdir(os.path.dirname(expected)) if n.startswith(".tmp-")]
+    config = json.load(open(os.path.join(expected, "config.json")))
+    assert "quantization_config" not in config
+    assert config["dtype"] == "float32"
+
+
+def test_prepare_model_second_call_reuses_cache(fresh_smollm, monkeypatch):
+    cache, results = fresh_smollm
+
+    def must_not_run(out_dir):
+        raise AssertionError("converter ran again on a complete cache")
+
+    monkeypatch.setitem(models.MODEL_REGISTRY, "smollm2-135m-instruct", must_not_run)
+    path = results[0]["path"]
+    assert prepare_model(cache_dir=os.path.join(cache, "models")) == path
+    monkeypatch.setenv("AREAL_LITE_CACHE", cache)
+    assert prepare_model("smollm2-135m-instruct") == path
+    assert resolve_model_path("smollm2-135m-instruct") == path
+
+
+def test_prepare_model_unknown_alias():
+    with pytest.raises(ValueError, match="unknown model alias"):
+        prepare_model("gpt-17")
+
+
+def test_smollm_answers_simple_sum(fresh_smollm):
+    from transformers import AutoModelForCausalLM
+
+    path = fresh_smollm[1][0]["path"]
+    tok = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path)  # no gguf_file: a plain HF folder
+    assert model.dtype == torch.float32
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.pad_token_id != tok.eos_token_id
+    assert model.config.pad_token_id == tok.pad_token_id
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "5" in answer, answer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paths and devices
+
+
+def test_resolve_model_path_passthrough(tmp_path):
+    assert resolve_model_path("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    missing = str(tmp_path / "nope")
+    assert resolve_model_path(missing) == missing
+
+
+def test_load_tokenizer_sets_pad(tiny_model_path):
+    tok = load_tokenizer(tiny_model_path)
+    assert tok.pad_token_id is not None
+
+
+def test_pick_device():
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type in ("cpu", "cuda", "mps")
+    if torch.cuda.is_available():
+        assert pick_device("auto").type == "cuda"
+        assert pick_device("cuda").type == "cuda"
+    else:
+        assert pick_device("auto").type in ("cpu", "mps")
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            pick_device("cuda")
+    with pytest.raises(ValueError, match="unknown device"):
+        pick_device("gpu-please")

@@ -1,0 +1,127 @@
+"""Generate the workshop exercise notebooks from the solution notebooks.
+
+In a solution notebook a code cell may hold regions
+
+    # BEGIN SOLUTION hint: compute the precision from the common tokens
+    precision = common / len(pred_tokens)
+    # END SOLUTION
+
+The exercise copy replaces each region by a `# TODO` with the hint and a line that fails loudly if left alone, keeping
+the indentation. Right after each such cell the exercise gets a check cell that runs the notebook's own assertions
+for that cell: the solution notebooks already hold it, as a code cell starting with `# CHECK` right after the cell it
+checks (it runs there too, so the checks themselves are tested). A test fails if the committed exercises differ from what this script
+writes, so they never go stale.
+
+Usage: python tools/make_exercises.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import os
+import re
+import sys
+
+import nbformat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LANGS = ("en", "zh")
+BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?:\s+hint:\s*(?P<hint>.*))?$")
+END = re.compile(r"^\s*# END SOLUTION\s*$")
+
+CHECK_TEXT = {
+    "en": "**Check your work** — run the cell below; it tells you whether your code above is right.",
+    "zh": "**检查你的答案** —— 运行下面的单元格，它会告诉你上面的代码是否正确。",
+}
+TODO_TEXT = {"en": "TODO", "zh": "TODO（练习）"}
+
+
+def exercise_source(source: str, lang: str) -> tuple[str, bool]:
+    """Replace solution regions; returns (new source, whether anything was replaced)."""
+    out, inside, changed = [], False, False
+    for line in source.split("\n"):
+        m = BEGIN.match(line)
+        if m and not inside:
+            inside, changed = True, True
+            indent, hint = m.group("indent"), (m.group("hint") or "").strip()
+            out.append(f"{indent}# {TODO_TEXT[lang]}: {hint}" if hint else f"{indent}# {TODO_TEXT[lang]}")
+            out.append(f'{indent}raise NotImplementedError("exercise: fill in the TODO above")')
+            continue
+        if inside:
+            if END.match(line):
+                inside = False
+            continue
+        out.append(line)
+    if inside:
+        raise ValueError("a `# BEGIN SOLUTION` region has no `# END SOLUTION`")
+    return "\n".join(out), changed
+
+
+def strip_markers(source: str) -> str:
+    return "\n".join(l for l in source.split("\n") if not BEGIN.match(l) and not END.match(l))
+
+
+def make_exercise(nb: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode:
+    """Blank the solution regions; the `# CHECK` cell after each one gets a short instruction above it."""
+    ex = copy.deepcopy(nb)
+    cells = []
+    for i, cell in enumerate(ex.cells):
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+            new_source, changed = exercise_source(cell.source, lang)
+            if changed:
+                nxt = ex.cells[i + 1] if i + 1 < len(ex.cells) else None
+                if nxt is None or nxt.cell_type != "code" or not _is_check(nxt.source):
+                    raise ValueError(f"cell {i}: a solution cell must be followed by a `# CHECK` code cell")
+                cell.source = new_source
+        if cell.cell_type == "code" and _is_check(cell.source):
+            cells.append(nbformat.v4.new_markdown_cell(CHECK_TEXT[lang]))
+        cells.append(cell)
+    ex.cells = cells
+    for j, c in enumerate(ex.cells):
+        c["id"] = f"e{j:02d}"
+    return ex
+
+
+def _is_check(source: str) -> bool:
+    lines = [l for l in source.split("\n") if not l.startswith("# NBVAL")]
+    return bool(lines) and lines[0].startswith("# CHECK")
+
+
+def outputs() -> dict[str, nbformat.NotebookNode]:
+    result = {}
+    for lang in LANGS:
+        for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", lang, "*.ipynb"))):
+            nb = nbformat.read(path, as_version=4)
+            if not any(BEGIN.match(l) for c in nb.cells if c.cell_type == "code" for l in c.source.split("\n")):
+                continue
+            out = os.path.join(ROOT, "notebooks", "exercises", lang, os.path.basename(path))
+            result[out] = make_exercise(nb, lang)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the committed exercises are stale")
+    args = ap.parse_args(argv)
+    stale = []
+    for path, nb in outputs().items():
+        text = nbformat.writes(nb) + "\n"
+        if args.check:
+            if not os.path.exists(path) or open(path, encoding="utf-8").read() != text:
+                stale.append(os.path.relpath(path, ROOT))
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print("wrote", os.path.relpath(path, ROOT))
+    if stale:
+        print("stale exercises (run `make exercises`):", *stale, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

