@@ -54,13 +54,13 @@ _export("launch", "launch_server", "find_free_port", "find_free_ports", "ServerH
 _export("engine", "RemoteSGLangEngine", "EngineError")
 _export(
     "trajectory",
-    "concat_padded_tensors", "check_trajectory", "TrajectoryError", "TrajectoryBuilder", "show_trajectory",
-    "trajectory_to_text",
+    "concat_padded_tensors", "check_trajectory", "TrajectoryError", "TrajectoryBuilder", "Segment",
+    "show_trajectory", "trajectory_to_text", "trajectory_to_html",
 )
 _export(
     "workflow",
     "RolloutWorkflow", "RLVRWorkflow", "ReflectionWorkflow", "SearchAgentWorkflow", "MultiTurnFeedbackWorkflow",
-    "GroupedWorkflow", "chat_prompt_ids", "discounted_returns",
+    "GroupedWorkflow", "chat_prompt_ids", "chat_turn_fragments", "discounted_returns", "PROMPT_TEMPLATE",
 )
 _export("actor", "PPOActor")
 _export("plot", "plot_rewards", "plot_response_length", "plot_time_breakdown", "plot_sync_vs_async", "save_png")

@@ -1,0 +1,534 @@
+"""The tensor contract of one episode, a builder that keeps it, a checker that proves it, and a viewer.
+
+The contract (what every workflow returns and the actor consumes):
+- A batch is a plain `dict[str, torch.Tensor]`. Per-token keys are `[B, L]`, right-padded:
+    `input_ids`      long   the whole trajectory: prompt, then generated tokens and observations in order
+    `attention_mask` bool   True on real tokens; a prefix of ones in every row (padding only on the right)
+    `loss_mask`      long   1 exactly on tokens the policy generated; 0 on prompt, tool/feedback tokens, padding
+    `logprobs`       float32 behaviour log-prob of each generated token (<= 0), 0.0 elsewhere
+    `versions`       long   policy version that produced each generated token (>= 0), -1 elsewhere
+  Per-row keys are `[B]`: `rewards` (float32) always. Extra per-token keys are allowed, e.g. `token_returns`
+  (float32, the multi-turn feedback workflow's per-turn returns; 0.0 off generated tokens).
+- Not shifted: position t holds token t's own logprob/version. The actor shifts once, in one place.
+- A group of G samples of one prompt is G contiguous rows.
+
+Design decisions:
+- `TrajectoryBuilder` is the only place a workflow appends tokens. Every append extends all per-token lists
+  together, so `input_ids` can never outgrow `logprobs`/`loss_mask` (seed 000 appended its output twice). It also
+  refuses a response generated from a context other than the one it holds.
+- `loss_mask` is long (not bool) because the actor multiplies with it; `check_trajectory` accepts int or bool.
+- `check_trajectory` raises `TrajectoryError`, a subclass of AssertionError, so it reads naturally in tests and
+  notebooks, with messages naming the key, row and position of the first violation.
+- "Generated" is checked through the data itself: wherever `loss_mask` is 0, `logprobs` must be exactly 0.0 and
+  `versions` exactly -1; wherever it is 1, `versions` >= 0 and `logprobs` finite and <= 0.
+- Empty segments are allowed (a generation may return no tokens), but a row with no generated token at all is an
+  error unless `allow_all_prompt=True`: it would train on nothing and usually means a broken workflow.
+- The viewer derives segments and turns from `loss_mask` runs, so it works on any batch, including ones loaded
+  from disk or produced by someone else's workflow. Tokens are decoded one at a time; a character split across
+  tokens shows as U+FFFD in the HTML view (the plain-text view decodes whole segments and has no such artefact).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "TrajectoryError",
+    "Segment",
+    "TrajectoryBuilder",
+    "concat_padded_tensors",
+    "check_trajectory",
+    "trajectory_segments",
+    "trajectory_to_text",
+    "trajectory_to_html",
+    "show_trajectory",
+    "iter_rows",
+]
+
+# Right-padding values of the contract's keys; any other key pads with `pad_value`.
+PAD_VALUES: Dict[str, Any] = {
+    "input_ids": 0,
+    "attention_mask": False,
+    "loss_mask": 0,
+    "logprobs": 0.0,
+    "versions": -1,
+}
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+
+
+class TrajectoryError(AssertionError):
+    """A batch breaks the tensor contract (the message names the key, row and position)."""
+
+
+# ------------------------------------------------------------------------------------------------ concat
+
+
+def concat_padded_tensors(
+    results: Sequence[Dict[str, torch.Tensor]],
+    pad_value: float = 0.0,
+    pad_token_id: Optional[int] = None,
+) -> Dict[str, torch.Tensor]:
+    """Right-pad every `[b, L, ...]` tensor to the longest L and concatenate all dicts on dim 0.
+
+    1-D tensors (`rewards` `[b]`) are concatenated as they are. Padding: attention_mask False, loss_mask 0,
+    logprobs 0.0, versions -1, input_ids `pad_token_id` (default 0), any other key `pad_value`.
+    An empty list gives `{}`; dicts with different keys raise ValueError.
+    """
+    results = list(results)
+    if not results:
+        return {}
+    for i, r in enumerate(results):
+        if not isinstance(r, dict):
+            raise TypeError(
+                f"concat_padded_tensors: item {i} is {type(r).__name__}, expected dict[str, Tensor] "
+                "(filter out rejected episodes, which return None, first)"
+            )
+    keys = list(results[0].keys())
+    for i, r in enumerate(results[1:], start=1):
+        if set(r.keys()) != set(keys):
+            missing, extra = sorted(set(keys) - set(r)), sorted(set(r) - set(keys))
+            raise ValueError(
+                f"concat_padded_tensors: item {i} has different keys than item 0 (missing {missing}, extra {extra})"
+            )
+    for i, r in enumerate(results):
+        sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else None) for k, v in r.items()}
+        bad = [k for k, s in sizes.items() if s is None]
+        if bad:
+            raise ValueError(f"concat_padded_tensors: item {i} keys {bad} are not tensors with a batch dimension")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"concat_padded_tensors: item {i} has keys with different batch sizes: {sizes}")
+
+    out: Dict[str, torch.Tensor] = {}
+    for key in keys:
+        tensors = [r[key] for r in results]
+        dims = {t.dim() for t in tensors}
+        if len(dims) != 1:
+            raise ValueError(f"concat_padded_tensors: key {key!r} has different numbers of dimensions {sorted(dims)}")
+        if dims == {1}:
+            out[key] = torch.cat(tensors, dim=0)
+            continue
+        max_len = max(t.shape[1] for t in tensors)
+        if key == "input_ids" and pad_token_id is not None:
+            fill = pad_token_id
+        else:
+            fill = PAD_VALUES.get(key, pad_value)
+        padded = []
+        for t in tensors:
+            if t.shape[1] < max_len:
+                pad_shape = (t.shape[0], max_len - t.shape[1]) + tuple(t.shape[2:])
+                t = torch.cat([t, torch.full(pad_shape, fill, dtype=t.dtype, device=t.device)], dim=1)
+            padded.append(t)
+        out[key] = torch.cat(padded, dim=0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ checker
+
+
+def _fail(msg: str) -> None:
+    raise TrajectoryError(msg)
+
+
+def _first_bad(mask: torch.Tensor):
+    """(row, position) of the first True in a 2-D bool tensor."""
+    idx = mask.nonzero()
+    return int(idx[0, 0]), int(idx[0, 1])
+
+
+def check_trajectory(
+    batch: Dict[str, torch.Tensor],
+    tokenizer=None,
+    expected_texts: Optional[Sequence[Sequence[str]]] = None,
+    allow_all_prompt: bool = False,
+) -> bool:
+    """Assert the tensor contract on `batch`; return True or raise `TrajectoryError` naming row and position.
+
+    With `tokenizer` and `expected_texts` (one list of segment strings per row: prompt, outputs, observations in
+    order), the decoded real tokens of each row must equal the concatenation of its segments.
+    """
+    if not isinstance(batch, dict):
+        _fail(f"a batch is a dict of tensors, got {type(batch).__name__}")
+    required = TOKEN_KEYS + ("rewards",)
+    missing = [k for k in required if k not in batch]
+    if missing:
+        hint = " (found 'reward': the key is 'rewards')" if "reward" in batch and "rewards" in missing else ""
+        _fail(f"batch is missing keys {missing}{hint}")
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            _fail(f"{k!r} is {type(v).__name__}, not a torch.Tensor")
+
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        _fail(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    B, L = ids.shape
+    for k, v in batch.items():
+        if v.dim() >= 2 and tuple(v.shape[:2]) != (B, L):
+            _fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}, {L}] like input_ids")
+        if v.dim() == 1 and v.shape[0] != B:
+            _fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}] (one value per row)")
+        if v.dim() == 0:
+            _fail(f"{k!r} is a 0-d tensor; per-row keys are [B] (use rewards=torch.tensor([r]))")
+    for k in TOKEN_KEYS:
+        if batch[k].dim() != 2:
+            _fail(f"{k!r} must be [B, L], got shape {tuple(batch[k].shape)}")
+
+    att, lm, lp, ver, rew = (batch[k] for k in ("attention_mask", "loss_mask", "logprobs", "versions", "rewards"))
+    if ids.dtype != torch.long:
+        _fail(f"input_ids dtype is {ids.dtype}, expected torch.long")
+    if att.dtype != torch.bool:
+        _fail(f"attention_mask dtype is {att.dtype}, expected torch.bool")
+    if lm.dtype not in (torch.bool, torch.int8, torch.int16, torch.int32, torch.long, torch.uint8):
+        _fail(f"loss_mask dtype is {lm.dtype}, expected an integer or bool dtype")
+    if not lp.is_floating_point():
+        _fail(f"logprobs dtype is {lp.dtype}, expected a float dtype")
+    if ver.dtype != torch.long:
+        _fail(f"versions dtype is {ver.dtype}, expected torch.long")
+    if rew.dim() != 1 or not rew.is_floating_point():
+        _fail(f"rewards must be a float [B] tensor, got dtype {rew.dtype} shape {tuple(rew.shape)}")
+    if not torch.isfinite(rew).all():
+        _fail(f"rewards has non-finite values at rows {(~torch.isfinite(rew)).nonzero().flatten().tolist()}")
+
+    lm_int = lm.long()
+    if ((lm_int != 0) & (lm_int != 1)).any():
+        r, t = _first_bad((lm_int != 0) & (lm_int != 1))
+        _fail(f"loss_mask must be 0/1; row {r} position {t} holds {int(lm_int[r, t])}")
+    gen = lm_int == 1
+    if (gen & ~att).any():
+        r, t = _first_bad(gen & ~att)
+        _fail(f"loss_mask is 1 outside attention_mask at row {r} position {t}")
+    if B and L:
+        # Right padding: once attention_mask turns False it stays False.
+        starts_pad = att[:, :-1] < att[:, 1:] if L > 1 else torch.zeros(B, 0, dtype=torch.bool)
+        if starts_pad.any():
+            r, t = _first_bad(starts_pad)
+            _fail(f"attention_mask of row {r} is not a prefix of ones: False at {t}, True at {t + 1} (left padding?)")
+    if (~gen & (lp != 0)).any():
+        r, t = _first_bad(~gen & (lp != 0))
+        _fail(f"logprobs must be 0 where loss_mask is 0; row {r} position {t} holds {float(lp[r, t]):.4f}")
+    if (~gen & (ver != -1)).any():
+        r, t = _first_bad(~gen & (ver != -1))
+        _fail(f"versions must be -1 where loss_mask is 0; row {r} position {t} holds {int(ver[r, t])}")
+    if (gen & (ver < 0)).any():
+        r, t = _first_bad(gen & (ver < 0))
+        _fail(f"versions must be >= 0 on generated tokens; row {r} position {t} holds {int(ver[r, t])}")
+    bad_lp = gen & ~(torch.isfinite(lp) & (lp <= 1e-4))
+    if bad_lp.any():
+        r, t = _first_bad(bad_lp)
+        _fail(f"logprobs on generated tokens must be finite and <= 0; row {r} position {t} holds {float(lp[r, t])}")
+    if (att & (ids < 0)).any():
+        r, t = _first_bad(att & (ids < 0))
+        _fail(f"input_ids must be >= 0; row {r} position {t} holds {int(ids[r, t])}")
+    if "token_returns" in batch:
+        tr = batch["token_returns"]
+        if tr.dim() != 2 or not tr.is_floating_point():
+            _fail(f"token_returns must be a float [B, L] tensor, got dtype {tr.dtype} shape {tuple(tr.shape)}")
+        if (~gen & (tr != 0)).any():
+            r, t = _first_bad(~gen & (tr != 0))
+            _fail(f"token_returns must be 0 where loss_mask is 0; row {r} position {t} holds {float(tr[r, t])}")
+    if not allow_all_prompt:
+        empty = (~gen.any(dim=1)).nonzero().flatten().tolist()
+        if empty:
+            _fail(f"rows {empty} have no generated token (loss_mask all 0); pass allow_all_prompt=True if intended")
+
+    if expected_texts is not None:
+        if tokenizer is None:
+            _fail("expected_texts needs a tokenizer to decode input_ids")
+        if len(expected_texts) != B:
+            _fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
+        for r in range(B):
+            n = int(att[r].sum())
+            got = tokenizer.decode(ids[r, :n].tolist(), skip_special_tokens=False)
+            want = "".join(expected_texts[r])
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                _fail(
+                    f"row {r}: decoded text differs from the expected segments at character {at}: "
+                    f"got {got[max(0, at - 30):at + 30]!r}, expected {want[max(0, at - 30):at + 30]!r}"
+                )
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ builder
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of tokens `[start, end)` of one kind: "prompt", "output" (generated) or an observation kind."""
+
+    kind: str
+    start: int
+    end: int
+    turn: int  # index of the generation this segment belongs to or follows (prompt: 0)
+
+    @property
+    def generated(self) -> bool:
+        return self.kind == "output"
+
+
+class TrajectoryBuilder:
+    """Accumulates one trajectory so that all per-token lists grow together.
+
+    ```
+    b = TrajectoryBuilder(); b.add_prompt(prompt_ids)
+    resp = await engine.agenerate(ModelRequest(input_ids=b.context(), ...)); b.add_output(resp)
+    b.add_observation(tool_ids, kind="tool")
+    batch = b.to_tensors(reward)          # [1, L] tensors + rewards [1]
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.input_ids: List[int] = []
+        self.logprobs: List[float] = []
+        self.loss_mask: List[int] = []
+        self.versions: List[int] = []
+        self.segments: List[Segment] = []
+        self.num_turns = 0  # number of outputs added so far
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def context(self) -> List[int]:
+        """A copy of the token ids so far: the next request's `input_ids`."""
+        return list(self.input_ids)
+
+    def _append(self, ids: Sequence[int], logprobs, versions, loss: int, kind: str, turn: int) -> None:
+        ids = [int(t) for t in ids]
+        start = len(self.input_ids)
+        self.input_ids.extend(ids)
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.loss_mask.extend([loss] * len(ids))
+        self.versions.extend(int(v) for v in versions)
+        self.segments.append(Segment(kind, start, len(self.input_ids), turn))
+
+    def add_prompt(self, ids: Sequence[int]) -> "TrajectoryBuilder":
+        """The initial prompt (loss 0). Must come first, once."""
+        if self.input_ids:
+            raise ValueError("add_prompt must be the first call (the trajectory already has tokens)")
+        ids = list(ids)
+        self._append(ids, [0.0] * len(ids), [-1] * len(ids), 0, "prompt", 0)
+        return self
+
+    def add_output(self, resp) -> "TrajectoryBuilder":
+        """A `ModelResponse`'s generated tokens with their logprobs and versions (loss 1)."""
+        out, lps = list(resp.output_tokens), list(resp.output_logprobs)
+        vers = list(resp.output_versions)
+        if len(lps) != len(out):
+            raise ValueError(f"response has {len(out)} output tokens but {len(lps)} logprobs")
+        if len(vers) != len(out):
+            raise ValueError(f"response has {len(out)} output tokens but {len(vers)} versions")
+        # The response must continue exactly this trajectory; anything else means tokens were appended
+        # somewhere else (or twice), and the training data would not be what was sampled.
+        if resp.input_tokens and list(resp.input_tokens) != self.input_ids:
+            raise ValueError(
+                f"response was generated from a {len(resp.input_tokens)}-token context that differs from the "
+                f"{len(self.input_ids)}-token trajectory; pass builder.context() as the request's input_ids"
+            )
+        self._append(out, lps, vers, 1, "output", self.num_turns)
+        self.num_turns += 1
+        return self
+
+    def add_observation(self, ids: Sequence[int], kind: str = "observation") -> "TrajectoryBuilder":
+        """Tokens the policy did not generate (tool results, feedback, chat-template glue): loss 0."""
+        if not self.input_ids:
+            raise ValueError("add_prompt must come before add_observation")
+        if kind == "output":
+            raise ValueError("kind='output' is reserved for add_output (generated tokens)")
+        ids = list(ids)
+        self._append(ids, [0.0] * len(ids), [-1] * len(ids), 0, kind, max(self.num_turns - 1, 0))
+        return self
+
+    def per_turn_values(self, values: Sequence[float]) -> List[float]:
+        """A per-token list holding `values[k]` on the generated tokens of turn k and 0.0 elsewhere."""
+        if len(values) != self.num_turns:
+            raise ValueError(f"need one value per turn: {self.num_turns} turns, got {len(values)} values")
+        out = [0.0] * len(self.input_ids)
+        for seg in self.segments:
+            if seg.generated:
+                for t in range(seg.start, seg.end):
+                    out[t] = float(values[seg.turn])
+        return out
+
+    def to_tensors(self, reward: float, **extra) -> Dict[str, torch.Tensor]:
+        """The `[1, L]` tensors of the contract plus `rewards` `[1]`.
+
+        `extra`: per-token lists/tensors of length L become float32 `[1, L]`; scalars become float32 `[1]`.
+        """
+        n = len(self.input_ids)
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be finite, got {reward}")
+        out = {
+            "input_ids": torch.tensor([self.input_ids], dtype=torch.long),
+            "attention_mask": torch.ones(1, n, dtype=torch.bool),
+            "loss_mask": torch.tensor([self.loss_mask], dtype=torch.long),
+            "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
+            "versions": torch.tensor([self.versions], dtype=torch.long),
+            "rewards": torch.tensor([reward], dtype=torch.float32),
+        }
+        for key, value in extra.items():
+            if key in out:
+                raise ValueError(f"extra key {key!r} clashes with a contract key")
+            t = torch.as_tensor(value, dtype=torch.float32)
+            if t.dim() == 0:
+                out[key] = t.reshape(1)
+            elif t.dim() == 1 and t.shape[0] == n:
+                out[key] = t.reshape(1, n)
+            else:
+                raise ValueError(f"extra key {key!r}: expected a scalar or {n} per-token values, got {tuple(t.shape)}")
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ viewer
+
+
+def trajectory_segments(batch: Dict[str, torch.Tensor], i: int) -> List[Segment]:
+    """Segments of row i derived from its loss_mask: the first run is the prompt, then outputs and observations."""
+    n = int(batch["attention_mask"][i].sum())
+    lm = batch["loss_mask"][i, :n].long().tolist()
+    segments: List[Segment] = []
+    turn = -1
+    start = 0
+    for t in range(1, n + 1):
+        if t == n or lm[t] != lm[start]:
+            if lm[start] == 1:
+                turn += 1
+                kind = "output"
+            else:
+                kind = "prompt" if start == 0 else "observation"
+            segments.append(Segment(kind, start, t, max(turn, 0)))
+            start = t
+    return segments
+
+
+def _row_info(batch, i: int) -> str:
+    parts = []
+    if "rewards" in batch:
+        parts.append(f"reward {float(batch['rewards'][i]):.4f}")
+    n = int(batch["attention_mask"][i].sum())
+    gen = int(batch["loss_mask"][i, :n].long().sum())
+    parts.append(f"{n} tokens ({gen} generated)")
+    return " | ".join(parts)
+
+
+def trajectory_to_text(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None) -> str:
+    """A readable dump of row i: `[prompt]`, `[gen turn k | ...]`, `[obs]` blocks, then the reward."""
+    n = int(batch["attention_mask"][i].sum())
+    ids = batch["input_ids"][i].tolist()
+    lp = batch["logprobs"][i].tolist()
+    ver = batch["versions"][i].tolist()
+    lines = [f"=== trajectory {i} | {_row_info(batch, i)} ==="]
+    shown = 0
+    for seg in trajectory_segments(batch, i):
+        end = seg.end
+        if max_tokens is not None:
+            end = min(end, seg.start + max(max_tokens - shown, 0))
+        if end <= seg.start and seg.end > seg.start:
+            lines.append(f"... ({n - seg.start} more tokens)")
+            break
+        text = tokenizer.decode(ids[seg.start:end], skip_special_tokens=False)
+        if seg.generated:
+            vs = sorted(set(ver[seg.start:seg.end]))
+            mean_lp = sum(lp[seg.start:seg.end]) / max(seg.end - seg.start, 1)
+            head = f"[gen turn {seg.turn} | {seg.end - seg.start} tokens | versions {vs} | mean logprob {mean_lp:.3f}]"
+            if "token_returns" in batch:
+                head = head[:-1] + f" | return {float(batch['token_returns'][i, seg.start]):.4f}]"
+        else:
+            head = f"[{'prompt' if seg.kind == 'prompt' else 'obs'} | {seg.end - seg.start} tokens]"
+        lines.append(head)
+        lines.append(text)
+        shown += end - seg.start
+        if end < seg.end:
+            lines.append(f"... ({n - end} more tokens)")
+            break
+    if "rewards" in batch:
+        lines.append(f"[reward] {float(batch['rewards'][i]):.4f}")
+    return "\n".join(lines)
+
+
+_COLOURS = {"prompt": "#e8eef7", "output": "#c9f2c7", "observation": "#fde2c4"}
+_LEGEND = (
+    '<span style="background:#e8eef7">prompt</span> '
+    '<span style="background:#c9f2c7">generated (loss 1)</span> '
+    '<span style="background:#fde2c4">tool / feedback (loss 0)</span>'
+)
+
+
+def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None) -> str:
+    """HTML for row i: one span per token, coloured by kind, with id/logprob/version in the hover title."""
+    n = int(batch["attention_mask"][i].sum())
+    ids = batch["input_ids"][i].tolist()
+    lp = batch["logprobs"][i].tolist()
+    ver = batch["versions"][i].tolist()
+    tr = batch["token_returns"][i].tolist() if "token_returns" in batch else None
+    limit = n if max_tokens is None else min(n, max_tokens)
+    parts = [
+        '<div class="areal-trajectory" style="font-family:monospace;font-size:12px;line-height:1.6">',
+        f"<div><b>trajectory {i}</b> | {html.escape(_row_info(batch, i))}</div>",
+        f"<div>{_LEGEND}</div>",
+        '<div style="white-space:pre-wrap;border:1px solid #ccc;padding:4px">',
+    ]
+    for seg in trajectory_segments(batch, i):
+        if seg.start >= limit:
+            break
+        colour = _COLOURS.get(seg.kind, _COLOURS["observation"])
+        if seg.generated:
+            ret = f", return {tr[seg.start]:.4f}" if tr is not None else ""
+            parts.append(
+                f'<span style="color:#fff;background:#555;font-size:10px" title="turn boundary">'
+                f"&#9656; turn {seg.turn}{ret}</span>"
+            )
+        for t in range(seg.start, min(seg.end, limit)):
+            text = tokenizer.decode([ids[t]], skip_special_tokens=False)
+            if seg.generated:
+                title = f"turn {seg.turn} | id {ids[t]} | logprob {lp[t]:.4f} | version {ver[t]}"
+            else:
+                title = f"{seg.kind} | id {ids[t]}"
+            parts.append(
+                f'<span style="background:{colour}" title="{html.escape(title, quote=True)}">'
+                f"{html.escape(text, quote=True)}</span>"
+            )
+    if limit < n:
+        parts.append(f"<i> ... ({n - limit} more tokens)</i>")
+    parts.append("</div>")
+    if "rewards" in batch:
+        parts.append(f"<div><b>reward</b> {float(batch['rewards'][i]):.4f}</div>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _in_jupyter() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def show_trajectory(
+    batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None, fmt: str = "auto"
+) -> None:
+    """Display row i: coloured HTML in a Jupyter kernel, plain text elsewhere (`fmt`: "auto" | "html" | "text")."""
+    if fmt not in ("auto", "html", "text"):
+        raise ValueError(f"fmt must be 'auto', 'html' or 'text', got {fmt!r}")
+    if not 0 <= i < batch["input_ids"].shape[0]:
+        raise IndexError(f"row {i} out of range for a batch of {batch['input_ids'].shape[0]} rows")
+    if fmt == "html" or (fmt == "auto" and _in_jupyter()):
+        from IPython.display import HTML, display
+
+        display(HTML(trajectory_to_html(batch, i, tokenizer, max_tokens)))
+    else:
+        print(trajectory_to_text(batch, i, tokenizer, max_tokens))
+
+
+def iter_rows(batch: Dict[str, torch.Tensor]) -> Iterable[Dict[str, torch.Tensor]]:
+    """Each row of a batch as its own `[1, L_i]` dict, padding removed (handy for inspection)."""
+    B = batch["input_ids"].shape[0]
+    for r in range(B):
+        n = int(batch["attention_mask"][r].sum())
+        yield {k: (v[r : r + 1, :n] if v.dim() >= 2 else v[r : r + 1]) for k, v in batch.items()}
