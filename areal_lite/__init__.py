@@ -42,14 +42,14 @@ _export(
 _export(
     "reward",
     "extract_answer", "math_equal", "gsm8k_reward_fn", "normalize_answer", "f1_score", "exact_match",
-    "AsyncRewardWrapper",
+    "AsyncRewardWrapper", "areal_gsm8k_reward_fn",
 )
 _export(
     "tools",
     "parse_search_query", "parse_answer", "parse_boxed", "parse_access_url", "format_search_results",
     "call_search_tool", "SearchToolError",
 )
-_export("rag", "launch_rag_server")
+_export("rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
 _export("launch", "launch_server", "find_free_port", "find_free_ports", "ServerHandle", "ServerLaunchError")
 _export("engine", "RemoteSGLangEngine", "EngineError")
 _export(

@@ -35,7 +35,7 @@ from typing import Any
 
 from areal_lite.models import cache_root
 
-DATA_VERSION = 1
+DATA_VERSION = 2
 SPLITS = ("train", "test")
 
 
@@ -459,7 +459,7 @@ _QA_TEMPLATES = {
         _official_languages,
     ),
     "region": (
-        "In which region of the world is {title} located?",
+        "On the map, in which region of the world is {title}?",
         ("Geography", "Map references"),
         lambda t: [t] if t in _REGIONS else None,
     ),

