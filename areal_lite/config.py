@@ -493,7 +493,8 @@ def resolve_profile(requested: str) -> tuple[str, str]:
 def load_expr_config(argv: List[str], cls: type = GRPOConfig, verbose: bool = True) -> tuple[Any, Optional[str]]:
     """Parse `["--config", FILE, "a.b=1", ...]` into a `cls` instance. Returns `(config, path_of_file)`.
 
-    Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← command-line overrides.
+    Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`.
+    The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
     """
     argv = list(argv)
     path: Optional[str] = None
@@ -543,12 +544,19 @@ def load_expr_config(argv: List[str], cls: type = GRPOConfig, verbose: bool = Tr
             raise ConfigError(f"{source}: key 'profiles.{name}': unknown profile (valid: cpu, gpu){hint}")
         profiles[name] = _Checker(f"{source} (profile {name})").check(cls, prof or {}, "")
 
+    # The environment is the one switch a whole run (CI, `make test-gpu`) flips without editing a notebook:
+    # AREAL_LITE_OVERRIDES holds extra overrides applied before the explicit ones, AREAL_LITE_PROFILE the profile.
+    env_overrides = os.environ.get("AREAL_LITE_OVERRIDES", "").split()
     cli: dict = {}
-    for item in overrides:
-        key, value = _parse_override(item)
-        nested = _Checker("command line", numbers_as_text=True).check(cls, _nest(key, value), "")
-        cli = _deep_merge(cli, nested)
+    for origin, items in (("AREAL_LITE_OVERRIDES", env_overrides), ("command line", overrides)):
+        for item in items:
+            key, value = _parse_override(item)
+            nested = _Checker(origin, numbers_as_text=True).check(cls, _nest(key, value), "")
+            cli = _deep_merge(cli, nested)
 
+    env_profile = os.environ.get("AREAL_LITE_PROFILE")
+    if env_profile and "profile" not in {o.split("=", 1)[0].strip() for o in overrides}:
+        cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(cls, {"profile": env_profile}, "")["profile"]
     requested = cli.get("profile", data.get("profile", "auto"))
     chosen, why = resolve_profile(requested)
     merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)

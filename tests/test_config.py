@@ -171,3 +171,19 @@ def test_every_field_has_help():
     for line in text.splitlines():
         assert not line.rstrip().endswith(":"), f"field without help: {line}"
     assert "actor.optimizer.lr (float" in text
+
+
+def test_environment_switch(tmp_path, monkeypatch):
+    path = write(tmp_path, "backend: sglang\nprofiles:\n  cpu:\n    backend: embedded\n")
+    monkeypatch.setenv("AREAL_LITE_PROFILE", "gpu")
+    config, _ = load_expr_config(["--config", path], GRPOConfig, verbose=False)
+    assert (config.profile, config.backend) == ("gpu", "sglang")
+    monkeypatch.setenv("AREAL_LITE_OVERRIDES", "backend=embedded embedded.device=cuda")
+    config, _ = load_expr_config(["--config", path], GRPOConfig, verbose=False)
+    assert (config.profile, config.backend, config.embedded.device) == ("gpu", "embedded", "cuda")
+    # an explicit profile in argv still wins over the environment
+    config, _ = load_expr_config(["--config", path, "profile=cpu"], GRPOConfig, verbose=False)
+    assert config.profile == "cpu"
+    monkeypatch.setenv("AREAL_LITE_PROFILE", "gpux")
+    with pytest.raises(ConfigError, match="AREAL_LITE_PROFILE.*did you mean 'gpu'"):
+        load_expr_config(["--config", path], GRPOConfig, verbose=False)
