@@ -79,9 +79,17 @@ def _clean_tail(s: str) -> str:
     return s
 
 
+# A LaTeX fraction of numbers is one number: the last number of "$\\frac{144}{2}$" is 144/2, not 2.
+_LATEX_NUMBER_FRAC_RE = re.compile(r"-?\\[dt]?frac\s*\{\s*-?[\d.,]+\s*\}\s*\{\s*-?[\d.,]+\s*\}")
+
+
 def _last_number(text: str) -> str | None:
-    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
-    return matches[-1].replace(" ", "") if matches else None
+    text = text.replace("\u2212", "-")
+    fracs = list(_LATEX_NUMBER_FRAC_RE.finditer(text))
+    matches = list(_NUMBER_RE.finditer(text))
+    if fracs and (not matches or fracs[-1].end() >= matches[-1].end()):
+        return fracs[-1].group(0).replace(" ", "")
+    return matches[-1].group(0).replace(" ", "") if matches else None
 
 
 def extract_answer(text: str | None, mode: str = "auto") -> str | None:

@@ -456,3 +456,19 @@ def test_exit_with_a_hung_reward_is_quick_and_kills_workers():
     time.sleep(0.5)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"$\frac{144}{2}$ clips", r"\frac{144}{2}"),  # a LaTeX fraction is one number, not its denominator
+        (r"so \frac{3}{4} then 5", "5"),
+        (r"-\dfrac{1}{2}", r"-\dfrac{1}{2}"),
+    ],
+)
+def test_last_number_reads_latex_fractions_whole(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_latex_fraction_completion_is_rewarded():
+    assert gsm8k_reward_fn(r"She has $\frac{144}{2}$ clips", "#### 72") == 1.0

@@ -86,18 +86,24 @@ def to_notebook(cells: list[dict], lang: str) -> nbformat.NotebookNode:
 
 
 def strip_volatile(nb: nbformat.NotebookNode) -> None:
-    """Keep outputs only where nbval checks them; everything else (ports, timings, plots) is not committed."""
+    """Keep outputs only where nbval checks them; everything else (ports, timings, plots) is not committed.
+
+    nbval refuses a stored output without an execution count, so checked cells get a stable one: their position
+    among the code cells (rebuilding never changes it unless the notebook does).
+    """
+    n = 0
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        n += 1
         if cell.source.startswith(CHECK_MARK):
             # text only: figures and widgets are volatile even in a checked cell
             cell.outputs = [o for o in cell.outputs if o.get("output_type") in ("stream", "execute_result")]
             for o in cell.outputs:
                 if o.get("output_type") == "execute_result":
-                    o["execution_count"] = None
+                    o["execution_count"] = n
                     o["data"] = {k: v for k, v in o["data"].items() if k == "text/plain"}
-            cell.execution_count = None
+            cell.execution_count = n
         else:
             cell.outputs = []
             cell.execution_count = None
