@@ -21,7 +21,10 @@ Design decisions
   episode so far, consumed or not). Versions count from v0, the version at which this engine started its first
   episode: 0 in a fresh run, so the rule is AReaL's exactly; an engine made for a run resumed at version k would
   otherwise start (k + 1) * B episodes at once, all k versions stale by the time they are consumed.
-  `max_concurrent_rollouts=None` means B, as in AReaL. `queue_size`, when set,
+  `max_concurrent_rollouts=None` means B, as in AReaL. Episodes of a `rollout_batch` are synchronous: they are
+  generated with the current weights and consumed at once, so their staleness is 0 by construction; only the
+  concurrency limit applies to them, and they count neither as `accepted` nor as `running` in the bound (AReaL runs
+  them through the bound too, so an evaluation larger than (eta + 1) * B can never start). `queue_size`, when set,
   also stops new starts while finished-but-unconsumed results + running episodes reach it (backpressure).
   Callers block on a `threading.Condition` that every state change notifies.
 - Results are returned oldest first: `wait(n)` takes the n earliest-submitted finished episodes (AReaL sorts by
@@ -30,8 +33,7 @@ Design decisions
 - Fail loudly instead of hanging. A workflow exception is re-raised (same object, so its traceback) in the thread
   that calls `wait`/`rollout_batch`/`prepare_batch`. When nothing can make progress -- nothing running, and the
   queue is empty, or blocked by the staleness bound, or paused -- waiting raises with the reason (typically: call
-  `set_version()` after each training step) instead of sleeping forever. `rollout_batch` refuses up front a batch
-  larger than the staleness bound allows, so nothing is half-submitted.
+  `set_version()` after each training step) instead of sleeping forever.
 - Interrupt and resume: `pause()` sets the pause flag, then asks every server to abort running requests. An
   aborted request waits (polling `pause_poll_interval`) until `resume()`, then is re-sent as prompt + tokens so far
   with the remaining `max_new_tokens` (and `min_new_tokens`) budget; tokens, logprobs and versions accumulate.
@@ -676,7 +678,11 @@ class RemoteSGLangEngine:
 
     # -------------------------------------------------------------------------------------------- executor
 
+    def _async_running_locked(self) -> int:
+        return sum(1 for ep in self._running.values() if ep.batch is None)
+
     def _capacity_locked(self) -> int:
+        """How many more *asynchronous* episodes (submit/prepare_batch) may start now."""
         running = len(self._running)
         cap = min(self.max_concurrent_rollouts - running, self._headroom_locked())
         if self.config.queue_size is not None:
@@ -690,7 +696,7 @@ class RemoteSGLangEngine:
 
     def _headroom_locked(self) -> int:
         """Episodes the staleness bound still allows to start at the current version."""
-        return self._bound_locked() - (self._counts["accepted"] + len(self._running))
+        return self._bound_locked() - (self._counts["accepted"] + self._async_running_locked())
 
     def _bound_text_locked(self) -> str:
         eta, v, B = self.max_head_offpolicyness, self._version, self.consumer_batch_size
@@ -713,15 +719,24 @@ class RemoteSGLangEngine:
         """Start queued episodes while the capacity rule allows (runs on the loop thread)."""
         with self._cond:
             started = False
-            while self._pending and not self._paused and not self._closing and self._capacity_locked() > 0:
+            if self._paused or self._closing:
+                return
+            waiting = collections.deque()
+            while self._pending and len(self._running) < self.max_concurrent_rollouts:
                 ep = self._pending.popleft()
-                if self._base_version is None:
-                    self._base_version = self._version
+                if ep.batch is None:
+                    if self._capacity_locked() <= 0:
+                        waiting.append(ep)  # held by the staleness bound; synchronous episodes may still pass
+                        continue
+                    if self._base_version is None:
+                        self._base_version = self._version
+                    self._start_versions.append(self._version)
                 ep.start_version = self._version
-                self._start_versions.append(self._version)
                 self._running[ep.seq] = ep
                 ep.task = self._loop.create_task(self._run_episode(ep), name=f"episode-{ep.seq}")
                 started = True
+            waiting.extend(self._pending)
+            self._pending = waiting
             if started:
                 self._cond.notify_all()
 
@@ -752,7 +767,8 @@ class RemoteSGLangEngine:
     def _finish(self, ep: _Episode, status: str, payload: Any) -> None:
         with self._cond:
             self._running.pop(ep.seq, None)
-            self._counts[status] += 1
+            # synchronous (rollout_batch) episodes are tallied apart: they are not part of the staleness bound
+            self._counts[status if ep.batch is None or status != "accepted" else "sync_accepted"] += 1
             if ep.batch is not None:
                 if status == "failed" and ep.batch.error is None:
                     ep.batch.error = payload
@@ -865,14 +881,6 @@ class RemoteSGLangEngine:
             return {}
         batch = _Batch(size=len(rows))
         with self._cond:
-            room = self._headroom_locked() - len(self._pending)
-            if len(rows) > room:
-                raise ValueError(
-                    f"rollout_batch of {len(rows)} episodes exceeds the staleness bound: at version {self._version} "
-                    f"only {max(room, 0)} more may start ({self._bound_text_locked()}, accepted "
-                    f"{self._counts['accepted']}, running {len(self._running)}, queued {len(self._pending)}). "
-                    "Set consumer_batch_size to the batch size and call set_version() after each step"
-                )
             for i, row in enumerate(rows):
                 self._enqueue_locked(row, workflow, should_accept, batch, i)
         self._schedule_pump()
@@ -985,6 +993,7 @@ class RemoteSGLangEngine:
                 "ready": len(self._ready),
                 "started": len(self._start_versions),
                 "accepted": c["accepted"],
+                "sync_accepted": c["sync_accepted"],
                 "rejected": c["rejected"],
                 "failed": c["failed"],
                 "cancelled": c["cancelled"],

@@ -414,14 +414,26 @@ def test_rollout_batch_order_and_contract(make_engine, embedded_server):
     assert check_trajectory(batch)
     assert (batch["versions"][batch["loss_mask"].bool()] == 0).all()
     stats = eng.stats()
-    assert stats["accepted"] == 4 and stats["running"] == 0 and stats["consumed"] == 4
+    assert stats["sync_accepted"] == 4 and stats["running"] == 0 and stats["consumed"] == 4
+    # Synchronous episodes are consumed at once (staleness 0), so they do not use up the async bound ...
+    assert stats["accepted"] == 0 and stats["capacity"] == 2
 
-    # More than the staleness bound allows at this version is refused up front (nothing is submitted).
-    with pytest.raises(ValueError, match="staleness"):
-        eng.rollout_batch([{"i": 0}], OneTurn())
-    assert eng.stats()["queued"] == 0
-    eng.set_version(1)
-    assert eng.rollout_batch([{"i": i} for i in range(4)], OneTurn())["rewards"].tolist() == [0, 1, 2, 3]
+    # ... and a batch larger than (eta + 1) * B (an evaluation, say) runs, max_concurrent_rollouts at a time.
+    peak = {"n": 0, "now": 0}
+
+    class Counting(OneTurn):
+        async def arun_episode(self, engine, data):
+            peak["now"] += 1
+            peak["n"] = max(peak["n"], peak["now"])
+            try:
+                return await super().arun_episode(engine, data)
+            finally:
+                peak["now"] -= 1
+
+    big = eng.rollout_batch([{"i": i} for i in range(12)], Counting())
+    assert big["rewards"].tolist() == [float(i) for i in range(12)]
+    assert peak["n"] == 2
+    assert eng.stats()["accepted"] == 0
 
 
 def test_should_accept_and_none_drop_episodes(make_engine, embedded_server):
@@ -429,7 +441,7 @@ def test_should_accept_and_none_drop_episodes(make_engine, embedded_server):
     rows = [{"i": i} for i in range(5)] + [{"i": 5, "reject": True}]
     batch = eng.rollout_batch(rows, OneTurn(), should_accept=lambda r: int(r["rewards"][0]) % 2 == 0)
     assert batch["rewards"].tolist() == [0.0, 2.0, 4.0]
-    assert eng.stats()["rejected"] == 3 and eng.stats()["accepted"] == 3
+    assert eng.stats()["rejected"] == 3 and eng.stats()["sync_accepted"] == 3
 
     # Through submit/wait: rejected episodes are not counted, and waiting for more than can come fails loudly.
     eng.set_version(1)
