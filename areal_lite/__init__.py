@@ -50,7 +50,9 @@ _export(
     "call_search_tool", "SearchToolError",
 )
 _export("rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
-_export("launch", "launch_server", "find_free_port", "find_free_ports", "ServerHandle", "ServerLaunchError")
+_export(
+    "launch", "launch_server", "find_free_port", "find_free_ports", "ServerHandle", "ServerLaunchError", "choose_backend"
+)
 _export("engine", "RemoteSGLangEngine", "EngineError")
 _export(
     "trajectory",

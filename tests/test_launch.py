@@ -1,0 +1,197 @@
+"""Tests of the launcher: real server processes, readiness, errors that quote the log, and no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from areal_lite.config import EmbeddedServerConfig, GRPOConfig, SGLangConfig
+from areal_lite.launch import (
+    ENV_ADDRS,
+    ServerLaunchError,
+    choose_backend,
+    find_free_port,
+    find_free_ports,
+    launch_server,
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_dead(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def cfg(path: str, **kw) -> EmbeddedServerConfig:
+    return EmbeddedServerConfig(model_path=path, threads=1, **kw)
+
+
+def test_find_free_ports():
+    port = find_free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # really free
+    ports = find_free_ports(5)
+    assert len(set(ports)) == 5
+
+
+def test_lifecycle(tiny_model_path, tmp_path):
+    handle = launch_server(cfg(tiny_model_path), backend="embedded", log_dir=str(tmp_path))
+    try:
+        assert handle.backend == "embedded" and handle.address == f"127.0.0.1:{handle.port}"
+        assert handle.url == f"http://{handle.address}" and handle.log_path.startswith(str(tmp_path))
+        assert handle.address in os.environ[ENV_ADDRS].split(",")
+        assert handle.wait_ready(timeout=180) is handle
+        with urllib.request.urlopen(handle.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        assert "ready on" in handle.tail(50)
+        assert "embedded" in repr(handle) and "running" in repr(handle)
+        cmdline = " ".join(psutil.Process(handle.pid).cmdline())
+        assert "areal_lite.serve" in cmdline and "--threads 1" in cmdline
+    finally:
+        handle.stop()
+    assert not alive(handle.pid)
+    assert handle.address not in os.environ.get(ENV_ADDRS, "").split(",")
+    handle.stop()  # idempotent
+    assert "exited" in repr(handle)
+
+
+def test_exception_inside_with_stops_server(tiny_model_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with launch_server(cfg(tiny_model_path), backend="embedded") as handle:
+            pid = handle.pid
+            assert alive(pid)
+            raise RuntimeError("boom")
+    assert wait_dead(pid, 15)
+
+
+ENV_SCRIPT = r"""
+import os, sys
+os.environ["AREAL_LLM_SERVER_ADDRS"] = "10.0.0.9:30000"
+from areal_lite.config import EmbeddedServerConfig
+from areal_lite.launch import launch_server
+a = launch_server(EmbeddedServerConfig(model_path=sys.argv[1]), backend="embedded")
+b = launch_server(EmbeddedServerConfig(model_path=sys.argv[1]), backend="embedded")
+assert os.environ["AREAL_LLM_SERVER_ADDRS"] == f"{a.address},{b.address}", os.environ["AREAL_LLM_SERVER_ADDRS"]
+a.stop()
+assert os.environ["AREAL_LLM_SERVER_ADDRS"] == b.address
+b.stop()
+assert os.environ["AREAL_LLM_SERVER_ADDRS"] == "10.0.0.9:30000"
+print("ENV-OK")
+"""
+
+
+def test_server_addrs_env_follows_live_servers(tiny_model_path):
+    out = subprocess.run([sys.executable, "-c", ENV_SCRIPT, tiny_model_path], capture_output=True, text=True, timeout=120)
+    assert "ENV-OK" in out.stdout, out.stdout + out.stderr
+
+
+CHILD = r"""
+import sys, time
+from areal_lite.config import EmbeddedServerConfig
+from areal_lite.launch import launch_server
+h = launch_server(EmbeddedServerConfig(model_path=sys.argv[1], threads=1), backend="embedded")
+print("PID", h.pid, flush=True)
+h.wait_ready(timeout=180)
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killing_the_parent_leaves_no_server(tiny_model_path):
+    parent = subprocess.Popen([sys.executable, "-c", CHILD, tiny_model_path], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in parent.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        pid = int(next(l for l in lines if l.startswith("PID")).split()[1])
+        assert "READY" in lines[-1], lines
+        assert "areal_lite.serve" in " ".join(psutil.Process(pid).cmdline())
+        parent.send_signal(signal.SIGKILL)  # no atexit, no finalizers: only the kernel's parent-death signal
+        parent.wait(timeout=10)
+        assert wait_dead(pid, 20), "the server outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_launch_from_a_short_lived_thread_survives_the_thread(tiny_model_path):
+    box = {}
+    t = threading.Thread(target=lambda: box.update(h=launch_server(cfg(tiny_model_path), backend="embedded")))
+    t.start()
+    t.join()
+    handle = box["h"]
+    try:
+        time.sleep(1.0)
+        assert handle.is_alive(), handle.tail()  # the parent-death signal is not tied to the finished thread
+    finally:
+        handle.stop()
+    assert not alive(handle.pid)
+
+
+def test_dead_server_raises_with_log_tail(tmp_path):
+    handle = launch_server(cfg(str(tmp_path / "no-such-model")), backend="embedded")
+    with pytest.raises(ServerLaunchError) as err:
+        handle.wait_ready(timeout=120)
+    msg = str(err.value)
+    assert "exited with code" in msg and "last log lines" in msg and "no-such-model" in msg
+    assert not handle.is_alive()
+    handle.stop()
+
+
+def test_timeout_raises_and_stops(tiny_model_path):
+    handle = launch_server(cfg(tiny_model_path), backend="embedded")
+    with pytest.raises(ServerLaunchError, match="did not become ready within"):
+        handle.wait_ready(timeout=0.01)
+    assert not handle.is_alive()
+
+
+def test_backend_choice_and_config_kinds(tiny_model_path):
+    import importlib.util
+
+    import torch
+
+    backend, why = choose_backend("auto")
+    if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
+        assert backend == "embedded" and why.startswith("auto:")
+    assert choose_backend("embedded") == ("embedded", "requested")
+    with pytest.raises(ValueError):
+        choose_backend("vllm")
+    with pytest.raises(ValueError, match="no model path"):
+        launch_server(EmbeddedServerConfig(), backend="embedded")
+    with pytest.raises(ValueError, match="SGLangConfig"):
+        launch_server(SGLangConfig(model_path="x"), backend="embedded")
+    with pytest.raises(TypeError):
+        launch_server({"model_path": "x"})
+
+    # a whole experiment config: backend and model path come from it
+    config = GRPOConfig()
+    config.backend = "embedded"
+    config.actor.path = tiny_model_path
+    config.embedded.threads = 1
+    handle = launch_server(config)
+    try:
+        assert handle.backend == "embedded" and tiny_model_path in handle.cmd
+        assert handle.cmd[handle.cmd.index("--random-seed") + 1] == str(config.seed)
+    finally:
+        handle.stop()

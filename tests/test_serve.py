@@ -1,0 +1,545 @@
+"""Tests of the embedded SGLang-compatible server: real server processes on the tiny model, plus in-process checks
+of the batching and sampling pieces against plain forward passes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from areal_lite.serve import (
+    BadRequest,
+    RunningBatch,
+    SamplingParams,
+    Sequence,
+    parse_generate_body,
+    sample_tokens,
+)
+
+PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiny HTTP client
+
+
+def call(addr: str, path: str, body=None, method: str | None = None, raw: bytes | None = None, timeout: float = 60):
+    """(status, parsed JSON or text) of one HTTP request; 4xx/5xx are returned, not raised."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(f"http://{addr}{path}", data=data, method=method or ("GET" if data is None else "POST"))
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text) if text else None
+    except ValueError:
+        return status, text
+
+
+def generate(addr: str, body: dict, timeout: float = 60):
+    status, out = call(addr, "/generate", body, timeout=timeout)
+    assert status == 200, out
+    return out
+
+
+def greedy(ids, n_tokens=12, **extra):
+    sp = {"max_new_tokens": n_tokens, "temperature": 0.0, **extra.pop("sp", {})}
+    return {"input_ids": ids, "sampling_params": sp, "return_logprob": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def server(embedded_server):
+    return embedded_server.address
+
+
+@pytest.fixture(scope="module")
+def private_server(tiny_model_path):
+    """A server of our own for tests that pause it or change its weights (the shared one stays untouched)."""
+    from areal_lite.config import EmbeddedServerConfig
+    from areal_lite.launch import launch_server
+
+    handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
+    try:
+        handle.wait_ready(timeout=180)
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def forward_logprobs(model, prompt, output, temperature=1.0):
+    """log_softmax(logits / T) of each output token, from one plain forward pass over prompt + output."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(output)[:, None]).flatten()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# endpoints and shapes
+
+
+def test_health_model_info(server):
+    assert call(server, "/health")[0] == 200
+    assert call(server, "/health_generate")[0] == 200
+    for path in ("/model_info", "/get_model_info"):
+        status, info = call(server, path)
+        assert status == 200
+        assert {"model_path", "tokenizer_path", "is_generation", "weight_version"} <= set(info)
+        assert info["is_generation"] is True and isinstance(info["weight_version"], str)
+        assert info["vocab_size"] > 0 and info["max_context_length"] > 0
+    status, stats = call(server, "/server_info")
+    assert status == 200 and "max_running_batch" in stats and stats["paused"] is False
+
+
+def test_generate_shapes(server, tiny):
+    _, tok = tiny
+    one = generate(server, greedy(PROMPTS[0], 5, rid="r-single"))
+    assert isinstance(one, dict) and set(one) >= {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert meta["id"] == "r-single"
+    assert meta["finish_reason"] in ({"type": "length", "length": 5},) or meta["finish_reason"]["type"] == "stop"
+    assert meta["prompt_tokens"] == len(PROMPTS[0]) and meta["completion_tokens"] == len(one["output_ids"])
+    assert meta["cached_tokens"] == 0 and isinstance(meta["weight_version"], str) and meta["e2e_latency"] > 0
+    lps = meta["output_token_logprobs"]
+    assert [e[1] for e in lps] == one["output_ids"] and all(e[2] is None and e[0] <= 0 for e in lps)
+
+    # without return_logprob: no logprobs key
+    plain = generate(server, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}})
+    assert "output_token_logprobs" not in plain["meta_info"]
+
+    # a batch: a list in order, one rid per prompt; a single rid string is suffixed per prompt as in SGLang
+    batch = generate(server, greedy(PROMPTS, 4, rid=["a", "b", "c", "d"]))
+    assert [r["meta_info"]["id"] for r in batch] == ["a", "b", "c", "d"]
+    assert [r["meta_info"]["prompt_tokens"] for r in batch] == [len(p) for p in PROMPTS]
+    batch = generate(server, greedy(PROMPTS[:2], 2, rid="x"))
+    assert [r["meta_info"]["id"] for r in batch] == ["x_0", "x_1"]
+
+    # per-prompt sampling params
+    per = generate(server, {"input_ids": PROMPTS[:2], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3, "ignore_eos": True}]})
+    assert per[0]["meta_info"]["completion_tokens"] == 1 and per[1]["meta_info"]["completion_tokens"] == 3
+
+    # text prompts are tokenized by the server
+    text = "What is 2 + 3?"
+    out = generate(server, {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert out["meta_info"]["prompt_tokens"] == len(tok(text)["input_ids"])
+    assert isinstance(generate(server, {"text": [text, "Hi"], "sampling_params": {"max_new_tokens": 1}}), list)
+
+    # n > 1: one response per sample, in order, with distinct ids
+    many = generate(server, {"input_ids": PROMPTS[1], "rid": "g", "sampling_params": {"n": 4, "max_new_tokens": 6, "ignore_eos": True}})
+    assert [r["meta_info"]["id"] for r in many] == ["g_0", "g_1", "g_2", "g_3"]
+    assert len({tuple(r["output_ids"]) for r in many}) > 1  # sampled at T=1 from a 4k vocabulary
+
+    # max_new_tokens 0
+    zero = generate(server, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_logprobs_equal_forward_pass(server, tiny):
+    model, _ = tiny
+    for temperature in (0.0, 0.7, 1.3):
+        body = {"input_ids": PROMPTS, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 10, "temperature": temperature, "ignore_eos": True}}
+        for prompt, out in zip(PROMPTS, generate(server, body)):
+            got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+            # SGLang: logprobs of the temperature-scaled distribution; greedy -> the raw distribution
+            want = forward_logprobs(model, prompt, out["output_ids"], temperature if temperature > 0 else 1.0)
+            assert (got - want).abs().max().item() < 1e-3, (temperature, got, want)
+
+
+def test_greedy_deterministic_and_same_batched_or_alone(server):
+    alone = [generate(server, greedy(p, 16, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+    again = [generate(server, greedy(p, 16, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+    assert alone == again
+    # one batched request ...
+    batched = [r["output_ids"] for r in generate(server, greedy(PROMPTS, 16, sp={"ignore_eos": True}))]
+    assert batched == alone
+    # ... and concurrent requests of different lengths that join and leave the running batch at different steps
+    lengths = [16, 5, 11, 16]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(generate, server, greedy(p, n, sp={"ignore_eos": True})) for p, n in zip(PROMPTS * 2, lengths * 2)]
+        outs = [f.result()["output_ids"] for f in futs]
+    for i, out in enumerate(outs):
+        assert out == alone[i % 4][: lengths[i % 4]]
+
+
+def test_concurrent_requests_share_decode_steps(server):
+    before = call(server, "/server_info")[1]
+    n_req, n_tok = 8, 24
+    with concurrent.futures.ThreadPoolExecutor(n_req) as pool:
+        futs = [pool.submit(generate, server, {"input_ids": PROMPTS[i % 4] + [i], "sampling_params": {"max_new_tokens": n_tok, "ignore_eos": True}})
+                for i in range(n_req)]
+        assert all(f.result()["meta_info"]["completion_tokens"] == n_tok for f in futs)
+    after = call(server, "/server_info")[1]
+    steps = after["decode_steps"] - before["decode_steps"]
+    # One request at a time would need n_req * (n_tok - 1) decode steps; a shared batch needs far fewer.
+    assert steps <= n_req * (n_tok - 1) / 2, steps
+    assert after["max_running_batch"] > 1
+
+
+def test_stop_strings_stop_ids_and_length(server, tiny):
+    _, tok = tiny
+    prompt = tok("The capital of France is")["input_ids"]
+    base = generate(server, greedy(prompt, 12, sp={"ignore_eos": True}))
+    ids = base["output_ids"]
+    assert base["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+    # stop string: the first two characters of the 4th token's text, searched in the growing output
+    piece = tok.decode(ids[3:4]) or tok.decode(ids[3:5])
+    stop = piece[-2:] if len(piece) >= 2 else piece
+    expect_len = next(j for j in range(1, len(ids) + 1) if stop in tok.decode(ids[:j]))
+    out = generate(server, greedy(prompt, 12, sp={"stop": [stop, "never-appears-xyz"], "ignore_eos": True}))
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == ids[:expect_len]  # output_ids keep the stop tokens
+    full = tok.decode(ids[:expect_len])
+    assert out["text"] == full[: full.find(stop)]  # text is trimmed before the stop string
+    kept = generate(server, greedy(prompt, 12, sp={"stop": stop, "no_stop_trim": True, "ignore_eos": True}))
+    assert kept["text"] == full and kept["meta_info"]["finish_reason"]["matched"] == stop
+
+    # stop token id: ends at its first occurrence; the text leaves the matched token out
+    target = ids[4]
+    first = ids.index(target)
+    out = generate(server, greedy(prompt, 12, sp={"stop_token_ids": [target]}))
+    assert out["output_ids"] == ids[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+    assert out["text"] == tok.decode(ids[:first], skip_special_tokens=True)
+    # ignore_eos also ignores stop ids (SGLang); min_new_tokens masks them until reached
+    out = generate(server, greedy(prompt, 12, sp={"stop_token_ids": [target], "ignore_eos": True}))
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    out = generate(server, greedy(prompt, 12, sp={"stop_token_ids": [ids[0]], "min_new_tokens": 3}))
+    assert out["meta_info"]["completion_tokens"] >= 3 and ids[0] not in out["output_ids"][:3]
+
+    # EOS: the ChatML end token is a stop id (a random model rarely samples it, so check the set itself)
+    from areal_lite.serve import _eos_ids
+
+    assert tok.convert_tokens_to_ids("<|im_end|>") in _eos_ids(tiny[0], tok)
+
+
+def test_skip_special_tokens_affects_text_only(server, tiny):
+    _, tok = tiny
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    # a greedy continuation of a prompt made of the special token tends to repeat it; whatever comes out,
+    # the two settings must agree on ids and differ only in how the text renders special tokens
+    body = lambda skip: {"input_ids": [special] * 3, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "skip_special_tokens": skip}}
+    a, b = generate(server, body(True)), generate(server, body(False))
+    assert a["output_ids"] == b["output_ids"]
+    assert a["text"] == tok.decode(a["output_ids"], skip_special_tokens=True)
+    assert b["text"] == tok.decode(b["output_ids"], skip_special_tokens=False)
+
+
+BAD_BODIES = [
+    b"{not json", b"[1, 2", b"\xff\xfe", b"null", b"[]", b"42", b'"text"',
+    {}, {"sampling_params": {"max_new_tokens": 4}},
+    {"text": "hi", "input_ids": [1, 2]},
+    {"input_ids": []}, {"input_ids": [[]]}, {"input_ids": [[1, 2], []]}, {"text": ""}, {"text": 5}, {"text": ["a", 3]},
+    {"input_ids": "1 2 3"}, {"input_ids": [1, "2"]}, {"input_ids": [1.0, 2.0]}, {"input_ids": [True, 2]},
+    {"input_ids": [-1]}, {"input_ids": [10**9]}, {"input_ids": [[1], [2, 10**9]]},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": 16.0}},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": True}},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**7}},
+    {"input_ids": [1], "sampling_params": {"temperature": -0.5}},
+    {"input_ids": [1], "sampling_params": {"temperature": "hot"}},
+    {"input_ids": [1], "sampling_params": {"top_p": 0.0}},
+    {"input_ids": [1], "sampling_params": {"top_p": 1.5}},
+    {"input_ids": [1], "sampling_params": {"top_k": 0}},
+    {"input_ids": [1], "sampling_params": {"top_k": -2}},
+    {"input_ids": [1], "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 4}},
+    {"input_ids": [1], "sampling_params": {"min_new_tokens": -1}},
+    {"input_ids": [1], "sampling_params": {"n": 0}},
+    {"input_ids": [1], "sampling_params": {"n": 2.0}},
+    {"input_ids": [1], "sampling_params": {"stop": 7}},
+    {"input_ids": [1], "sampling_params": {"stop": ["ok", None]}},
+    {"input_ids": [1], "sampling_params": {"stop_token_ids": [-3]}},
+    {"input_ids": [1], "sampling_params": {"stop_token_ids": "2"}},
+    {"input_ids": [1], "sampling_params": {"ignore_eos": 1}},
+    {"input_ids": [1], "sampling_params": {"max_tokens": 8}},  # unknown key (OpenAI's name)
+    {"input_ids": [1], "sampling_params": {"temprature": 0.5}},
+    {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},  # SGLang key, not implemented here
+    {"input_ids": [1], "sampling_params": {"regex": "a+"}},
+    {"input_ids": [1], "sampling_params": [{"max_new_tokens": 1}]},  # a list for a single prompt
+    {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}]},  # length mismatch
+    {"input_ids": [[1], [2]], "sampling_params": "fast"},
+    {"input_ids": [[1], [2]], "rid": ["same", "same"]},
+    {"input_ids": [[1], [2]], "rid": ["only-one"]},
+    {"input_ids": [1], "rid": 7},
+    {"input_ids": [1], "return_logprob": "yes"},
+    {"input_ids": [[1], [2]], "return_logprob": [True]},
+    {"input_ids": [[1]] * 1025},
+    {"input_ids": [1], "stream": True},
+    {"input_ids": [1], "top_logprobs_num": 5},
+    {"input_ids": [1], "sampling_params": {"temperature": float("nan")}},
+]
+
+
+def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
+    assert len(BAD_BODIES) >= 30
+    for body in BAD_BODIES:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # NaN -> "NaN", accepted by json.loads
+        status, out = call(server, "/generate", raw=raw)
+        assert 400 <= status < 500, (body, status, out)
+        assert isinstance(out, dict) and isinstance(out.get("error"), str) and out["error"], (body, out)
+        assert call(server, "/health")[0] == 200
+    assert call(server, "/no_such_route")[0] == 404
+    assert call(server, "/generate", method="GET")[0] == 405
+    assert call(server, "/health", body={}, method="POST")[0] == 405
+    for path in ("/pause_generation", "/abort_request", "/update_weights_from_disk"):
+        assert call(server, path, raw=b"[1]")[0] == 400
+        assert call(server, path, raw=b"{oops")[0] == 400
+    assert call(server, "/pause_generation", {"mode": "sideways"})[0] == 400
+    assert call(server, "/abort_request", {"rid": 5})[0] == 400
+    assert call(server, "/update_weights_from_disk", {"model_path": 3})[0] == 400
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed"):
+        status, out = call(server, path, {})
+        assert status == 400 and "not supported by the embedded server" in out["error"]
+    # unknown top-level keys are ignored, as in SGLang
+    assert generate(server, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}, "foo": 1, "lora_path": None})
+    assert call(server, "/server_info")[1]["paused"] is False
+
+
+def test_flush_cache(server):
+    status, text = call(server, "/flush_cache", {})
+    assert status == 200 and isinstance(text, str)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pause / abort / weight updates (private server)
+
+
+def _long(ids, n=3000, **kw):
+    return {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}, **kw}
+
+
+def _wait_running(addr, count=1, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if call(addr, "/server_info")[1]["num_running"] >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError("request never started")
+
+
+def test_pause_aborts_in_flight_and_holds_new_requests(private_server, tiny):
+    addr = private_server.address
+    model, _ = tiny
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        inflight = pool.submit(generate, addr, _long(PROMPTS[0], rid="long-1"))
+        _wait_running(addr)
+        time.sleep(0.2)
+        status, clash = call(addr, "/generate", _long(PROMPTS[1], rid="long-1"))
+        assert status == 400 and "already in flight" in clash["error"]
+        status, out = call(addr, "/pause_generation", {"mode": "abort"})
+        assert status == 200 and out["status"] == "ok"
+        res = inflight.result(timeout=30)
+        meta = res["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        n = meta["completion_tokens"]
+        assert 0 < n < 3000 and len(res["output_ids"]) == n == len(meta["output_token_logprobs"])
+        # the partial output is a real greedy prefix with correct logprobs
+        got = torch.tensor([e[0] for e in meta["output_token_logprobs"][:50]])
+        want = forward_logprobs(model, PROMPTS[0], res["output_ids"][:50])
+        assert (got - want).abs().max().item() < 1e-3
+
+        held = pool.submit(generate, addr, greedy(PROMPTS[2], 8, sp={"ignore_eos": True}))
+        time.sleep(0.5)
+        assert not held.done()
+        assert call(addr, "/server_info")[1]["num_held"] == 1
+        status, out = call(addr, "/continue_generation", {})
+        assert status == 200 and out["status"] == "ok"
+        done = held.result(timeout=30)
+        assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert call(addr, "/server_info")[1]["paused"] is False
+
+
+def test_abort_request_by_rid_and_all(private_server):
+    addr = private_server.address
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        a = pool.submit(generate, addr, _long(PROMPTS[0], rid="victim"))
+        b = pool.submit(generate, addr, _long(PROMPTS[1], rid="bystander", n=40))
+        _wait_running(addr, 2)
+        assert call(addr, "/abort_request", {"rid": "victim"})[0] == 200
+        ra = a.result(timeout=30)
+        assert ra["meta_info"]["finish_reason"]["type"] == "abort" and ra["meta_info"]["completion_tokens"] < 3000
+        assert b.result(timeout=30)["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+        c = pool.submit(generate, addr, {"input_ids": [[1, 2], [3, 4]], "rid": "grp", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})
+        _wait_running(addr, 2)
+        assert call(addr, "/abort_request", {"abort_all": True})[0] == 200
+        assert [r["meta_info"]["finish_reason"]["type"] for r in c.result(timeout=30)] == ["abort", "abort"]
+
+
+def test_client_disconnect_aborts_its_request(private_server):
+    addr = private_server.address
+    aborted = call(addr, "/server_info")[1]["aborted_requests"]
+    with pytest.raises((TimeoutError, urllib.error.URLError)):  # the client gives up and closes the connection
+        call(addr, "/generate", _long(PROMPTS[3], n=4000, rid="gone"), timeout=0.5)
+    deadline = time.time() + 20
+    while call(addr, "/server_info")[1]["num_running"] and time.time() < deadline:
+        time.sleep(0.05)
+    info = call(addr, "/server_info")[1]
+    assert info["num_running"] == 0 and info["aborted_requests"] == aborted + 1  # aborted, not run to the end
+
+
+def test_update_weights_from_disk(private_server, tiny, tmp_path):
+    from safetensors.torch import save_file
+
+    addr = private_server.address
+    model, _ = tiny
+    before = generate(addr, greedy(PROMPTS[2], 10, sp={"ignore_eos": True}))
+    version0 = call(addr, "/model_info")[1]["weight_version"]
+    assert before["meta_info"]["weight_version"] == version0
+
+    # a perturbed copy of the model (tied lm_head saved once, as save_pretrained does)
+    gen = torch.Generator().manual_seed(3)
+    state = {k: (v + 0.5 * torch.randn(v.shape, generator=gen) if v.dtype.is_floating_point else v).contiguous()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    new_dir = tmp_path / "v7"
+    new_dir.mkdir()
+    save_file(state, str(new_dir / "model.safetensors"))
+    status, out = call(addr, "/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "7"})
+    assert status == 200 and out["success"] is True and out["num_paused_requests"] == 0, out
+    info = call(addr, "/model_info")[1]
+    assert info["weight_version"] == "7" and info["model_path"] == str(new_dir)
+    after = generate(addr, greedy(PROMPTS[2], 10, sp={"ignore_eos": True}))
+    assert after["meta_info"]["weight_version"] == "7"
+    assert after["output_ids"] != before["output_ids"]
+    # the served logprobs are those of the new weights
+    perturbed = type(model)(model.config).eval()
+    perturbed.load_state_dict(state, strict=False)
+    perturbed.tie_weights()
+    got = torch.tensor([e[0] for e in after["meta_info"]["output_token_logprobs"]])
+    assert (got - forward_logprobs(perturbed, PROMPTS[2], after["output_ids"])).abs().max().item() < 1e-3
+
+    # a bad folder: 400, nothing changed, server fine
+    status, out = call(addr, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert status == 400 and out["success"] is False
+    (tmp_path / "bad").mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(tmp_path / "bad" / "model.safetensors"))
+    status, out = call(addr, "/update_weights_from_disk", {"model_path": str(tmp_path / "bad")})
+    assert status == 400 and out["success"] is False and "shape" in out["message"]
+    assert call(addr, "/model_info")[1]["weight_version"] == "7"
+
+    # while a request runs (not paused): the update waits for it, so the response is from one version
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(generate, addr, _long(PROMPTS[0], n=400))
+        _wait_running(addr)
+        orig_dir = tmp_path / "orig"
+        orig_dir.mkdir()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(orig_dir / "model.safetensors"))
+        status, out = call(addr, "/update_weights_from_disk", {"model_path": str(orig_dir)})  # no version: 7 -> 8
+        assert status == 200 and out["success"], out
+        r = running.result(timeout=60)
+        assert r["meta_info"]["finish_reason"]["type"] == "length" and r["meta_info"]["weight_version"] == "7"
+    again = generate(addr, greedy(PROMPTS[2], 10, sp={"ignore_eos": True}))
+    assert again["output_ids"] == before["output_ids"] and again["meta_info"]["weight_version"] == "8"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in-process pieces: request parsing, sampling, batch-cache surgery
+
+
+def test_parse_generate_body_units():
+    kw = dict(vocab_size=100, context_length=64, tokenize=lambda t: [1] * len(t))
+    is_batch, specs, _ = parse_generate_body({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5}}, **kw)
+    assert not is_batch and specs[0].params.max_new_tokens == 5 and specs[0].rid
+    is_batch, specs, _ = parse_generate_body({"text": ["ab", "c"], "return_logprob": [True, False]}, **kw)
+    assert is_batch and [len(s.input_ids) for s in specs] == [2, 1] and [s.return_logprob for s in specs] == [True, False]
+    sp = parse_generate_body({"input_ids": [1], "sampling_params": {"top_k": 1 << 30, "stop": "x", "temperature": 0}}, **kw)[1][0].params
+    assert sp.top_k == -1 and sp.stop == ["x"] and sp.greedy
+    # unset max_new_tokens: 128, shortened to what fits (SGLang); a set one must fit
+    assert parse_generate_body({"input_ids": [1] * 10}, **kw)[1][0].params.max_new_tokens == 54
+    with pytest.raises(BadRequest, match="context length"):
+        parse_generate_body({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}}, **kw)
+    with pytest.raises(BadRequest, match="unknown field `max_tokens`"):
+        parse_generate_body({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, **kw)
+
+
+def _seq(params: SamplingParams, output=(), stop_ids=()) -> Sequence:
+    return Sequence("r", "r", [1], params, True, frozenset(stop_ids), output=list(output))
+
+
+def test_sample_tokens_units():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [_seq(SamplingParams(temperature=0.0)), _seq(SamplingParams(temperature=0.5, top_k=1)),
+            _seq(SamplingParams(temperature=2.0)), _seq(SamplingParams(temperature=0.0, min_new_tokens=2), stop_ids=[int(logits[3].argmax())])]
+    tokens, lps = sample_tokens(logits.clone(), seqs, gen)
+    assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()  # top_k=1 is greedy
+    assert tokens[3] != logits[3].argmax()  # the stop id is masked until min_new_tokens
+    assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[tokens[0]])
+    assert torch.allclose(lps[2], torch.log_softmax(logits[2] / 2.0, -1)[tokens[2]])  # temperature applied (SGLang)
+    _, orig = sample_tokens(logits.clone(), seqs, torch.Generator().manual_seed(0), original_logprob=True)
+    assert torch.allclose(orig[2], torch.log_softmax(logits[2], -1)[tokens[2]])
+    # top_p keeps the smallest set whose mass reaches p: with p tiny only the argmax survives
+    t, _ = sample_tokens(logits.clone(), [_seq(SamplingParams(temperature=1.0, top_p=1e-4))] * 4, gen)
+    assert torch.equal(t, logits.argmax(-1))
+
+
+def test_running_batch_matches_separate_runs(tiny):
+    """Join, decode and leave on the left-padded cache give the same logits as running each prompt alone."""
+    from transformers import DynamicCache
+
+    model, _ = tiny
+
+    def prefill(prompts):
+        L = max(map(len, prompts))
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+        mask = torch.tensor([[False] * (L - len(p)) + [True] * len(p) for p in prompts])
+        cache = DynamicCache()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(1) - 1).clamp(min=0),
+                    past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1)
+        return cache, mask, nxt, torch.tensor([len(p) for p in prompts])
+
+    def step(b):
+        mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], 1)
+        out = model(input_ids=b.next_ids[:, None], attention_mask=mask, position_ids=b.pos[:, None],
+                    past_key_values=b.cache, use_cache=True)
+        b.mask, b.pos = mask, b.pos + 1
+        b.next_ids = out.logits[:, -1].argmax(-1)
+        for s, t in zip(b.seqs, b.next_ids.tolist()):
+            s.output.append(t)
+
+    with torch.no_grad():
+        solo = {}
+        for i, p in enumerate(PROMPTS):
+            ids = list(p)
+            for _ in range(9):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            solo[i] = ids[len(p):]
+        b = RunningBatch()
+        seqs = [_seq(SamplingParams()) for _ in PROMPTS]
+        cache, mask, nxt, pos = prefill([PROMPTS[0], PROMPTS[1]])
+        for s, t in zip(seqs[:2], nxt.tolist()):
+            s.output.append(t)
+        b.add(seqs[:2], cache, mask, nxt, pos)
+        step(b), step(b)
+        cache, mask, nxt, pos = prefill([PROMPTS[2], PROMPTS[3]])  # longer prompt joins mid-way
+        for s, t in zip(seqs[2:], nxt.tolist()):
+            s.output.append(t)
+        b.add(seqs[2:], cache, mask, nxt, pos)
+        step(b), step(b), step(b)
+        b.keep([0, 1, 3])  # the longest row leaves: leading all-padding columns are trimmed
+        assert bool(b.mask[:, 0].any())
+        while len(seqs[0].output) < 9:
+            step(b)
+        assert seqs[0].output == solo[0][:9] and seqs[1].output == solo[1][:9]
+        assert len(seqs[2].output) == 4 and seqs[2].output == solo[2][:4]  # 1 from prefill + 3 steps, then left
+        assert len(seqs[3].output) == 7 and seqs[3].output == solo[3][:7]
