@@ -187,3 +187,13 @@ def test_environment_switch(tmp_path, monkeypatch):
     monkeypatch.setenv("AREAL_LITE_PROFILE", "gpux")
     with pytest.raises(ConfigError, match="AREAL_LITE_PROFILE.*did you mean 'gpu'"):
         load_expr_config(["--config", path], GRPOConfig, verbose=False)
+
+
+def test_actor_temperature_follows_sampling_temperature(tmp_path):
+    path = write(tmp_path, "gconfig:\n  temperature: 0.8\n")
+    config, _ = load_expr_config(["--config", path], GRPOConfig, verbose=False)
+    assert config.actor.temperature == 0.8
+    with pytest.raises(ConfigError, match="actor.temperature=0.5 differs from gconfig.temperature=0.8"):
+        load_expr_config(["--config", path, "actor.temperature=0.5"], GRPOConfig, verbose=False)
+    greedy, _ = load_expr_config(["--config", path, "gconfig.greedy=true"], GRPOConfig, verbose=False)
+    assert greedy.actor.temperature == 1.0
