@@ -67,6 +67,7 @@ _export(
 _export("actor", "PPOActor")
 _export("plot", "plot_rewards", "plot_response_length", "plot_time_breakdown", "plot_sync_vs_async", "save_png")
 _export("prepare", "prepare_all")
+_export("train", "TrainConfig", "train")
 
 __all__ = sorted(_EXPORTS)
 

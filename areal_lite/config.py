@@ -46,6 +46,7 @@ __all__ = [
     "load_expr_config",
     "resolve_profile",
     "describe",
+    "default_weight_update_dir",
 ]
 
 
@@ -321,7 +322,7 @@ class GRPOConfig(BaseExperimentConfig):
     sglang: SGLangConfig = _f(help="SGLang server arguments (GPU)", factory=SGLangConfig)
     embedded: EmbeddedServerConfig = _f(help="embedded server arguments (CPU)", factory=EmbeddedServerConfig)
     async_training: bool = _f(False, "overlap rollout and training (prepare_batch) instead of rollout_batch")
-    weight_update_dir: str = _f("", "folder for disk weight updates; empty means <fileroot>/<exp>/<trial>/weights")
+    weight_update_dir: str = _f("", "folder for disk weight updates; empty: /dev/shm if present, else under fileroot")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -600,10 +601,23 @@ def _fill_derived(config: Any) -> None:
             server = getattr(config, sub, None)
             if server is not None and not server.model_path:
                 server.model_path = actor.path
+    if hasattr(config, "weight_update_dir") and not config.weight_update_dir:
+        config.weight_update_dir = default_weight_update_dir(config.experiment_name, config.trial_name,
+                                                             config.fileroot)
     rollout = getattr(config, "rollout", None)
     if rollout is not None and hasattr(config, "train_dataset"):
         if rollout.consumer_batch_size == 1 and config.train_dataset.batch_size > 1:
             rollout.consumer_batch_size = config.train_dataset.batch_size
+
+
+def default_weight_update_dir(experiment_name: str, trial_name: str, fileroot: str = "runs") -> str:
+    """Where disk weight updates go: RAM (`/dev/shm`) when the machine has it, since every step writes a full copy
+    of the weights (0.5 GB for SmolLM2 in float32) and the server reads it right back; else under `fileroot`."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        user = os.environ.get("USER") or str(os.getuid())
+        return os.path.join(shm, f"areal-lite-{user}", experiment_name, trial_name, "weights")
+    return os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, "weights"))
 
 
 def describe(cls: type, prefix: str = "") -> str:

@@ -197,3 +197,11 @@ def test_actor_temperature_follows_sampling_temperature(tmp_path):
         load_expr_config(["--config", path, "actor.temperature=0.5"], GRPOConfig, verbose=False)
     greedy, _ = load_expr_config(["--config", path, "gconfig.greedy=true"], GRPOConfig, verbose=False)
     assert greedy.actor.temperature == 1.0
+
+
+def test_weight_update_dir_defaults_to_ram_when_available(tmp_path):
+    config, _ = load_expr_config(["experiment_name=e", "trial_name=t"], GRPOConfig, verbose=False)
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        assert config.weight_update_dir.startswith("/dev/shm/") and config.weight_update_dir.endswith("e/t/weights")
+    explicit, _ = load_expr_config([f"weight_update_dir={tmp_path}"], GRPOConfig, verbose=False)
+    assert explicit.weight_update_dir == str(tmp_path)
