@@ -76,9 +76,13 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'areal_lite' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # cache: the next lookup is a plain attribute
-    return value
+    mod = importlib.import_module(f".{module}", __name__)
+    # Bind every export of that module now. Importing a submodule also sets the package attribute of the same
+    # name (`areal_lite.train` the module), which would shadow an export called like it (`train` the function).
+    for other, where in _EXPORTS.items():
+        if where == module:
+            globals()[other] = getattr(mod, other)
+    return globals()[name]
 
 
 def __dir__() -> list[str]:

@@ -28,3 +28,11 @@ def test_import_is_light():
     code = "import sys, areal_lite; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_export_named_like_its_module_is_the_function():
+    """`from areal_lite import train` is the function even after `areal_lite.train` (the module) was imported."""
+    code = ("import sys\nfrom areal_lite import TrainConfig\nfrom areal_lite import train\n"
+            "print(callable(train) and train is sys.modules['areal_lite.train'].train)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
