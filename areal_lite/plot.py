@@ -1,0 +1,241 @@
+"""Plots of training statistics: reward curves, response lengths, where the time goes, sync vs async.
+
+Design decisions
+- Input is what `train.py` writes: a list of per-step dicts, or the path of a JSONL file with one dict per line.
+  Keys are looked up by a short list of accepted names (`reward`, `rollout/reward`, ...), so statistics from a
+  notebook loop that names things slightly differently still plot; a missing key is a clear error naming the keys
+  that exist.
+- Every function returns the matplotlib Figure and takes an optional `ax`, so notebooks show it inline (the
+  figure is the cell's value) and scripts call `save_png(fig, path)`. No `plt.show()` anywhere.
+- The backend is only forced to Agg when there is no display and matplotlib has not been imported with another
+  backend yet (Jupyter's inline backend is left alone).
+- Smoothing is an exponential moving average with bias correction (TensorBoard's), so the first points are not
+  dragged toward zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+__all__ = [
+    "load_stats",
+    "smooth",
+    "plot_rewards",
+    "plot_response_length",
+    "plot_time_breakdown",
+    "plot_sync_vs_async",
+    "save_png",
+]
+
+Stats = Union[str, os.PathLike, Sequence[Dict[str, Any]]]
+
+# Accepted names, first match wins.
+REWARD_KEYS = ("reward", "rollout/reward", "task_reward", "rewards")
+ACCURACY_KEYS = ("eval_accuracy", "eval/accuracy", "accuracy")
+LENGTH_KEYS = ("response_length", "rollout/response_length", "seqlen", "response_len")
+PHASES = (  # (label, accepted keys)
+    ("generate", ("time/generate", "generate_time", "time_generate", "rollout_time")),
+    ("logp", ("time/logp", "logp_time", "time_logp")),
+    ("update", ("time/update", "update_time", "time_update", "train_time")),
+    ("weight sync", ("time/weight_sync", "weight_sync_time", "time_weight_sync", "sync_time")),
+)
+STEP_TIME_KEYS = ("time/step", "step_time", "time_step")
+
+
+def _pyplot():
+    import matplotlib
+
+    if "matplotlib.pyplot" not in __import__("sys").modules:
+        no_display = os.name != "nt" and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY")
+        in_notebook = "ipykernel" in __import__("sys").modules
+        if no_display and not in_notebook:
+            matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def load_stats(stats: Stats) -> List[Dict[str, Any]]:
+    """A list of per-step dicts from a list (returned as a list) or a JSONL path (blank lines skipped)."""
+    if isinstance(stats, (str, os.PathLike)):
+        rows = []
+        with open(stats, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{stats}:{n}: not a JSON line ({e})") from None
+        return rows
+    rows = list(stats)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise TypeError(f"stats[{i}] is a {type(row).__name__}; expected a dict of per-step values")
+    return rows
+
+
+def _key(rows: Sequence[Dict[str, Any]], names: Iterable[str], what: str, required: bool = True) -> Optional[str]:
+    names = tuple(names)
+    for name in names:
+        if any(name in r and r[name] is not None for r in rows):
+            return name
+    if required:
+        present = sorted({k for r in rows for k in r})
+        raise KeyError(f"no {what} in the stats (looked for {list(names)}; keys present: {present})")
+    return None
+
+
+def _series(rows, key) -> tuple[list, list]:
+    xs, ys = [], []
+    for i, r in enumerate(rows):
+        v = r.get(key)
+        if v is None:
+            continue
+        xs.append(r.get("step", i))
+        ys.append(float(v))
+    return xs, ys
+
+
+def smooth(values: Sequence[float], weight: float = 0.6) -> List[float]:
+    """Bias-corrected exponential moving average (weight in [0, 1); 0 = no smoothing)."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    out, avg = [], 0.0
+    for n, v in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**n))
+    return out
+
+
+def _axes(ax, figsize=(6, 3.5)):
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+    else:
+        fig = ax.figure
+    return fig, ax
+
+
+def plot_rewards(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Reward"):
+    """Mean rollout reward per step (points + smoothed line), and greedy eval accuracy when present."""
+    rows = load_stats(stats)
+    fig, ax = _axes(ax)
+    key = _key(rows, REWARD_KEYS, "reward")
+    xs, ys = _series(rows, key)
+    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)")
+    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)")
+    acc = _key(rows, ACCURACY_KEYS, "accuracy", required=False)
+    if acc:
+        # train.py measures `eval_accuracy` after the row's update and `eval_accuracy_before` before any: draw both
+        # at "updates done", so the first point is the untrained model.
+        xs_acc, ys_acc = [], []
+        for i, r in enumerate(rows):
+            if r.get("eval_accuracy_before") is not None:
+                xs_acc.append(r.get("step", i))
+                ys_acc.append(float(r["eval_accuracy_before"]))
+            if r.get(acc) is not None:
+                xs_acc.append(r.get("step", i) + (1 if acc == "eval_accuracy" else 0))
+                ys_acc.append(float(r[acc]))
+        ax.plot(xs_acc, ys_acc, "s--", ms=5, label=f"{acc} (greedy, held-out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_response_length(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Response length"):
+    """Mean generated tokens per response, per step."""
+    rows = load_stats(stats)
+    fig, ax = _axes(ax)
+    key = _key(rows, LENGTH_KEYS, "response length")
+    xs, ys = _series(rows, key)
+    ax.plot(xs, ys, "o", alpha=0.35, ms=3)
+    ax.plot(xs, smooth(ys, smoothing), "-", lw=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
+    """Stacked bars per step: generate / logp / update / weight sync (seconds); phases absent everywhere are skipped.
+
+    When the stats carry the step's wall time, it is drawn as a line: in asynchronous training generation overlaps
+    training, so the bars can add up to more than the step took.
+    """
+    rows = load_stats(stats)
+    fig, ax = _axes(ax, figsize=(7, 3.5))
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    bottom = [0.0] * len(rows)
+    drawn = 0
+    for label, names in PHASES:
+        key = _key(rows, names, label, required=False)
+        if key is None:
+            continue
+        vals = [float(r.get(key) or 0.0) for r in rows]
+        ax.bar(steps, vals, bottom=bottom, label=label, width=0.8)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+        drawn += 1
+    if not drawn:
+        raise KeyError(f"no phase times in the stats (looked for {[n for _, ns in PHASES for n in ns]})")
+    wall = _key(rows, STEP_TIME_KEYS, "step time", required=False)
+    if wall:
+        ax.plot(*_series(rows, wall), "k.-", label="step wall time")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def plot_sync_vs_async(sync_stats: Stats, async_stats: Stats, title: str = "Synchronous vs asynchronous"):
+    """Two panels: step wall time per step for both modes, and reward against cumulative wall time."""
+    plt = _pyplot()
+    runs = {"sync": load_stats(sync_stats), "async": load_stats(async_stats)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, rows in runs.items():
+        wall = _key(rows, STEP_TIME_KEYS, f"step time ({name})")
+        xs, ys = _series(rows, wall)
+        mean = sum(ys) / max(1, len(ys))
+        ax1.plot(xs, ys, "o-", label=f"{name} (mean {mean:.2f} s)")
+        rkey = _key(rows, REWARD_KEYS, f"reward ({name})", required=False)
+        if rkey:
+            elapsed, t = [], 0.0
+            for y in ys:
+                t += y
+                elapsed.append(t)
+            rewards = [float(r[rkey]) for r in rows if r.get(wall) is not None]
+            ax2.plot(elapsed, smooth(rewards), "-", label=name)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("seconds per step")
+    ax1.set_title("step time")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set_xlabel("wall time (s)")
+    ax2.set_ylabel("reward (smoothed)")
+    ax2.set_title("reward vs time")
+    ax2.grid(alpha=0.3)
+    if ax2.lines:
+        ax2.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def save_png(fig, path: Union[str, os.PathLike], dpi: int = 110) -> str:
+    """Write the figure to `path` (folders created), close it, return the path."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return path

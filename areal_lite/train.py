@@ -1,0 +1,447 @@
+"""The whole GRPO training loop as one script: `python -m areal_lite.train --config FILE [key=value ...] [--resume]`.
+
+The notebooks spell out the same loop cell by cell; `train(config)` runs it in-process (tests, the demo) and returns
+the per-step statistics. One step:
+
+    batch = engine.rollout_batch(data, workflow)       # sync;  async: engine.prepare_batch(dataloader, workflow)
+    batch["prox_logp"] = actor.compute_logp(batch)     # recompute with the trainer's weights
+    actor.compute_advantages(batch)
+    stats = actor.ppo_update(batch); actor.step_lr_scheduler()
+    engine.pause(); fut = engine.update_weights(meta); actor.update_weights(meta); fut.result()
+    actor.set_version(step + 1); engine.set_version(step + 1); engine.resume()
+
+Design decisions
+- `TrainConfig` extends `GRPOConfig` with the few choices a script needs beyond the notebooks (which workflow,
+  which reward); any GRPOConfig YAML loads as a TrainConfig unchanged.
+- The server is a separate process (`launch_server`); trainer and server each get one torch thread on a 2-core CPU
+  (a process with more threads than cores slows the other down badly). `server_addrs=` reuses running servers.
+- Weight updates go through disk: version k is written to `<weights>/v<k>` (temp folder + rename, old versions
+  pruned) and loaded by every server; trainer and engine versions are bumped together *before* `resume()`, so
+  every rollout started afterwards is tagged with the new version.
+- Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
+  eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
+  time the trainer waited for data (generation otherwise overlaps training).
+- Evaluation is greedy (`eval_gconfig`) on `evaluator.size` rows of `valid_dataset`, at the start, every
+  `evaluator.freq_steps` steps and at the end. It runs through its own short-lived engine client so its episodes do
+  not count against the training staleness bound.
+- Checkpoints (`saver.freq_steps`) hold the actor (weights, optimizer, schedule, version, RNG), the dataloader's
+  position and the step, written to a temp folder and renamed. `--resume` continues from the newest one at the
+  same step and data position; `stats.jsonl` is cut back to that step. In async mode the saved data position is
+  the loader's, which runs ahead of the consumed batches by the rollouts in flight; those prompts are skipped.
+- Statistics: one JSON line per step in `<fileroot>/<experiment>/<trial>/stats.jsonl` (reward, accuracy,
+  response length, clip fraction, KL, grad norm, entropy, staleness, and the time of each phase: generate / logp /
+  update / weight_sync), optionally TensorBoard and Weights & Biases; a reward-curve PNG at the end.
+- Single trainer process: the actor supports FSDP2 under torchrun, but this loop does not shard rollouts across
+  trainer ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .config import GRPOConfig, InferenceEngineConfig, load_expr_config
+from .io_struct import FinetuneSpec, WeightUpdateMeta
+
+__all__ = ["TrainConfig", "train", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
+
+WORKFLOWS = ("rlvr", "reflection", "multiturn")
+
+
+@dataclass
+class TrainConfig(GRPOConfig):
+    """GRPOConfig plus what the script chooses that the notebooks write as code."""
+
+    workflow: str = field(default="rlvr", metadata={"help": "rollout workflow", "choices": WORKFLOWS})
+    reward: str = field(default="gsm8k", metadata={"help": "reward: gsm8k, or module:function taking (completion, answer)"})
+    max_turns: int = field(default=3, metadata={"help": "turns of the reflection / multiturn workflows"})
+    turn_discount: float = field(default=0.9, metadata={"help": "per-turn discount of the multi-turn workflows"})
+    system_prompt: Optional[str] = field(default=None, metadata={"help": "system message put before each question"})
+
+
+# ------------------------------------------------------------------------------------------------ building blocks
+
+
+def resolve_reward(name: str) -> Callable:
+    """`gsm8k` (also for arithmetic: both end in '#### N') or `package.module:function`."""
+    if name in ("gsm8k", "arith", "math"):
+        from .reward import gsm8k_reward_fn
+
+        return gsm8k_reward_fn
+    if ":" not in name:
+        raise ValueError(f"reward must be 'gsm8k' or 'module:function', got {name!r}")
+    module, fn = name.split(":", 1)
+    return getattr(importlib.import_module(module), fn)
+
+
+def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None):
+    """The training workflow named by `config.workflow`, grouped by `gconfig.n_samples` (GRPO)."""
+    from .workflow import GroupedWorkflow, MultiTurnFeedbackWorkflow, ReflectionWorkflow, RLVRWorkflow
+
+    reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
+    kind = getattr(config, "workflow", "rlvr")
+    g = config.gconfig.new(n_samples=1)
+    system = getattr(config, "system_prompt", None)
+    if kind == "rlvr":
+        inner = RLVRWorkflow(reward_fn, g, tokenizer, system_prompt=system)
+    elif kind == "reflection":
+        inner = ReflectionWorkflow(reward_fn, g, tokenizer, max_turns=config.max_turns,
+                                   turn_discount=config.turn_discount, system_prompt=system)
+    elif kind == "multiturn":
+        inner = MultiTurnFeedbackWorkflow(reward_fn, g, tokenizer, num_turns=config.max_turns,
+                                          turn_discount=config.turn_discount, system_prompt=system)
+    else:
+        raise ValueError(f"workflow must be one of {WORKFLOWS}, got {kind!r}")
+    return GroupedWorkflow(inner, group_size=config.gconfig.n_samples)
+
+
+def evaluate(addrs: Sequence[str], rows: Sequence[dict], workflow: Any,
+             rollout: InferenceEngineConfig) -> Dict[str, float]:
+    """Accuracy (mean reward) and mean response length of `workflow` (e.g. a greedy RLVRWorkflow) on `rows`.
+
+    Runs through a fresh engine client, so its episodes never count against a training engine's staleness bound.
+    """
+    from .engine import RemoteSGLangEngine
+
+    if not rows:
+        return {}
+    n = len(rows)
+    cfg = dataclasses.replace(rollout, consumer_batch_size=n, max_concurrent_rollouts=n, max_head_offpolicyness=0,
+                              queue_size=None)
+    engine = RemoteSGLangEngine(cfg).initialize(list(addrs))
+    try:
+        batch = engine.rollout_batch(list(rows), workflow)
+    finally:
+        engine.destroy()
+    return {
+        "eval_accuracy": float(batch["rewards"].float().mean()),
+        "eval_response_length": float(batch["loss_mask"].sum(-1).float().mean()),
+    }
+
+
+def batch_stats(batch: Dict[str, torch.Tensor], version: int) -> Dict[str, float]:
+    """Per-step numbers about the rollouts themselves."""
+    rewards = batch["rewards"].float()
+    gen = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    versions = batch["versions"][gen]
+    lag = (version - versions).float() if versions.numel() else torch.zeros(1)
+    return {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "accuracy": float((rewards > 0).float().mean()),  # fraction of episodes with a positive reward
+        "response_length": float(gen.sum(-1).float().mean()),
+        "seq_length": float(batch["attention_mask"].sum(-1).float().mean()),
+        "n_episodes": float(rewards.numel()),
+        "staleness_mean": float(lag.mean()),
+        "staleness_max": float(lag.max()),
+    }
+
+
+def _fingerprint(rows: Sequence[dict]) -> str:
+    text = json.dumps([r.get("question", r.get("messages", "")) for r in rows], sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+class StatsLogger:
+    """stats.jsonl (always), TensorBoard and wandb when configured and installed."""
+
+    def __init__(self, config: Any, run_dir: str, resume_step: int):
+        self.path = os.path.join(run_dir, "stats.jsonl")
+        os.makedirs(run_dir, exist_ok=True)
+        kept: List[dict] = []
+        if resume_step > 0 and os.path.exists(self.path):
+            from .plot import load_stats
+
+            kept = [r for r in load_stats(self.path) if r.get("step", -1) < resume_step]
+        elif os.path.exists(self.path):
+            os.remove(self.path)  # a fresh run starts a fresh log
+        if resume_step > 0:
+            with open(self.path, "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in kept)
+        self.history = kept
+        self.tb = self.wandb = None
+        if config.stats_logger.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                print("train: tensorboard is not installed; stats go to stats.jsonl only")
+        if config.stats_logger.wandb_mode != "disabled":
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=config.experiment_name, name=config.trial_name,
+                                        mode=config.stats_logger.wandb_mode, config=dataclasses.asdict(config),
+                                        dir=run_dir, resume="allow")
+            except ImportError:
+                print("train: wandb is not installed; stats go to stats.jsonl only")
+
+    def log(self, stats: Dict[str, Any]) -> None:
+        self.history.append(stats)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(stats) + "\n")
+        step = int(stats["step"])
+        numbers = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if self.tb is not None:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _latest_checkpoint(ckpt_root: str) -> Optional[str]:
+    if not os.path.isdir(ckpt_root):
+        return None
+    done = [d for d in os.listdir(ckpt_root) if d.startswith("step_") and
+            os.path.isfile(os.path.join(ckpt_root, d, "trainer_state.pt"))]
+    return os.path.join(ckpt_root, max(done, key=lambda d: int(d[5:]))) if done else None
+
+
+def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int) -> str:
+    """actor + dataloader position + step, in a temp folder renamed to step_<step> (complete or absent)."""
+    final = os.path.join(ckpt_root, f"step_{step:06d}")
+    tmp = os.path.join(ckpt_root, f".tmp-step_{step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    actor.save(os.path.join(tmp, "actor"))
+    torch.save({"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()},
+               os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    steps = sorted(int(d[5:]) for d in os.listdir(ckpt_root) if d.startswith("step_"))
+    for old in steps[: max(0, len(steps) - max(1, keep_last))]:
+        shutil.rmtree(os.path.join(ckpt_root, f"step_{old:06d}"), ignore_errors=True)
+    return final
+
+
+def _sync_weights(actor, engine, meta: WeightUpdateMeta, version: int) -> None:
+    """Write version `version` and make the servers load it; both sides end at `version`."""
+    engine.pause()
+    try:
+        future = engine.update_weights(meta)  # waits for the folder ...
+        actor.update_weights(meta)  # ... that the trainer writes now
+        future.result()
+        actor.set_version(version)
+        engine.set_version(version)
+    finally:
+        engine.resume()
+
+
+def _threads(config: Any) -> None:
+    """On a small CPU machine the trainer and each server take one thread each (unless configured)."""
+    cpus = os.cpu_count() or 1
+    if config.actor.threads == 0 and config.profile == "cpu" and cpus <= 4:
+        config.actor.threads = max(1, cpus - config.embedded.threads)
+    if config.actor.threads > 0:
+        torch.set_num_threads(config.actor.threads)
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+def train(
+    config: Any,
+    resume: bool = False,
+    workflow: Any = None,
+    reward_fn: Optional[Callable] = None,
+    server_addrs: Optional[Sequence[str]] = None,
+    on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+    progress: bool = True,
+) -> List[Dict[str, Any]]:
+    """Run GRPO as configured; returns the per-step stats (also in stats.jsonl).
+
+    `workflow` / `reward_fn` override the config's; `server_addrs` uses running servers instead of launching one;
+    `on_step(step, stats)` is called after each step (raise in it to stop).
+    """
+    from tqdm.auto import tqdm
+
+    from .actor import PPOActor
+    from .data import cycle_dataloader, load_dataset_from_config, make_dataloader
+    from .engine import RemoteSGLangEngine
+    from .launch import launch_server
+    from .models import load_tokenizer
+    from .plot import plot_rewards, save_png
+
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    _threads(config)
+    if config.actor.temperature != config.gconfig.temperature and not config.gconfig.greedy:
+        if config.actor.temperature == 1.0:  # left at its default: log-probs must use the sampling temperature
+            config.actor.temperature = config.gconfig.temperature
+        else:
+            print(f"train: warning: actor.temperature={config.actor.temperature} differs from "
+                  f"gconfig.temperature={config.gconfig.temperature}; behaviour and proximal log-probs disagree")
+    run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    weights = config.weight_update_dir or os.path.join(run_dir, "weights")
+    meta = WeightUpdateMeta.from_disk(weights)
+
+    tokenizer = load_tokenizer(config.tokenizer_path or config.actor.path)
+    ds = config.train_dataset
+    train_set = load_dataset_from_config(ds)
+    dataloader = make_dataloader(train_set, ds.batch_size, shuffle=ds.shuffle, seed=ds.seed, drop_last=ds.drop_last)
+    valid_rows: List[dict] = []
+    if config.valid_dataset is not None:
+        valid = load_dataset_from_config(config.valid_dataset)
+        valid_rows = [valid[i] for i in range(min(len(valid), config.evaluator.size))]
+    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_set), ds.batch_size)
+    total = ft_spec.total_train_steps
+    if config.total_train_steps is not None:
+        # An explicit step count wins (the loader cycles over epochs); the LR schedule spans exactly those steps.
+        total = int(config.total_train_steps)
+        ft_spec = FinetuneSpec(1, total * ds.batch_size, ds.batch_size)
+
+    from .workflow import RLVRWorkflow
+
+    reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
+    workflow = workflow or build_workflow(config, tokenizer, reward_fn)
+    # One evaluation workflow for the whole run: its reward worker pool starts once.
+    eval_workflow = RLVRWorkflow(reward_fn, config.eval_gconfig.new(n_samples=1), tokenizer,
+                                 system_prompt=getattr(config, "system_prompt", None))
+    handle = engine = actor = logger = None
+    history: List[Dict[str, Any]] = []
+    try:
+        if server_addrs is None:
+            handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run_dir, "logs"))
+            handle.wait_ready(timeout=config.rollout.setup_timeout)
+            server_addrs = [handle.address]
+        server_addrs = list(server_addrs)
+        engine = RemoteSGLangEngine(config.rollout).initialize(server_addrs, ft_spec)
+        actor = PPOActor(config.actor, ref_config=config.ref).initialize(None, ft_spec)
+
+        start = 0
+        ckpt = _latest_checkpoint(ckpt_root) if resume else None
+        if resume and ckpt is None:
+            print(f"train: --resume but no checkpoint under {ckpt_root}; starting from step 0")
+        if ckpt is not None:
+            state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+            actor.load(os.path.join(ckpt, "actor"))
+            dataloader.load_state_dict(state["dataloader"])
+            random.setstate(state["python_rng"])
+            start = int(state["step"])
+            # The servers start from the base weights: give them the checkpoint's (as version `start`).
+            actor.set_version(start - 1)
+            engine.set_version(start - 1)
+            _sync_weights(actor, engine, meta, start)
+            print(f"train: resumed from {ckpt} at step {start}")
+        elif handle is None:
+            # Servers we did not start may hold other weights (an earlier run): give them ours, as version 0.
+            actor.set_version(-1)
+            engine.set_version(-1)
+            _sync_weights(actor, engine, meta, 0)
+        logger = StatsLogger(config, run_dir, start)
+        history = logger.history
+
+        def run_eval(step: int) -> Dict[str, float]:
+            if not valid_rows:
+                return {}
+            t = time.perf_counter()
+            out = evaluate(server_addrs, valid_rows, eval_workflow, config.rollout)
+            out["time/eval"] = time.perf_counter() - t
+            if progress:
+                print(f"train: step {step}: greedy accuracy {out['eval_accuracy']:.3f} on {len(valid_rows)} held-out")
+            return out
+
+        pending_eval = run_eval(start) if start == 0 else {}
+        data_iter = cycle_dataloader(dataloader)
+        bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
+        for step in bar:
+            t_step = time.perf_counter()
+            if config.async_training:
+                batch = engine.prepare_batch(dataloader, workflow)
+                fingerprint = None
+            else:
+                rows = next(data_iter)
+                fingerprint = _fingerprint(rows)
+                batch = engine.rollout_batch(rows, workflow)
+            t_gen = time.perf_counter() - t_step
+            stats: Dict[str, Any] = {"step": step, **batch_stats(batch, actor.get_version())}
+
+            t = time.perf_counter()
+            if config.actor.use_decoupled_loss:  # without it, PPO's old policy is the behaviour policy
+                batch["prox_logp"] = actor.compute_logp(batch)
+            t_logp = time.perf_counter() - t
+            t = time.perf_counter()
+            adv = actor.compute_advantages(batch)
+            train_stats = actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+            t_update = time.perf_counter() - t
+            t = time.perf_counter()
+            _sync_weights(actor, engine, meta, step + 1)
+            t_sync = time.perf_counter() - t
+
+            stats.update({k: v for k, v in train_stats.items() if k != "update_time"})
+            stats["kl_reward"] = adv["kl_reward"]
+            stats["version"] = actor.get_version()
+            stats["data_fingerprint"] = fingerprint
+            stats.update({"time/generate": t_gen, "time/logp": t_logp, "time/update": t_update,
+                          "time/weight_sync": t_sync})
+            done = step + 1
+            if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
+                save_checkpoint(ckpt_root, done, actor, dataloader, config.saver.keep_last)
+            freq = config.evaluator.freq_steps
+            if step == start and pending_eval:
+                stats.update({k: v for k, v in pending_eval.items() if k != "eval_accuracy"})
+                stats["eval_accuracy_before"] = pending_eval["eval_accuracy"]
+            if done == total or (freq and done % freq == 0):
+                stats.update(run_eval(done))
+            stats["time/step"] = time.perf_counter() - t_step
+            logger.log(stats)
+            bar.set_postfix(reward=f"{stats['reward']:.3f}", len=f"{stats['response_length']:.0f}")
+            if on_step is not None:
+                on_step(step, stats)
+        if config.saver.freq_steps and total > start:
+            save_checkpoint(ckpt_root, total, actor, dataloader, config.saver.keep_last)
+        if history:
+            save_png(plot_rewards(history, title=f"{config.experiment_name} reward"),
+                     os.path.join(run_dir, "reward_curve.png"))
+        return history
+    finally:
+        if logger is not None:
+            logger.close()
+        if engine is not None:
+            engine.destroy()
+        if actor is not None:
+            actor.destroy()
+        if handle is not None:
+            handle.stop()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    resume = "--resume" in argv
+    argv = [a for a in argv if a != "--resume"]
+    config, path = load_expr_config(argv, TrainConfig)
+    stats = train(config, resume=resume)
+    if stats:
+        first, last = stats[0], stats[-1]
+        print(f"train: {len(stats)} steps logged; reward {first['reward']:.3f} -> {last['reward']:.3f}")
+        if "eval_accuracy_before" in first and "eval_accuracy" in last:
+            print(f"train: greedy accuracy {first['eval_accuracy_before']:.3f} -> {last['eval_accuracy']:.3f}")
+        run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
+        print(f"train: stats in {os.path.join(run_dir, 'stats.jsonl')}, curve in {os.path.join(run_dir, 'reward_curve.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,687 @@
+"""PPOActor: formulas against independent float64 references, packing, micro-batching, checkpoints, FSDP2.
+
+The references here are written from algorithm.md with plain Python loops over tokens; they share no code with
+`areal_lite.actor` except the model forward (which we do not test). Gradients are read off an SGD step with lr = 1
+and no clipping: theta_before - theta_after = grad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from areal_lite.actor import (
+    PPOActor,
+    grpo_advantages,
+    kl_estimate,
+    normalize,
+    ppo_token_loss,
+    split_into_microbatches,
+)
+from areal_lite.config import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
+from areal_lite.io_struct import FinetuneSpec, WeightUpdateMeta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def make_batch(vocab: int, B: int = 6, seed: int = 0, multiturn: bool = False) -> dict:
+    """A right-padded batch of random prompts + responses with the contract's keys (logprobs filled later)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        p = int(torch.randint(2, 6, (1,), generator=g))
+        if multiturn:
+            r1, fb, r2 = (int(torch.randint(2, 5, (1,), generator=g)) for _ in range(3))
+            lm = [0] * p + [1] * r1 + [0] * fb + [1] * r2
+        else:
+            r = int(torch.randint(2, 9, (1,), generator=g))
+            lm = [0] * p + [1] * r
+        ids = torch.randint(10, vocab, (len(lm),), generator=g)
+        rows.append((ids, torch.tensor(lm)))
+    L = max(len(r[0]) for r in rows)
+    batch = {
+        "input_ids": torch.zeros(B, L, dtype=torch.long),
+        "attention_mask": torch.zeros(B, L, dtype=torch.bool),
+        "loss_mask": torch.zeros(B, L, dtype=torch.long),
+        "logprobs": torch.zeros(B, L),
+        "versions": torch.full((B, L), -1, dtype=torch.long),
+        "rewards": torch.randint(0, 2, (B,), generator=g).float(),
+    }
+    for i, (ids, lm) in enumerate(rows):
+        n = len(ids)
+        batch["input_ids"][i, :n] = ids
+        batch["attention_mask"][i, :n] = True
+        batch["loss_mask"][i, :n] = lm
+        batch["versions"][i, :n] = torch.where(lm.bool(), 0, -1)
+    return batch
+
+
+def fill_logprobs(actor: PPOActor, batch: dict, seed: int = 1, noise: float = 0.4) -> None:
+    """prox = current log-probs + noise, behaviour = prox + noise (so ratios and weights differ from 1)."""
+    g = torch.Generator().manual_seed(seed)
+    m = batch["loss_mask"].bool()
+    cur = actor.compute_logp(batch).double()
+    prox = cur + noise * torch.randn(cur.shape, generator=g, dtype=torch.float64)
+    behav = prox + noise * torch.randn(cur.shape, generator=g, dtype=torch.float64)
+    batch["prox_logp"] = torch.where(m, prox, torch.zeros(())).to(torch.float64)
+    batch["logprobs"] = torch.where(m, behav, torch.zeros(())).to(torch.float64)
+
+
+def actor_cfg(path: str, **kw) -> PPOActorConfig:
+    opt = kw.pop("optimizer", OptimizerConfig(type="sgd", lr=1.0, gradient_clipping=0.0))
+    return PPOActorConfig(path=path, dtype=kw.pop("dtype", "float64"), device="cpu", optimizer=opt, threads=1, **kw)
+
+
+def params(actor: PPOActor) -> dict:
+    return {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+
+
+def sgd_grads(actor: PPOActor, batch: dict) -> tuple[dict, dict]:
+    """Run ppo_update with SGD lr=1 and return (grad per param, stats)."""
+    before = params(actor)
+    stats = actor.ppo_update(batch)
+    after = params(actor)
+    return {n: before[n] - after[n] for n in before}, stats
+
+
+def reference_loss(model, batch: dict, cfg: PPOActorConfig) -> torch.Tensor:
+    """algorithm.md, token by token, in float64, on unpadded rows."""
+    terms, count = [], 0
+    eps_hi = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][i].sum())
+        ids = batch["input_ids"][i, :n]
+        logits = model(input_ids=ids[None]).logits[0].double()
+        for t in range(1, n):
+            if not batch["loss_mask"][i, t]:
+                continue
+            lp = torch.log_softmax(logits[t - 1] / cfg.temperature, dim=-1)[ids[t]]
+            A = float(batch["advantages"][i, t])
+            behav = float(batch["logprobs"][i, t])
+            prox = float(batch["prox_logp"][i, t]) if cfg.use_decoupled_loss else behav
+            rho = torch.exp(lp - prox)
+            L = torch.maximum(-A * rho, -A * torch.clamp(rho, 1 - cfg.eps_clip, 1 + eps_hi))
+            if cfg.c_clip is not None and A < 0:
+                L = torch.minimum(L, torch.tensor(cfg.c_clip * abs(A), dtype=torch.float64))
+            w = math.exp(prox - behav) if cfg.use_decoupled_loss else 1.0
+            if cfg.behav_imp_weight_cap is not None and w > cfg.behav_imp_weight_cap:
+                w = 0.0
+            terms.append(w * L)
+            count += 1
+    return torch.stack(terms).sum() / count
+
+
+def reference_grads(path: str, batch: dict, cfg: PPOActorConfig) -> tuple[dict, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    loss = reference_loss(model, batch, cfg)
+    loss.backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return grads, loss.item()
+
+
+def assert_close_dicts(a: dict, b: dict, atol: float, rtol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_model_path).vocab_size
+
+
+# ------------------------------------------------------------------------------------------------ pure formulas
+
+
+def ref_normalize(x, mask, cfg):
+    """Loop version of NormConfig normalisation for [B] or [B, L] inputs."""
+    B = x.shape[0]
+    G = cfg.group_size
+    xs = x.double().reshape(B, -1)
+    ms = mask.bool().reshape(B, -1)
+    out = torch.zeros_like(xs)
+
+    def pool_rows(i, level):
+        if level == "batch":
+            return range(B)
+        g0 = (i // G) * G
+        return range(g0, g0 + G)
+
+    for i in range(B):
+        for j in range(xs.shape[1]):
+            if not ms[i, j]:
+                continue
+            if cfg.mean_level == "none":
+                mu = 0.0
+            else:
+                vals = [(r, c, float(xs[r, c])) for r in pool_rows(i, cfg.mean_level) for c in range(xs.shape[1]) if ms[r, c]]
+                if cfg.mean_leave1out:
+                    others = [v for (r, c, v) in vals if (r, c) != (i, j)]
+                    mu = sum(others) / len(others) if others else 0.0
+                else:
+                    mu = sum(v for *_, v in vals) / len(vals)
+            if cfg.std_level == "none":
+                sigma = 1.0
+            else:
+                vals = [float(xs[r, c]) for r in pool_rows(i, cfg.std_level) for c in range(xs.shape[1]) if ms[r, c]]
+                mean = sum(vals) / len(vals)
+                d = len(vals) - 1 if cfg.std_unbiased else len(vals)
+                sigma = math.sqrt(sum((v - mean) ** 2 for v in vals) / d) if d > 0 else 0.0
+            out[i, j] = (float(xs[i, j]) - mu) / (sigma + cfg.eps)
+    return out.reshape(x.shape)
+
+
+NORMS = [
+    NormConfig(mean_level="group", std_level="group", group_size=4),
+    NormConfig(mean_level="group", std_level="group", group_size=4, mean_leave1out=True),
+    NormConfig(mean_level="group", std_level="batch", group_size=4, std_unbiased=False),
+    NormConfig(mean_level="batch", std_level="batch", group_size=4, mean_leave1out=True, std_unbiased=False),
+    NormConfig(mean_level="group", std_level="none", group_size=4),
+    NormConfig(mean_level="none", std_level="group", group_size=2, eps=1e-3),
+]
+
+
+@pytest.mark.parametrize("cfg", NORMS, ids=lambda c: f"{c.mean_level}-{c.std_level}-l1o{int(c.mean_leave1out)}-unb{int(c.std_unbiased)}")
+def test_normalize_matches_loops(cfg):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(normalize(x, torch.ones(8, dtype=torch.bool), cfg), ref_normalize(x, torch.ones(8), cfg))
+    xt = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    mt = torch.rand(8, 5, generator=g) > 0.3
+    got = normalize(xt, mt, cfg)
+    torch.testing.assert_close(got, torch.where(mt, ref_normalize(xt, mt, cfg), torch.zeros(())))
+
+
+def test_normalize_constant_group_is_zero_and_bad_group_size_errors():
+    cfg = NormConfig(mean_level="group", std_level="group", group_size=2)
+    out = normalize(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.ones(4, dtype=torch.bool), cfg)
+    assert out[:2].abs().max() == 0
+    assert out[2] < 0 < out[3]
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        normalize(torch.ones(3), torch.ones(3, dtype=torch.bool), cfg)
+
+
+def test_kl_estimators():
+    a, b = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    d = a - b
+    torch.testing.assert_close(kl_estimate(a, b, "k1"), d)
+    torch.testing.assert_close(kl_estimate(a, b, "k2"), d**2 / 2)
+    torch.testing.assert_close(kl_estimate(a, b, "k3"), torch.exp(-d) - 1 + d)
+    with pytest.raises(ValueError):
+        kl_estimate(a, b, "k4")
+
+
+def test_ppo_token_loss_clip_dual_clip_and_cap_by_hand():
+    # One token each: (logp, prox, behav, A)
+    logp = torch.log(torch.tensor([1.5, 0.5, 3.0, 1.1, 1.0]))
+    prox = torch.zeros(5)
+    behav = torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0])  # last: w = e > cap 2
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0])
+    m = torch.ones(5, dtype=torch.bool)
+    loss, info = ppo_token_loss(logp, prox, behav, adv, m, eps_clip=0.2, eps_clip_higher=0.28, c_clip=2.0,
+                                behav_imp_weight_cap=2.0)
+    # A>0, rho=1.5: max(-1.5, -1.28) = -1.28 (clip-higher bound 1.28)
+    # A<0, rho=0.5: max(0.5, 0.8) = 0.8 (lower clip)
+    # A<0, rho=3.0: max(3.0, 1.28) = 3.0 -> dual clip min(3, 2) = 2
+    # A>0, rho=1.1: inside the band -> -1.1
+    # capped: weight 0
+    torch.testing.assert_close(loss, torch.tensor([-1.28, 0.8, 2.0, -1.1, 0.0]))
+    assert info["clipped"].tolist() == [True, True, False, False, False]
+    assert info["dual_clipped"].tolist() == [False, False, True, False, False]
+    assert info["capped"].tolist() == [False, False, False, False, True]
+
+
+def test_grpo_advantages_sum_future_kl_over_policy_tokens():
+    kl = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5]])
+    mask = torch.tensor([[0, 1, 0, 1, 1]])
+    r = torch.tensor([[2.0] * 5]) * mask
+    adv = grpo_advantages(r, kl, mask)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 2 + 0.2 + 0.4 + 0.5, 0.0, 2 + 0.4 + 0.5, 2 + 0.5]]))
+
+
+def test_split_into_microbatches():
+    lengths = [5, 9, 3, 7, 2, 8]
+    for spec in (MicroBatchSpec(n_mbs=1), MicroBatchSpec(n_mbs=3), MicroBatchSpec(max_tokens_per_mb=12),
+                 MicroBatchSpec(n_mbs=2, max_tokens_per_mb=10)):
+        mbs = split_into_microbatches(lengths, spec)
+        assert sorted(i for mb in mbs for i in mb) == list(range(6))
+        assert len(mbs) >= min(spec.n_mbs, 6)
+        if spec.max_tokens_per_mb:
+            assert all(sum(lengths[i] for i in mb) <= spec.max_tokens_per_mb for mb in mbs)
+    assert split_into_microbatches([50, 1], MicroBatchSpec(max_tokens_per_mb=10)) == [[0], [1]]  # oversize alone
+    assert len(split_into_microbatches([3, 3, 3], MicroBatchSpec(max_tokens_per_mb=6))) == 2
+
+
+# ------------------------------------------------------------------------------------------------ the actor
+
+
+def test_packed_logp_equals_per_sequence(tiny_model_path, vocab):
+    from transformers import AutoModelForCausalLM
+
+    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", temperature=0.7)).initialize()
+    batch = make_batch(vocab, B=5, seed=4)
+    got = actor.compute_logp(batch)  # one packed row of all 5 sequences
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for i in range(5):
+        n = int(batch["attention_mask"][i].sum())
+        ids = batch["input_ids"][i, :n]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids[None]).logits[0] / 0.7, -1)
+        want = torch.zeros(batch["input_ids"].shape[1])
+        want[1:n] = lp[torch.arange(n - 1), ids[1:]]
+        torch.testing.assert_close(got[i], want, atol=1e-5, rtol=0)
+    # Token-budget packing into several micro-batches gives the same numbers.
+    actor.config.mb_spec = MicroBatchSpec(max_tokens_per_mb=20)
+    torch.testing.assert_close(actor.compute_logp(batch), got, atol=1e-5, rtol=0)
+    actor.destroy()
+
+
+LOSS_CASES = {
+    "plain": dict(),
+    "clip_higher_dual_cap": dict(eps_clip=0.1, eps_clip_higher=0.3, c_clip=1.5, behav_imp_weight_cap=1.3),
+    "not_decoupled": dict(use_decoupled_loss=False, eps_clip=0.15),
+    "temperature": dict(temperature=0.6, c_clip=3.0),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_loss_and_grads_match_float64_reference(tiny_model_path, vocab, case):
+    cfg = actor_cfg(tiny_model_path, **LOSS_CASES[case])
+    actor = PPOActor(cfg).initialize()
+    batch = make_batch(vocab, B=6, seed=10)
+    fill_logprobs(actor, batch, noise=0.6)
+    g = torch.Generator().manual_seed(5)
+    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=g, dtype=torch.float64) * batch["loss_mask"]
+    grads, stats = sgd_grads(actor, batch)
+    ref, ref_loss = reference_grads(tiny_model_path, batch, cfg)
+    assert stats["loss"] == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)
+    assert_close_dicts(grads, ref, atol=1e-11, rtol=1e-8)
+    if case == "clip_higher_dual_cap":  # the data really exercises every branch
+        assert stats["clip_frac"] > 0 and stats["dual_clip_frac"] > 0 and stats["behav_capped_frac"] > 0
+    assert stats["skipped"] == 0 and stats["n_tokens"] == float(
+        (batch["loss_mask"].bool() & batch["attention_mask"]).sum())
+    actor.destroy()
+
+
+@pytest.mark.parametrize("spec", [MicroBatchSpec(n_mbs=3), MicroBatchSpec(max_tokens_per_mb=24),
+                                  MicroBatchSpec(n_mbs=2, max_tokens_per_mb=16)])
+def test_microbatching_gives_the_same_gradient(tiny_model_path, vocab, spec):
+    batch = make_batch(vocab, B=7, seed=21)
+    grads = []
+    for mb in (MicroBatchSpec(n_mbs=1), spec):
+        actor = PPOActor(actor_cfg(tiny_model_path, mb_spec=mb, c_clip=2.0)).initialize()
+        b = {k: v.clone() for k, v in batch.items()}
+        fill_logprobs(actor, b)
+        b["advantages"] = torch.linspace(-1, 1, b["input_ids"].numel()).view_as(b["logprobs"]).double() * b["loss_mask"]
+        grads.append(sgd_grads(actor, b)[0])
+        actor.destroy()
+    assert_close_dicts(grads[0], grads[1], atol=1e-12, rtol=1e-9)
+
+
+def test_ppo_minibatches_are_sequential_steps(tiny_model_path, vocab):
+    batch = make_batch(vocab, B=6, seed=2)
+    a = PPOActor(actor_cfg(tiny_model_path, ppo_n_minibatches=2, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))).initialize()
+    fill_logprobs(a, batch)
+    batch["advantages"] = torch.randn(batch["logprobs"].shape, dtype=torch.float64) * batch["loss_mask"]
+    a.ppo_update(batch)
+    b = PPOActor(actor_cfg(tiny_model_path, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))).initialize()
+    for rows in (slice(0, 3), slice(3, 6)):
+        b.ppo_update({k: v[rows] for k, v in batch.items()})
+    assert_close_dicts(params(a), params(b), atol=1e-13)
+
+
+def test_gradient_checkpointing_same_gradient(tiny_model_path, vocab):
+    batch = make_batch(vocab, B=4, seed=8)
+    out = []
+    for gc in (False, True):
+        actor = PPOActor(actor_cfg(tiny_model_path, gradient_checkpointing=gc)).initialize()
+        b = {k: v.clone() for k, v in batch.items()}
+        fill_logprobs(actor, b)
+        b["advantages"] = b["loss_mask"].double()
+        out.append(sgd_grads(actor, b)[0])
+    assert_close_dicts(out[0], out[1], atol=1e-12)
+
+
+def ref_advantages(batch, cfg, reward_norm=None, adv_norm=None, ref_logp=None):
+    """GRPO advantages with explicit loops (float64)."""
+    B, L = batch["input_ids"].shape
+    R = [min(max((float(r) + cfg.reward_bias) * cfg.reward_scaling, -cfg.reward_clip), cfg.reward_clip)
+         for r in batch["rewards"]]
+    R = torch.tensor(R, dtype=torch.float64)
+    if reward_norm is not None:
+        R = ref_normalize(R, torch.ones(B), reward_norm)
+    pm = batch["loss_mask"].bool() & batch["attention_mask"]
+    pm[:, 0] = False
+    A = torch.zeros(B, L, dtype=torch.float64)
+    for i in range(B):
+        for t in range(L):
+            if not pm[i, t]:
+                continue
+            total = float(R[i])
+            for k in range(t, L):
+                if pm[i, k] and ref_logp is not None:
+                    d = float(batch["logprobs"][i, k]) - float(ref_logp[i, k])
+                    est = {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) - 1 + d}[cfg.kl_estimator]
+                    total += -cfg.kl_ctl * est
+            A[i, t] = total
+    if adv_norm is not None:
+        A = torch.where(pm, ref_normalize(A, pm, adv_norm), torch.zeros(()))
+    return A
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_compute_advantages_with_kl_and_norms(tiny_model_path, vocab, estimator):
+    rn = NormConfig(mean_level="group", std_level="group", group_size=3, mean_leave1out=True)
+    an = NormConfig(mean_level="batch", std_level="batch", group_size=3)
+    cfg = actor_cfg(tiny_model_path, kl_ctl=0.3, kl_estimator=estimator, reward_norm=rn, adv_norm=an,
+                    reward_bias=-0.5, reward_scaling=3.0, reward_clip=1.2, group_size=3)
+    actor = PPOActor(cfg).initialize()
+    batch = make_batch(vocab, B=6, seed=6)
+    batch["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    fill_logprobs(actor, batch)
+    g = torch.Generator().manual_seed(1)
+    batch["ref_logp"] = batch["logprobs"] + 0.3 * torch.randn(batch["logprobs"].shape, generator=g, dtype=torch.float64)
+    inputs = {k: v.clone() for k, v in batch.items()}
+    actor.compute_advantages(batch)
+    want = ref_advantages(inputs, cfg, reward_norm=rn, adv_norm=an, ref_logp=inputs["ref_logp"])
+    torch.testing.assert_close(batch["advantages"].double(), want, atol=1e-5, rtol=1e-5)
+    first = {k: v.clone() for k, v in batch.items()}
+    actor.compute_advantages(batch)  # idempotent, and never rewrites its inputs
+    for k in first:
+        torch.testing.assert_close(batch[k], first[k], atol=0, rtol=0)
+    for k in inputs:
+        torch.testing.assert_close(batch[k], inputs[k], atol=0, rtol=0)
+
+
+def test_kl_uses_reference_model(tiny_model_path, vocab):
+    ref_cfg = actor_cfg(tiny_model_path)
+    actor = PPOActor(actor_cfg(tiny_model_path, kl_ctl=0.1), ref_config=ref_cfg).initialize()
+    batch = make_batch(vocab, B=2, seed=1)
+    fill_logprobs(actor, batch)
+    actor.compute_advantages(batch)
+    torch.testing.assert_close(batch["ref_logp"], actor.compute_logp(batch))  # same initial weights
+    assert batch["kl_rewards"].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="reference"):
+        PPOActor(actor_cfg(tiny_model_path, kl_ctl=0.1)).initialize().compute_advantages(make_batch(vocab, B=2))
+
+
+def test_token_returns_normalised_per_turn(tiny_model_path, vocab):
+    rn = NormConfig(mean_level="group", std_level="group", group_size=2)
+    actor = PPOActor(actor_cfg(tiny_model_path, reward_norm=rn, group_size=2)).initialize()
+    batch = make_batch(vocab, B=4, seed=9, multiturn=True)
+    tr = torch.zeros(batch["logprobs"].shape)
+    turn_vals = [[0.9, 1.0], [-0.81, -0.9], [0.5, 0.2], [1.0, -1.0]]
+    for i in range(4):
+        lm = batch["loss_mask"][i].tolist()
+        k, prev = -1, 0
+        for t, v in enumerate(lm):
+            if v and not prev:
+                k += 1
+            if v:
+                tr[i, t] = turn_vals[i][k]
+            prev = v
+    batch["token_returns"] = tr
+    actor.compute_advantages(batch)
+    # Reference: per group, the 4 (row, turn) returns are the samples.
+    for g0 in (0, 2):
+        vals = torch.tensor(turn_vals[g0] + turn_vals[g0 + 1], dtype=torch.float64)
+        z = (vals - vals.mean()) / (vals.std(unbiased=True) + rn.eps)
+        for r in range(2):
+            i = g0 + r
+            lm = batch["loss_mask"][i].tolist()
+            starts = [t for t in range(len(lm)) if lm[t] and (t == 0 or not lm[t - 1])]
+            for k, s in enumerate(starts):
+                assert batch["advantages"][i, s].item() == pytest.approx(float(z[2 * r + k]), abs=1e-5)
+    # Non-constant returns within a turn are refused with a clear message.
+    batch["token_returns"] = tr + torch.rand(tr.shape) * batch["loss_mask"]
+    with pytest.raises(ValueError, match="constant on each turn"):
+        actor.compute_advantages(batch)
+
+
+def test_nonfinite_gradient_skips_the_step(tiny_model_path, vocab):
+    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32",
+                               optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    batch = make_batch(vocab, B=3, seed=3)
+    fill_logprobs(actor, batch)
+    actor.compute_advantages(batch)
+    adv = batch["advantages"].clone()
+    i, t = torch.nonzero(batch["loss_mask"][:, 1:])[0].tolist()
+    adv[i, t + 1] = float("nan")
+    batch["advantages"] = adv
+    before = params(actor)
+    stats = actor.ppo_update(batch)
+    assert stats["skipped"] == 1.0 and not math.isfinite(stats["grad_norm"])
+    assert_close_dicts(before, params(actor), atol=0)
+    assert all(p.grad is None for p in actor.model.parameters())
+    batch["advantages"] = torch.nan_to_num(adv)
+    assert actor.ppo_update(batch)["skipped"] == 0.0  # next step trains normally
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+def test_lr_schedules(tiny_model_path):
+    spec = FinetuneSpec(total_train_epochs=1, dataset_size=10, train_batch_size=1)  # 10 steps
+    for kind, expect in [
+        ("constant", [0.5, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
+        ("linear", [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]),
+    ]:
+        opt = OptimizerConfig(lr=2.0, lr_scheduler_type=kind, warmup_steps_proportion=0.2)
+        actor = PPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize(spec)
+        lrs = []
+        for _ in range(10):
+            lrs.append(actor.optimizer.param_groups[0]["lr"] / 2.0)
+            actor.step_lr_scheduler()
+        assert lrs == pytest.approx(expect)
+    opt = OptimizerConfig(lr=1.0, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    actor = PPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize(None, spec)  # AReaL's signature too
+    lrs = []
+    for _ in range(10):
+        lrs.append(actor.optimizer.param_groups[0]["lr"])
+        actor.step_lr_scheduler()
+    assert lrs[0] == pytest.approx(1.0) and lrs[5] == pytest.approx(0.55) and min(lrs) > 0.1
+
+
+def test_save_load_roundtrip_restores_exactly(tiny_model_path, vocab, tmp_path):
+    cfg = actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-3, lr_scheduler_type="linear"))
+    spec = FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1)
+    batches = []
+    for s in range(3):
+        b = make_batch(vocab, B=4, seed=30 + s)
+        b["logprobs"] = -torch.rand(b["logprobs"].shape) * b["loss_mask"]
+        batches.append(b)
+
+    def step(actor, b):
+        b = {k: v.clone() for k, v in b.items()}
+        b["prox_logp"] = actor.compute_logp(b)
+        actor.compute_advantages(b)
+        actor.ppo_update(b)
+        actor.step_lr_scheduler()
+
+    a = PPOActor(cfg).initialize(spec)
+    step(a, batches[0])
+    a.set_version(7)
+    a.save(str(tmp_path / "ckpt"))
+    torch.manual_seed(123)
+    step(a, batches[1])
+    step(a, batches[2])
+    r1 = torch.rand(3)
+    b = PPOActor(cfg).initialize(spec)
+    b.load(str(tmp_path / "ckpt"))
+    assert b.get_version() == 7
+    step(b, batches[1])
+    step(b, batches[2])
+    assert_close_dicts(params(a), params(b), atol=0)
+    assert b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), r1)
+    with pytest.raises(FileNotFoundError, match="not an actor checkpoint"):
+        b.load(str(tmp_path))
+
+
+def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), keep_last=2)
+    original = actor._write_hf_folder
+    seen = []
+
+    def spy(state, out_dir):
+        final = meta.dir_for(actor.get_version() + 1)
+        seen.append(os.path.exists(final))  # the final name must not exist while files are written
+        assert os.path.dirname(out_dir) == os.path.dirname(final)
+        original(state, out_dir)
+
+    monkeypatch.setattr(actor, "_write_hf_folder", spy)
+    batch = make_batch(vocab, B=2, seed=5)
+    for v in range(4):
+        b = {k: x.clone() for k, x in batch.items()}
+        b["prox_logp"] = actor.compute_logp(b)
+        b["logprobs"] = b["prox_logp"] * b["loss_mask"]
+        actor.compute_advantages(b)
+        actor.ppo_update(b)
+        actor.update_weights(meta)
+        actor.set_version(v + 1)
+    assert seen == [False] * 4
+    assert sorted(os.listdir(meta.path)) == ["v3", "v4"]  # pruned, no temp folders left
+    loaded = AutoModelForCausalLM.from_pretrained(meta.dir_for(4), dtype=torch.float32)
+    for n, p in actor.model.named_parameters():
+        torch.testing.assert_close(loaded.get_parameter(n), p.detach(), atol=0, rtol=0)
+    AutoTokenizer.from_pretrained(meta.dir_for(4))  # a complete folder: the server can load it alone
+    with torch.no_grad():
+        x = batch["input_ids"][:1, :4]
+        torch.testing.assert_close(loaded(input_ids=x).logits, actor.model(input_ids=x).logits)
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        actor.upload_weights(WeightUpdateMeta.from_nccl("127.0.0.1", 1))
+
+
+RECEIVER = textwrap.dedent(
+    """
+    import sys, torch
+    from areal_lite.actor import _init_custom_process_group
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    addr, path = sys.argv[1], sys.argv[2]
+    model = AutoModelForCausalLM.from_pretrained(path)  # the "server": same architecture, stale weights
+    group = _init_custom_process_group("gloo", addr, world_size=2, rank=1, group_name="weights")
+    for name, p in model.named_parameters():
+        buf = torch.empty_like(p.data)
+        dist.broadcast(buf, src=0, group=group)
+        p.data.copy_(buf)
+    model.save_pretrained(sys.argv[3])
+    """
+)
+
+
+def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_path):
+    """The NCCL route's mechanics with gloo: a process outside the trainer's world joins a custom group and
+    receives every parameter in `weight_update_specs()` order (the GPU route only swaps gloo for NCCL)."""
+    from areal_lite.actor import _init_custom_process_group
+    from areal_lite.launch import find_free_port
+
+    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.add_(0.01)  # weights the receiver does not have yet
+    script = tmp_path / "recv.py"
+    script.write_text(RECEIVER)
+    addr = f"tcp://127.0.0.1:{find_free_port()}"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), addr, tiny_model_path, str(tmp_path / "got")], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        group = _init_custom_process_group("gloo", addr, world_size=2, rank=0, group_name="weights")
+        actor._broadcast_params(group)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
+    finally:
+        proc.kill()
+    from transformers import AutoModelForCausalLM
+
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "got"))
+    for n, p in actor.model.named_parameters():
+        torch.testing.assert_close(got.get_parameter(n), p.detach(), atol=0, rtol=0)
+    assert [s["name"] for s in actor.weight_update_specs()] == [n for n, _ in actor.model.named_parameters()]
+    meta = actor.prepare_nccl_meta(WeightUpdateMeta.from_nccl("127.0.0.1", 1), n_server_gpus=2)
+    assert meta.nccl_world_size == 3 and len(meta.names) == len(meta.shapes) == len(meta.dtypes)
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+
+
+FSDP_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    torch.set_num_threads(1)
+    from areal_lite.actor import PPOActor
+    from areal_lite.config import MicroBatchSpec, OptimizerConfig, PPOActorConfig
+    from areal_lite.io_struct import WeightUpdateMeta
+
+    model_path, batch_path, out_path, n_mbs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    cfg = PPOActorConfig(path=model_path, device="cpu", threads=1, c_clip=3.0,
+                         optimizer=OptimizerConfig(type="sgd", lr=100.0, gradient_clipping=0.0),
+                         mb_spec=MicroBatchSpec(n_mbs=n_mbs))
+    actor = PPOActor(cfg).initialize()
+    batch = torch.load(batch_path)
+    batch["prox_logp"] = actor.compute_logp(batch)
+    actor.compute_advantages(batch)
+    stats = actor.ppo_update(batch)
+    actor.update_weights(WeightUpdateMeta.from_disk(out_path + ".weights"))
+    state = actor._full_state_dict()
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"state": state, "stats": stats, "prox": batch["prox_logp"]}, out_path)
+    actor.destroy()
+    """
+)
+
+
+def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, FSDP2 fully_shard) == one process, after one PPO step."""
+    script = tmp_path / "fsdp_step.py"
+    script.write_text(FSDP_SCRIPT)
+    batch = make_batch(vocab, B=5, seed=11)  # odd B: ranks get 3 and 2 rows, and different micro-batch counts
+    g = torch.Generator().manual_seed(0)
+    batch["logprobs"] = -torch.rand(batch["logprobs"].shape, generator=g) * batch["loss_mask"]
+    batch["rewards"] = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0])
+    torch.save(batch, tmp_path / "batch.pt")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"out{nproc}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(script), tiny_model_path, str(tmp_path / "batch.pt"), str(out), "2"]
+        if nproc == 1:
+            cmd = [sys.executable, str(script), tiny_model_path, str(tmp_path / "batch.pt"), str(out), "2"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[nproc] = torch.load(out)
+    one, two = results[1], results[2]
+    torch.testing.assert_close(two["prox"], one["prox"], atol=1e-6, rtol=0)
+    assert one["state"].keys() == two["state"].keys()
+    for k in one["state"]:
+        torch.testing.assert_close(two["state"][k], one["state"][k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+    from safetensors.torch import load_file
+
+    init = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    moved = max((one["state"][k] - init[k]).abs().max().item() for k in init)
+    assert moved > 5e-3  # the step really moved the weights, far beyond the tolerance
+    for key in ("loss", "grad_norm", "n_tokens", "clip_frac"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-6)
+    # The FSDP run also wrote a weight folder equal to its state.
+    saved = load_file(str(tmp_path / "out2.pt.weights" / "v1" / "model.safetensors"))
+    for k, v in saved.items():
+        torch.testing.assert_close(v, two["state"][k], atol=0, rtol=0)

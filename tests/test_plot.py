@@ -1,0 +1,86 @@
+"""Plots render to real PNG files from lists of dicts and from JSONL; bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from areal_lite.plot import (
+    load_stats,
+    plot_response_length,
+    plot_rewards,
+    plot_sync_vs_async,
+    plot_time_breakdown,
+    save_png,
+    smooth,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_stats(n=8, async_=False):
+    rows = []
+    for i in range(n):
+        g, u = 1.0 + 0.1 * i, 0.5
+        rows.append({
+            "step": i,
+            "reward": i / n,
+            "response_length": 20 - i,
+            "time/generate": g,
+            "time/logp": 0.1,
+            "time/update": u,
+            "time/weight_sync": 0.05,
+            "time/step": (max(g, u) if async_ else g + u) + 0.15,
+            **({"eval_accuracy": 0.3 + i / 20} if i % 4 == 0 else {}),
+        })
+    return rows
+
+
+def is_png(path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(8) == PNG_MAGIC
+
+
+def test_every_plot_renders_png(tmp_path):
+    rows = fake_stats()
+    for name, fig in [
+        ("rewards", plot_rewards(rows)),
+        ("length", plot_response_length(rows)),
+        ("time", plot_time_breakdown(rows)),
+        ("sva", plot_sync_vs_async(rows, fake_stats(async_=True))),
+    ]:
+        path = save_png(fig, tmp_path / "sub" / f"{name}.png")
+        assert is_png(path) and (tmp_path / "sub" / f"{name}.png").stat().st_size > 2000
+
+
+def test_jsonl_input_and_existing_axes(tmp_path):
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "stats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in fake_stats()) + "\n\n")
+    assert len(load_stats(path)) == 8
+    fig, axes = plt.subplots(1, 2)
+    assert plot_rewards(str(path), ax=axes[0]) is fig
+    assert plot_time_breakdown(path, ax=axes[1]) is fig
+    assert len(axes[0].lines) == 3  # points, smoothed, eval accuracy
+    save_png(fig, tmp_path / "both.png")
+    assert is_png(tmp_path / "both.png")
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(KeyError, match="no reward.*keys present: \\['loss'\\]"):
+        plot_rewards([{"loss": 1.0}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"reward": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_stats(bad)
+    with pytest.raises(TypeError, match="stats\\[0\\]"):
+        plot_rewards([1.0])
+
+
+def test_smooth_is_bias_corrected():
+    assert smooth([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])
+    assert smooth([0.0, 1.0], 0.0) == [0.0, 1.0]
+    with pytest.raises(ValueError):
+        smooth([1.0], 1.0)
