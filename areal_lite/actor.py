@@ -31,7 +31,8 @@ Design decisions
   L = min(L, c |A|) where A < 0; w = exp(l_prox - l_behav) without gradient, 0 where w > cap; without the decoupled
   loss l_prox = l_behav (so w = 1). The minibatch loss is sum(m w L) / sum(m): the token count is taken over the whole
   minibatch (all micro-batches, all ranks) *before* any forward pass, so splitting into micro-batches or ranks gives
-  the same gradient as one big batch.
+  the same gradient as one big batch. `ppo_n_minibatches` splits the rows into that many contiguous chunks (whole
+  GRPO groups when the sizes divide), one optimizer step each, in order.
 - Micro-batches are packed: the rows of a micro-batch are unpadded and concatenated into one row whose
   `position_ids` restart at 0 for each sequence, and the sequence boundaries are passed as `cu_seq_lens_q/k` (the
   flash-attention varlen arguments). With flash attention (GPU) transformers uses them directly. Plain sdpa would
@@ -53,7 +54,8 @@ Design decisions
   `meta.dir_for(k)` (safetensors + config + generation config + tokenizer files, a complete Hugging Face folder) and
   rename it into place, so a server never sees half a checkpoint; then older version folders beyond `keep_last` are
   removed. The NCCL route (GPU + SGLang) broadcasts every parameter from trainer rank 0 over a process group shared
-  with the servers; it cannot run on a CPU machine and raises a clear error there.
+  with the servers (`prepare_nccl_meta` puts names/dtypes/shapes on the meta for the engine); on a machine without
+  CUDA it raises a clear error. Its group set-up and broadcast are exercised in the tests with gloo instead of NCCL.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -44,7 +44,7 @@ from areal_lite.workflow import GroupedWorkflow, chat_prompt_ids  # noqa: E402
 class TokenRangeWorkflow:
     """reward = fraction of generated token ids in [lo, hi)."""
 
-    def __init__(self, tokenizer, gconfig, lo: int = 100, hi: int = 356):
+    def __init__(self, tokenizer, gconfig, lo: int = 100, hi: int = 1124):
         self.tokenizer, self.gconfig, self.lo, self.hi = tokenizer, gconfig, lo, hi
 
     async def arun_episode(self, engine, data):

@@ -7,7 +7,6 @@ and no clipping: theta_before - theta_after = grad.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import subprocess

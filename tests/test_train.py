@@ -1,8 +1,9 @@
 """End-to-end GRPO with real servers on the tiny model: learning, async mode, resume, weight sync, the CLI.
 
 The tiny random model cannot solve arithmetic, so the learning test uses a task it can learn in a few steps: the
-reward is the fraction of generated tokens whose id lies in a fixed range of 256 ids (1/16 of the vocabulary, so
-the start is ~0.06 and a group has variance). The workflow scores token ids directly (no text, no worker pool).
+reward is the fraction of generated tokens whose id lies in a fixed range of 1024 ids (a quarter of the vocabulary,
+so the start is ~0.25 and every group has variance). The workflow scores token ids directly (no text, no worker
+pool). With lr 3e-2 it reaches ~1.0 in about 8 steps (9 of 9 trial runs; a range of 256 ids was flaky).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from areal_lite.config import (
     DatasetConfig,
     EmbeddedServerConfig,
-    EvaluatorConfig,
     GenerationHyperparameters,
     InferenceEngineConfig,
     NormConfig,
@@ -28,11 +28,11 @@ from areal_lite.config import (
 )
 from areal_lite.io_struct import ModelRequest
 from areal_lite.train import TrainConfig, main, train
-from areal_lite.trajectory import TrajectoryBuilder, check_trajectory
+from areal_lite.trajectory import TrajectoryBuilder
 from areal_lite.workflow import GroupedWorkflow, chat_prompt_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LO, HI = 100, 356
+LO, HI = 100, 1124
 G = 4
 
 
@@ -87,7 +87,7 @@ def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, token
     rewards = [s["reward"] for s in stats]
     assert len(stats) == 12 and [s["step"] for s in stats] == list(range(12))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.3, rewards
+    assert last > first + 0.4, rewards
     run_dir = tmp_path / "runs" / "e2e" / "t0"
     assert read_jsonl(run_dir / "stats.jsonl") == stats
     assert (run_dir / "reward_curve.png").stat().st_size > 2000
