@@ -50,7 +50,7 @@ demo: prepare
 
 test: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.prepare
-	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
+	$(BIN)/python -m pytest tests notebooks/en notebooks/zh --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider --durations=15
 
 test-fast: $(DEVSTAMP)
 	$(BIN)/python -m pytest tests -x -q
