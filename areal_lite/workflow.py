@@ -60,6 +60,7 @@ __all__ = [
     "ChatTurnFragments",
     "chat_turn_fragments",
     "discounted_returns",
+    "TokenRangeWorkflow",
 ]
 
 logger = logging.getLogger(__name__)
@@ -567,3 +568,21 @@ class GroupedWorkflow(RolloutWorkflow):
         if any(r is None for r in results):
             return None
         return concat_padded_tensors(results)
+
+
+class TokenRangeWorkflow(RolloutWorkflow):
+    """A toy task a tiny *random* model can learn in seconds: reward = fraction of output ids in [lo, hi).
+
+    Used by the end-to-end training test and `bench/async_vs_sync.py`, where a real task would need a real model.
+    The prompt is `data["question"]` through the chat template; one generation; no reward worker process.
+    """
+
+    def __init__(self, tokenizer, gconfig: GenerationHyperparameters, lo: int = 100, hi: int = 1124):
+        self.tokenizer, self.gconfig, self.lo, self.hi = tokenizer, gconfig, int(lo), int(hi)
+
+    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+        ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": data["question"]}])
+        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=_single(self.gconfig, "TokenRangeWorkflow")))
+        out = resp.output_tokens
+        reward = sum(self.lo <= t < self.hi for t in out) / max(1, len(out))
+        return TrajectoryBuilder().add_prompt(ids).add_output(resp).to_tensors(reward)

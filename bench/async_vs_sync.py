@@ -35,24 +35,8 @@ from areal_lite.config import (  # noqa: E402
     OptimizerConfig,
     PPOActorConfig,
 )
-from areal_lite.io_struct import ModelRequest  # noqa: E402
 from areal_lite.train import TrainConfig, train  # noqa: E402
-from areal_lite.trajectory import TrajectoryBuilder  # noqa: E402
-from areal_lite.workflow import GroupedWorkflow, chat_prompt_ids  # noqa: E402
-
-
-class TokenRangeWorkflow:
-    """reward = fraction of generated token ids in [lo, hi)."""
-
-    def __init__(self, tokenizer, gconfig, lo: int = 100, hi: int = 1124):
-        self.tokenizer, self.gconfig, self.lo, self.hi = tokenizer, gconfig, lo, hi
-
-    async def arun_episode(self, engine, data):
-        ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": data["question"]}])
-        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=self.gconfig))
-        out = resp.output_tokens
-        reward = sum(self.lo <= t < self.hi for t in out) / max(1, len(out))
-        return TrajectoryBuilder().add_prompt(ids).add_output(resp).to_tensors(reward)
+from areal_lite.workflow import GroupedWorkflow, TokenRangeWorkflow  # noqa: E402
 
 
 def run(path: str, args, eta: int, async_training: bool, root: str) -> list[dict]:

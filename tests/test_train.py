@@ -26,28 +26,12 @@ from areal_lite.config import (
     SaverConfig,
     load_expr_config,
 )
-from areal_lite.io_struct import ModelRequest
 from areal_lite.train import TrainConfig, main, train
-from areal_lite.trajectory import TrajectoryBuilder
-from areal_lite.workflow import GroupedWorkflow, chat_prompt_ids
+from areal_lite.workflow import GroupedWorkflow, TokenRangeWorkflow, chat_prompt_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LO, HI = 100, 1124
 G = 4
-
-
-class TokenRangeWorkflow:
-    """One sample: chat prompt -> generation; reward = fraction of output ids in [lo, hi)."""
-
-    def __init__(self, tokenizer, gconfig, lo=LO, hi=HI):
-        self.tokenizer, self.gconfig, self.lo, self.hi = tokenizer, gconfig, lo, hi
-
-    async def arun_episode(self, engine, data):
-        ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": data["question"]}])
-        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=self.gconfig))
-        out = resp.output_tokens
-        reward = sum(self.lo <= t < self.hi for t in out) / max(1, len(out))
-        return TrajectoryBuilder().add_prompt(ids).add_output(resp).to_tensors(reward)
 
 
 def make_config(tmp_path, tiny_model_path, **kw) -> TrainConfig:
@@ -73,7 +57,7 @@ def tokenizer(tiny_model_path):
 
 
 def token_workflow(tokenizer, config):
-    return GroupedWorkflow(TokenRangeWorkflow(tokenizer, config.gconfig.new(n_samples=1)), group_size=G)
+    return GroupedWorkflow(TokenRangeWorkflow(tokenizer, config.gconfig.new(n_samples=1), lo=LO, hi=HI), group_size=G)
 
 
 def read_jsonl(path):
