@@ -31,7 +31,7 @@ fi
 export AREAL_LITE_PROFILE=gpu AREAL_LITE_GPU_INSTALL=1 MPLBACKEND=Agg
 export AREAL_LITE_OVERRIDES="backend=$BACKEND ${AREAL_LITE_OVERRIDES:-}"
 mkdir -p runs/gpu-notebooks
-"$VENV/bin/python" -m pytest tests -m gpu -v
+"$VENV/bin/python" -m pytest tests -m gpu -v || [ $? -eq 5 ]  # 5: no GPU-only test selected
 "$VENV/bin/python" -m pytest notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -v
 # executed copies for the CI artifacts
 for nb in notebooks/en/*.ipynb; do
