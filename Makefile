@@ -48,12 +48,20 @@ prepare: $(STAMP)
 demo: prepare
 	$(BIN)/python -m areal_lite.demo
 
+# Two workers: a notebook keeps about one core busy (its server and trainer mostly take turns), so two at once use a
+# 2-core machine fully. More workers would only oversubscribe the cores (each notebook also starts a server).
+# OMP_NUM_THREADS=1 caps every process (kernels, servers, trainers) at one torch thread: with two notebooks running,
+# a second OpenMP thread would only spin-wait for a descheduled sibling.
+TEST_WORKERS ?= 2
+
 test: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.prepare
-	$(BIN)/python -m pytest tests notebooks/en notebooks/zh --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu" \
+		tests notebooks/en notebooks/zh --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
+		-p no:cacheprovider --durations=15
 
 test-fast: $(DEVSTAMP)
-	$(BIN)/python -m pytest tests -x -q
+	$(BIN)/python -m pytest tests -x -q -m "not gpu"
 
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/

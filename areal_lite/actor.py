@@ -67,6 +67,7 @@ import shutil
 import tempfile
 import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -179,12 +180,19 @@ def next_token_logp(
     return lp.masked_fill(seq_start, 0.0)
 
 
-def _next_token_entropy(logits: torch.Tensor, seq_start: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the distribution that predicted each token, aligned like `next_token_logp` (stats only)."""
-    z = logits[:-1].float() / temperature
-    logp = z.log_softmax(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return F.pad(ent, (1, 0)).masked_fill(seq_start, 0.0)
+def _scatter_next_token_logp(
+    logits: torch.Tensor, input_ids: torch.Tensor, pred: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """`next_token_logp` from logits taken at positions `pred` only: [T] with log-probs at pred + 1, 0 elsewhere."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lp = z.gather(-1, input_ids[pred + 1].unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
+    return lp.new_zeros(input_ids.shape[0]).index_put((pred + 1,), lp)
+
+
+def _entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of each row's next-token distribution (stats only)."""
+    logp = (logits.float() / temperature).log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def ppo_token_loss(
@@ -343,6 +351,18 @@ def _init_custom_process_group(backend: str, init_method: str, world_size: int, 
     return pg
 
 
+def _remove_weight_dirs(dirs: List[str]) -> None:
+    """Remove the weight versions in `dirs`, then each parent folder left empty (never anything else)."""
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    for root in {os.path.dirname(d) for d in dirs}:
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass  # not empty (someone else's files) or already gone
+    dirs.clear()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The actor
 
@@ -363,6 +383,10 @@ class PPOActor:
         self._rank, self._world = 0, 1
         self._owns_process_group = False
         self._nccl_group = None
+        # Weight-update folders this actor wrote: transport, not checkpoints, so they are removed on destroy() or at
+        # exit (each holds a full copy of the weights, often in RAM under /dev/shm).
+        self._weight_dirs: List[str] = []
+        self._cleanup = weakref.finalize(self, _remove_weight_dirs, self._weight_dirs)
         self._dtype = _DTYPES.get(config.dtype)
         if self._dtype is None:
             raise ValueError(f"actor.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
@@ -373,11 +397,10 @@ class PPOActor:
         """Load the model, optimizer and LR schedule. `initialize(ft_spec)` and AReaL's `initialize(None, ft_spec)`."""
         if isinstance(addr, FinetuneSpec):
             addr, ft_spec = None, addr
-        from .models import pick_device, resolve_model_path
+        from .models import pick_device, resolve_model_path, set_torch_threads
 
         cfg = self.config
-        if cfg.threads and cfg.threads > 0:
-            torch.set_num_threads(int(cfg.threads))
+        set_torch_threads(int(cfg.threads or 0))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
@@ -500,7 +523,10 @@ class PPOActor:
         packed["seq_start"] = (position_ids == 0).to(self.device)
         return packed
 
-    def _forward(self, model: torch.nn.Module, packed: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(
+        self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], keep: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Logits [T, V] of one packed row, or [len(keep), V] at the positions `keep` only."""
         T = packed["input_ids"].shape[0]
         starts = torch.nonzero(packed["seq_start"]).flatten()
         cu = torch.cat([starts, torch.tensor([T], device=starts.device)]).to(torch.int32)
@@ -513,6 +539,7 @@ class PPOActor:
             max_length_q=max_len,
             max_length_k=max_len,
             use_cache=False,
+            logits_to_keep=0 if keep is None else keep,
         )
         return out.logits[0]
 
@@ -732,9 +759,12 @@ class PPOActor:
                 self._dummy_forward_backward(self.model, backward=True)
                 continue
             packed = self._pack(work, mb_rows, keys)
-            logits = self._forward(self.model, packed)
-            logp = next_token_logp(logits, packed["input_ids"], packed["seq_start"], cfg.temperature)
             m = packed["pmask"].bool()
+            # Logits only where the next token is a policy token: the LM head over the whole vocabulary is a large
+            # share of a small model's cost (SmolLM2: 28M of 135M weights), and prompts are most of the tokens.
+            pred = torch.nonzero(m[1:]).flatten()  # position t-1 predicts token t
+            logits = self._forward(self.model, packed, keep=pred)
+            logp = _scatter_next_token_logp(logits, packed["input_ids"], pred, cfg.temperature)
             prox = packed["prox_logp"] if cfg.use_decoupled_loss else packed["logprobs"]
             per_token, info = ppo_token_loss(
                 logp,
@@ -753,7 +783,8 @@ class PPOActor:
             with torch.no_grad():
                 md = m.double()
                 ratio, w = info["ratio"].double(), info["behav_w"].double()
-                ent = _next_token_entropy(logits.detach(), packed["seq_start"], cfg.temperature).double()
+                ent = torch.zeros_like(logp, dtype=torch.float64)
+                ent[pred + 1] = _entropy(logits.detach(), cfg.temperature).double()
                 sums += torch.stack([
                     loss.detach().double().cpu() * n_global,
                     md.sum().cpu(),
@@ -900,6 +931,7 @@ class PPOActor:
         state = self._full_state_dict()  # collective: every rank takes part
         if self._rank == 0:
             self._atomic_dir(final, lambda tmp: self._write_hf_folder(state, tmp))
+            self._weight_dirs.append(final)
             self._prune_versions(meta.path, keep_from=version - max(1, int(meta.keep_last)) + 1)
         dist = _dist()
         if dist is not None and self._world > 1:
@@ -1038,7 +1070,9 @@ class PPOActor:
             raise RuntimeError("PPOActor is not initialized: call actor.initialize(ft_spec) first")
 
     def destroy(self) -> None:
-        """Free the model and optimizer; end the process group if this actor started it."""
+        """Free the model and optimizer, remove the weight-update folders this actor wrote (checkpoints from `save`
+        stay), and end the process group if this actor started it."""
+        self._cleanup()
         self.model = self.ref_model = self.optimizer = self.lr_scheduler = None
         if self._owns_process_group:
             import torch.distributed as dist

@@ -612,12 +612,16 @@ def _fill_derived(config: Any) -> None:
 
 def default_weight_update_dir(experiment_name: str, trial_name: str, fileroot: str = "runs") -> str:
     """Where disk weight updates go: RAM (`/dev/shm`) when the machine has it, since every step writes a full copy
-    of the weights (0.5 GB for SmolLM2 in float32) and the server reads it right back; else under `fileroot`."""
+    of the weights (0.5 GB for SmolLM2 in float32) and the server reads it right back; else under `fileroot`.
+
+    The folder is per process (`weights-<pid>`): two runs with the same names at once (the English and the Chinese
+    notebook side by side) must not prune each other's versions. The actor removes what it wrote when destroyed."""
+    name = f"weights-{os.getpid()}"
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
         user = os.environ.get("USER") or str(os.getuid())
-        return os.path.join(shm, f"areal-lite-{user}", experiment_name, trial_name, "weights")
-    return os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, "weights"))
+        return os.path.join(shm, f"areal-lite-{user}", experiment_name, trial_name, name)
+    return os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, name))
 
 
 def describe(cls: type, prefix: str = "") -> str:

@@ -1304,7 +1304,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    torch.set_num_threads(args.threads)
+    from areal_lite.models import set_torch_threads
+
+    args.threads = set_torch_threads(args.threads)  # OMP_NUM_THREADS caps it; the scheduler thread uses this count
     return asyncio.run(_serve(args))
 
 

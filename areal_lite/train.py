@@ -252,8 +252,9 @@ def _threads(config: Any) -> None:
     cpus = os.cpu_count() or 1
     if config.actor.threads == 0 and config.profile == "cpu" and cpus <= 4:
         config.actor.threads = max(1, cpus - config.embedded.threads)
-    if config.actor.threads > 0:
-        torch.set_num_threads(config.actor.threads)
+    from .models import set_torch_threads
+
+    set_torch_threads(config.actor.threads)
 
 
 # ------------------------------------------------------------------------------------------------ the loop

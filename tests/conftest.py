@@ -24,6 +24,23 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; run by `make test-gpu`")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Run the notebooks first, each English one next to its Chinese twin, then the test files.
+
+    `make test` runs two xdist workers that take whole files in this order (`--dist loadfile
+    --no-loadscope-reorder`). The notebooks are the long, indivisible units; the many short test files that follow
+    fill the gaps, so neither worker idles at the end waiting on the other's notebook.
+    """
+
+    def key(item):
+        path = str(item.path)
+        if path.endswith(".ipynb"):
+            return (0, os.path.basename(path), path)
+        return (1, "", "")
+
+    items.sort(key=key)  # stable: cells of a notebook, and tests of a file, keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """A tiny random Qwen2 with a 4k byte-level BPE and the tag tokens, built offline and deterministically."""

@@ -289,6 +289,30 @@ def test_packed_logp_equals_per_sequence(tiny_model_path, vocab):
     actor.destroy()
 
 
+def test_entropy_stat_is_the_mean_over_policy_tokens(tiny_model_path, vocab):
+    # The update computes logits only where the next token is a policy token; the entropy it reports must still be
+    # the mean, over policy tokens, of the entropy of the distribution that predicted each of them.
+    from transformers import AutoModelForCausalLM
+
+    actor = PPOActor(actor_cfg(tiny_model_path, temperature=0.7)).initialize()
+    batch = make_batch(vocab, B=4, seed=8, multiturn=True)
+    fill_logprobs(actor, batch)
+    batch["advantages"] = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64)
+    ents = []
+    for i in range(4):
+        n = int(batch["attention_mask"][i].sum())
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=batch["input_ids"][i, :n][None]).logits[0] / 0.7, -1)
+        for t in range(1, n):
+            if batch["loss_mask"][i, t]:
+                ents.append(float(-(logp[t - 1].exp() * logp[t - 1]).sum()))
+    stats = actor.ppo_update(batch)
+    assert stats["entropy"] == pytest.approx(sum(ents) / len(ents), rel=1e-6)  # computed in float32
+    assert stats["n_tokens"] == len(ents)
+    actor.destroy()
+
+
 LOSS_CASES = {
     "plain": dict(),
     "clip_higher_dual_cap": dict(eps_clip=0.1, eps_clip_higher=0.3, c_clip=1.5, behav_imp_weight_cap=1.3),
@@ -565,6 +589,21 @@ def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_p
         torch.testing.assert_close(loaded(input_ids=x).logits, actor.model(input_ids=x).logits)
     with pytest.raises(NotImplementedError, match="CUDA"):
         actor.upload_weights(WeightUpdateMeta.from_nccl("127.0.0.1", 1))
+    # Weight versions are transport, not checkpoints: destroy() removes them (and the folder, left empty) ...
+    actor.destroy()
+    assert not os.path.exists(meta.path)
+
+
+def test_destroy_keeps_files_it_did_not_write(tiny_model_path, tmp_path):
+    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
+    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"))
+    os.makedirs(meta.path)
+    with open(os.path.join(meta.path, "notes.txt"), "w") as f:
+        f.write("mine")
+    actor.update_weights(meta)
+    assert sorted(os.listdir(meta.path)) == ["notes.txt", "v1"]
+    actor.destroy()
+    assert os.listdir(meta.path) == ["notes.txt"]  # ... but nothing else in a folder the user gave
 
 
 RECEIVER = textwrap.dedent(
@@ -642,7 +681,9 @@ FSDP_SCRIPT = textwrap.dedent(
     actor.update_weights(WeightUpdateMeta.from_disk(out_path + ".weights"))
     state = actor._full_state_dict()
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"state": state, "stats": stats, "prox": batch["prox_logp"]}, out_path)
+        from safetensors.torch import load_file
+        saved = load_file(out_path + ".weights/v1/model.safetensors")  # read before destroy() removes it
+        torch.save({"state": state, "stats": stats, "prox": batch["prox_logp"], "saved": saved}, out_path)
     actor.destroy()
     """
 )
@@ -681,6 +722,5 @@ def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
     for key in ("loss", "grad_norm", "n_tokens", "clip_frac"):
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-4, abs=1e-6)
     # The FSDP run also wrote a weight folder equal to its state.
-    saved = load_file(str(tmp_path / "out2.pt.weights" / "v1" / "model.safetensors"))
-    for k, v in saved.items():
+    for k, v in two["saved"].items():
         torch.testing.assert_close(v, two["state"][k], atol=0, rtol=0)

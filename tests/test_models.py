@@ -298,3 +298,19 @@ def test_pick_device():
             pick_device("cuda")
     with pytest.raises(ValueError, match="unknown device"):
         pick_device("gpu-please")
+
+
+def test_set_torch_threads_is_capped_by_omp_num_threads(monkeypatch):
+    from areal_lite.models import set_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert set_torch_threads(2) == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # `make test` runs two notebooks on two cores
+        assert set_torch_threads(2) == 1
+        assert set_torch_threads(0) == 1  # 0: leave torch's setting alone
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        assert set_torch_threads(2) == 2  # a cap, never a raise
+    finally:
+        torch.set_num_threads(before)
