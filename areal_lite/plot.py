@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "load_stats",
@@ -118,8 +118,19 @@ def _axes(ax, figsize=(6, 3.5)):
     return fig, ax
 
 
-def plot_rewards(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Reward"):
-    """Mean rollout reward per step (points + smoothed line), and greedy eval accuracy when present."""
+def plot_rewards(
+    stats: Stats,
+    ax=None,
+    smoothing: float = 0.6,
+    title: str = "Reward",
+    evals: Optional[Sequence[Tuple[float, float]]] = None,
+    eval_label: str = "held-out",
+):
+    """Mean rollout reward per step (points + smoothed line), and a held-out evaluation curve.
+
+    The evaluation comes from `evals`, (updates done, value) pairs such as `[(0, before), (len(history), after)]`,
+    or else from the rows' `eval_accuracy` keys as `python -m areal_lite.train` writes them (greedy accuracy).
+    """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
     key = _key(rows, REWARD_KEYS, "reward")
@@ -127,7 +138,9 @@ def plot_rewards(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Re
     ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)")
     ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)")
     acc = _key(rows, ACCURACY_KEYS, "accuracy", required=False)
-    if acc:
+    if evals:
+        ax.plot([float(x) for x, _ in evals], [float(y) for _, y in evals], "s--", ms=5, label=eval_label)
+    elif acc:
         # train.py measures `eval_accuracy` after the row's update and `eval_accuracy_before` before any: draw both
         # at "updates done", so the first point is the untrained model.
         xs_acc, ys_acc = [], []

@@ -68,6 +68,13 @@ def test_jsonl_input_and_existing_axes(tmp_path):
     assert is_png(tmp_path / "both.png")
 
 
+def test_explicit_evals_are_drawn_where_given():
+    fig = plot_rewards([{"reward": 0.1}, {"reward": 0.5}], evals=[(0, 0.2), (2, 0.7)], eval_label="held-out, sampled")
+    line = fig.axes[0].lines[-1]
+    assert list(line.get_xdata()) == [0.0, 2.0] and list(line.get_ydata()) == [0.2, 0.7]
+    assert line.get_label() == "held-out, sampled"
+
+
 def test_clear_errors(tmp_path):
     with pytest.raises(KeyError, match="no reward.*keys present: \\['loss'\\]"):
         plot_rewards([{"loss": 1.0}])
