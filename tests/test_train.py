@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import aiohttp
 import pytest
@@ -67,19 +68,22 @@ def read_jsonl(path):
 
 def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, tokenizer):
     config = make_config(tmp_path, tiny_model_path, steps=12)
-    stats = train(config, workflow=token_workflow(tokenizer, config), progress=False)
+    run_dir = tmp_path / "runs" / "e2e" / "t0"
+    listed = []
+    stats = train(config, workflow=token_workflow(tokenizer, config), progress=False,
+                  on_step=lambda step, _: listed.append(sorted(os.listdir(run_dir / "weights"))))
     rewards = [s["reward"] for s in stats]
     assert len(stats) == 12 and [s["step"] for s in stats] == list(range(12))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.4, rewards
-    run_dir = tmp_path / "runs" / "e2e" / "t0"
     assert read_jsonl(run_dir / "stats.jsonl") == stats
     assert (run_dir / "reward_curve.png").stat().st_size > 2000
     for s in stats:
         # Synchronous, so the trainer recomputes what the server sampled: same policy, same numbers.
         assert abs(s["behav_kl"]) < 1e-4 and s["staleness_max"] == 0 and s["skipped"] == 0
         assert all(s[k] >= 0 for k in ("time/generate", "time/logp", "time/update", "time/weight_sync"))
-    assert sorted(os.listdir(run_dir / "weights")) == ["v11", "v12"]  # pruned to keep_last
+    assert listed[-1] == ["v11", "v12"]  # pruned to keep_last while training ...
+    assert not (run_dir / "weights").exists()  # ... and removed at the end: transport, not checkpoints
 
 
 def test_async_mode_respects_the_staleness_bound(tmp_path, tiny_model_path, tokenizer):
@@ -138,15 +142,21 @@ def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is 2 + 2?"}])
         before, lp_before, _ = asyncio.run(_greedy(handle.address, ids))
         config = make_config(tmp_path, tiny_model_path, steps=3, lr=5e-2)
+        weights, final_dir = tmp_path / "runs" / "e2e" / "t0" / "weights", tmp_path / "final"
+
+        def keep_final(step, _):  # the trainer removes its weight folders when it ends
+            if step == 2:
+                shutil.copytree(weights / "v3", final_dir)
+
         stats = train(config, workflow=token_workflow(tokenizer, config), server_addrs=[handle.address],
-                      progress=False)
+                      progress=False, on_step=keep_final)
         after, lp_after, version = asyncio.run(_greedy(handle.address, ids))
         assert version == "3" and stats[-1]["version"] == 3
         assert after != before or max(abs(a - b) for a, b in zip(lp_after, lp_before)) > 1e-2
         # The server now computes exactly what the trainer's final weights compute.
         from transformers import AutoModelForCausalLM
 
-        final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "runs" / "e2e" / "t0" / "weights" / "v3"))
+        final = AutoModelForCausalLM.from_pretrained(str(final_dir))
         with torch.no_grad():
             x = torch.tensor([ids + after])
             lp = torch.log_softmax(final(input_ids=x).logits[0].float(), -1)
