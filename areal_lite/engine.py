@@ -27,8 +27,11 @@ Design decisions
   them through the bound too, so an evaluation larger than (eta + 1) * B can never start). `queue_size`, when set,
   also stops new starts while finished-but-unconsumed results + running episodes reach it (backpressure).
   Callers block on a `threading.Condition` that every state change notifies.
-- Results are returned oldest first: `wait(n)` takes the n earliest-submitted finished episodes (AReaL sorts by
-  creation time too, then shuffles; we keep the order, which makes runs reproducible). `rollout_batch` returns its
+- Results are returned in submission order: `wait(n)` takes the n earliest-submitted accepted episodes, and waits
+  for an earlier episode still running rather than pass it. That is what makes the bound a guarantee: an episode
+  that started at version v had fewer than (eta + v + 1) * B episodes accepted or running ahead of it, so it is
+  consumed by step v + eta at the latest. Taking whatever finished first (AReaL sorts the finished ones by creation
+  time, then shuffles) lets a slow episode be passed over step after step and arrive more than eta versions stale. `rollout_batch` returns its
   own episodes in input order, without rejected ones, and never takes results of `submit`/`prepare_batch`.
 - Fail loudly instead of hanging. A workflow exception is re-raised (same object, so its traceback) in the thread
   that calls `wait`/`rollout_batch`/`prepare_batch`. When nothing can make progress -- nothing running, and the
@@ -800,7 +803,8 @@ class RemoteSGLangEngine:
         self._schedule_pump()
 
     def wait(self, count: int, timeout: Optional[float] = None) -> Dict[str, torch.Tensor]:
-        """Return the `count` oldest finished, accepted episodes concatenated (right-padded).
+        """Return the `count` earliest-submitted accepted episodes concatenated (right-padded), once no episode
+        submitted before them is still running (see the module docstring: this keeps staleness within eta).
 
         Raises a workflow's exception, TimeoutError (with counts) after `timeout` seconds, or RuntimeError when
         the results can never come (nothing running and the queue empty, paused, or held by the staleness bound).
@@ -834,8 +838,14 @@ class RemoteSGLangEngine:
         if len(self._ready) < count:
             return None
         seqs = sorted(self._ready)[:count]
+        if self._blocking_locked(seqs[-1]):
+            return None  # an earlier episode may still be accepted: it goes first
         self._counts["consumed"] += count
         return [self._ready.pop(s) for s in seqs]
+
+    def _blocking_locked(self, last_seq: int) -> bool:
+        """Whether an asynchronous episode submitted before `last_seq` is still running."""
+        return any(ep.batch is None and seq < last_seq for seq, ep in self._running.items())
 
     def _describe_locked(self) -> str:
         c = self._counts
@@ -846,6 +856,11 @@ class RemoteSGLangEngine:
 
     def _raise_if_stuck_locked(self, count: int, who: str) -> None:
         """Raise if no event can ever produce the missing results (only another thread could unblock us)."""
+        if self._paused and len(self._ready) >= count:
+            raise RuntimeError(
+                f"{who}({count}) cannot finish: the engine is paused: call engine.resume() (earlier episodes still "
+                f"running must finish first). State: {self._describe_locked()}"
+            )
         if self._running:
             return
         why = None
@@ -923,8 +938,8 @@ class RemoteSGLangEngine:
         should_accept: Optional[Callable[[dict], bool]] = None,
         timeout: Optional[float] = None,
     ) -> Dict[str, torch.Tensor]:
-        """Asynchronous RL: keep the pipeline fed from `dataloader` and return the oldest `consumer_batch_size`
-        finished episodes. The data iterator persists across calls (a new epoch starts when one ends).
+        """Asynchronous RL: keep the pipeline fed from `dataloader` and return the `consumer_batch_size`
+        earliest-submitted accepted episodes (as `wait`). The data iterator persists across calls (a new epoch starts when one ends).
 
         The queue is topped up to min(staleness headroom, max_concurrent_rollouts) + B rows: enough to refill every
         free slot while the trainer is busy, plus one batch to start the moment `set_version()` raises the bound.

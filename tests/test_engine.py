@@ -472,6 +472,31 @@ def test_wait_timeout_reports_counts_and_loses_nothing(make_engine, embedded_ser
     assert eng.wait(1, timeout=60)["rewards"].tolist() == [7.0]
 
 
+def test_wait_takes_episodes_in_submission_order_even_when_a_later_one_finishes_first(make_engine, embedded_server):
+    """A slow early episode is not passed over: otherwise it could be consumed more than eta versions stale."""
+
+    class SlowFirst(OneTurn):
+        async def arun_episode(self, engine, data):
+            if data.get("slow"):
+                await asyncio.sleep(1.5)  # rows 1 and 2 finish meanwhile
+            return await super().arun_episode(engine, data)
+
+    eng = make_engine(embedded_server.address, consumer_batch_size=2, max_concurrent_rollouts=4,
+                      max_head_offpolicyness=1)
+    for row in ({"i": 0, "slow": True}, {"i": 1}, {"i": 2}):
+        eng.submit(row, SlowFirst(max_new_tokens=3))
+    deadline = time.monotonic() + 60
+    while eng.stats()["ready"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert eng.stats()["ready"] == 2 and eng.stats()["running"] == 1  # rows 1 and 2 done, row 0 still running
+    eng.pause()
+    with pytest.raises(RuntimeError, match="paused"):  # row 0 must go first, and it cannot finish while paused
+        eng.wait(2, timeout=60)
+    eng.resume()
+    assert eng.wait(2, timeout=60)["rewards"].tolist() == [0.0, 1.0]
+    assert eng.wait(1, timeout=60)["rewards"].tolist() == [2.0]
+
+
 @pytest.mark.parametrize("eta", [0, 1])
 def test_prepare_batch_respects_staleness_bound(make_engine, embedded_server, eta):
     """Simulate the trainer: prepare_batch, "train", set_version(v + 1). The bound must hold at every version."""
