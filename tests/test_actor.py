@@ -136,13 +136,6 @@ def assert_close_dicts(a: dict, b: dict, atol: float, rtol: float = 0.0) -> None
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_model_path) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(tiny_model_path).vocab_size
-
-
 # ------------------------------------------------------------------------------------------------ pure formulas
 
 
@@ -689,15 +682,20 @@ FSDP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
-    """torchrun --nproc-per-node 2 (gloo, FSDP2 fully_shard) == one process, after one PPO step."""
-    script = tmp_path / "fsdp_step.py"
-    script.write_text(FSDP_SCRIPT)
+def save_fsdp_batch(vocab: int, path) -> None:
+    """The batch the FSDP tests train on, saved for their torchrun processes."""
     batch = make_batch(vocab, B=5, seed=11)  # odd B: ranks get 3 and 2 rows, and different micro-batch counts
     g = torch.Generator().manual_seed(0)
     batch["logprobs"] = -torch.rand(batch["logprobs"].shape, generator=g) * batch["loss_mask"]
     batch["rewards"] = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0])
-    torch.save(batch, tmp_path / "batch.pt")
+    torch.save(batch, path)
+
+
+def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, FSDP2 fully_shard) == one process, after one PPO step."""
+    script = tmp_path / "fsdp_step.py"
+    script.write_text(FSDP_SCRIPT)
+    save_fsdp_batch(vocab, tmp_path / "batch.pt")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     results = {}
     for nproc in (1, 2):

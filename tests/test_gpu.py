@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from test_actor import FSDP_SCRIPT, RECEIVER, make_batch
+from test_actor import FSDP_SCRIPT, RECEIVER, make_batch, save_fsdp_batch
 from test_serve import PROMPTS, forward_logprobs, generate
 
 from areal_lite.actor import PPOActor, _init_custom_process_group
@@ -29,13 +29,6 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs 
 @pytest.fixture(autouse=True)
 def cuda():
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device: run them with `make test-gpu` on a GPU"
-
-
-@pytest.fixture(scope="module")
-def vocab(tiny_model_path) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(tiny_model_path).vocab_size
 
 
 def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, vocab, tmp_path):
@@ -124,11 +117,7 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
 def test_fsdp2_on_two_gpus_equals_one_gpu(tiny_model_path, vocab, tmp_path):
     script = tmp_path / "fsdp_step.py"
     script.write_text(FSDP_SCRIPT.replace('device="cpu"', 'device="cuda"'))
-    batch = make_batch(vocab, B=5, seed=11)
-    g = torch.Generator().manual_seed(0)
-    batch["logprobs"] = -torch.rand(batch["logprobs"].shape, generator=g) * batch["loss_mask"]
-    batch["rewards"] = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0])
-    torch.save(batch, tmp_path / "batch.pt")
+    save_fsdp_batch(vocab, tmp_path / "batch.pt")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     results = {}
     for nproc in (1, 2):
