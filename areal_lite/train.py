@@ -16,7 +16,7 @@ Design decisions
 - The server is a separate process (`launch_server`); trainer and server each get one torch thread on a 2-core CPU
   (a process with more threads than cores slows the other down badly). `server_addrs=` reuses running servers.
 - Weight updates go through disk: version k is written to `<weights>/v<k>` (temp folder + rename, old versions
-  pruned) and loaded by every server; trainer and engine versions are bumped together *before* `resume()`, so
+  pruned, all removed by `actor.destroy()` at the end) and loaded by every server; trainer and engine versions are bumped together *before* `resume()`, so
   every rollout started afterwards is tagged with the new version.
 - Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
   eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
