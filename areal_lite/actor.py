@@ -68,13 +68,14 @@ import tempfile
 import time
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from .config import MicroBatchSpec, NormConfig, PPOActorConfig
 from .io_struct import FinetuneSpec, WeightUpdateMeta
+from .trajectory import concat_padded_tensors
 
 __all__ = [
     "PPOActor",
@@ -367,6 +368,42 @@ def _remove_weight_dirs(dirs: List[str]) -> None:
 # The actor
 
 
+Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
+_INT_KEYS = ("input_ids", "loss_mask", "versions")
+
+
+def _cast_long(batch: Dict[str, torch.Tensor]) -> None:
+    """Index-like keys as int64 in place (AReaL's batches hold int32; embedding, gather and masks want long)."""
+    for key in _INT_KEYS:
+        if key in batch and batch[key].dtype != torch.long:
+            batch[key] = batch[key].long()
+
+
+def _as_long(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = dict(batch)
+    _cast_long(out)
+    return out
+
+
+def _join(items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """AReaL's list of trajectories as one right-padded batch (normalisation and packing see them all at once)."""
+    if not items:
+        raise ValueError("an empty list of trajectories: nothing to train on (did every rollout fail or get rejected?)")
+    joined = concat_padded_tensors(items)
+    _cast_long(joined)
+    return joined
+
+
+def _split(t: torch.Tensor, items: List[Dict[str, torch.Tensor]]) -> List[torch.Tensor]:
+    """Per-trajectory slices of a joined [B, L] tensor, each cut back to its own rows and length."""
+    out, row = [], 0
+    for item in items:
+        rows, length = item["input_ids"].shape
+        out.append(t[row : row + rows, :length])
+        row += rows
+    return out
+
+
 class PPOActor:
     """PPO/GRPO trainer of a causal LM (one process, or FSDP2 under torchrun). See the module docstring."""
 
@@ -382,6 +419,8 @@ class PPOActor:
         self._version = 0
         self._rank, self._world = 0, 1
         self._owns_process_group = False
+        self._group_ready = False
+        self._engine = None  # connect_engine(): the rollout engine update_weights() hands new weights to
         self._nccl_group = None
         # Weight-update folders this actor wrote: transport, not checkpoints, so they are removed on destroy() or at
         # exit (each holds a full copy of the weights, often in RAM under /dev/shm).
@@ -393,8 +432,23 @@ class PPOActor:
 
     # ---------------------------------------------------------------- setup
 
+    def create_process_group(self, parallel_strategy: Any = None) -> None:
+        """AReaL's first call after construction: join torch.distributed when launched as several processes
+        (`WORLD_SIZE > 1`, e.g. torchrun: data-parallel FSDP2). One process needs no group. `parallel_strategy` is
+        AReaL's (tensor/pipeline layouts); the kit only does data parallelism and ignores it."""
+        self._group_ready = True
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() and self.config.device != "cpu" else "gloo"
+            dist.init_process_group(backend)
+            self._owns_process_group = True
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+
     def initialize(self, addr: Any = None, ft_spec: Optional[FinetuneSpec] = None) -> "PPOActor":
-        """Load the model, optimizer and LR schedule. `initialize(ft_spec)` and AReaL's `initialize(None, ft_spec)`."""
+        """Load the model, optimizer and LR schedule: AReaL's `initialize(None, ft_spec)` (or `ft_spec=` alone)."""
         if isinstance(addr, FinetuneSpec):
             addr, ft_spec = None, addr
         from .models import pick_device, resolve_model_path, set_torch_threads
@@ -403,16 +457,8 @@ class PPOActor:
         set_torch_threads(int(cfg.threads or 0))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
-                dist.init_process_group(backend)
-                self._owns_process_group = True
-            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        if not self._group_ready:
+            self.create_process_group()
         if self._world > 1 and torch.cuda.is_available() and cfg.device != "cpu":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
@@ -603,14 +649,21 @@ class PPOActor:
             dist.all_reduce(out)  # rows are disjoint across ranks
         return out.to(batch["input_ids"].device)
 
-    def compute_logp(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def compute_logp(self, batch: Batch) -> Union[torch.Tensor, List[torch.Tensor]]:
         """Log-probs [B, L] of the batch's tokens under the current weights (no grad), aligned like `logprobs`.
 
         Position t holds log softmax(z_{t-1} / temperature)[x_t]; 0 at t = 0 and on padding. Prompt tokens get
-        their real log-probs too (the loss masks them). Use as `batch["prox_logp"] = actor.compute_logp(batch)`.
+        their real log-probs too (the loss masks them). Use as `batch["prox_logp"] = actor.compute_logp(batch)`,
+        or, with AReaL's list of trajectories, `for traj, lp in zip(batch, actor.compute_logp(batch)):
+        traj["prox_logp"] = lp` (one tensor per trajectory).
+        Alignment differs from AReaL's: AReaL's position t holds log p(token t+1) (rolled by one), the kit's the
+        log-prob of token t itself, like the rollout's `logprobs`; each side's actor reads its own convention.
         """
         self._require_model()
-        return self._logp_of(self.model, batch)
+        if isinstance(batch, list):
+            joined = _join(batch)
+            return _split(self._logp_of(self.model, joined), batch)
+        return self._logp_of(self.model, _as_long(batch))
 
     def compute_ref_logp(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs under the reference model (same alignment as `compute_logp`)."""
@@ -639,12 +692,23 @@ class PPOActor:
             return dataclasses.replace(cfg, group_size=self.config.group_size)
         return cfg
 
-    def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    def compute_advantages(self, batch: Batch) -> Union[Dict[str, float], List[Dict[str, torch.Tensor]]]:
         """Add `advantages`, `kl_rewards`, `norm_rewards` (and `norm_token_returns`) to the batch, in place.
 
         Reads only keys it never writes (`rewards`, `token_returns`, `loss_mask`, `logprobs`, `prox_logp`,
-        `ref_logp`), so calling it twice gives the same result. Returns a few scalar stats.
+        `ref_logp`), so calling it twice gives the same result. One dict: returns a few scalar stats. AReaL's list
+        of trajectories: normalises over all of them together and returns the list (each dict updated), as AReaL
+        does; the stats are then in `actor.last_advantage_stats`.
         """
+        if isinstance(batch, list):
+            joined = _join(batch)
+            self.last_advantage_stats = self.compute_advantages(joined)
+            for key in ("advantages", "kl_rewards", "norm_rewards", "norm_token_returns", "ref_logp"):
+                if key in joined:
+                    for traj, part in zip(batch, _split(joined[key], batch)):
+                        traj[key] = part
+            return batch
+        _cast_long(batch)
         for key in ("input_ids", "attention_mask", "loss_mask", "logprobs", "rewards"):
             if key not in batch:
                 raise KeyError(f"compute_advantages: the batch has no {key!r} key (got {sorted(batch)})")
@@ -719,8 +783,13 @@ class PPOActor:
 
     # ---------------------------------------------------------------- PPO update
 
-    def ppo_update(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
-        """`ppo_n_minibatches` optimizer steps on the batch; returns averaged stats (see module docstring)."""
+    def ppo_update(self, batch: Batch) -> Dict[str, float]:
+        """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories); returns
+        averaged stats (see module docstring). AReaL's returns None and logs its statistics through
+        `areal.utils.stats_tracker`."""
+        if isinstance(batch, list):
+            batch = _join(batch)
+        _cast_long(batch)
         self._require_model()
         cfg = self.config
         if "advantages" not in batch:
@@ -919,15 +988,31 @@ class PPOActor:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    def connect_engine(self, engine: Any, meta: WeightUpdateMeta) -> None:
+        """AReaL's hand-off: after this, `update_weights(meta)` also makes `engine`'s servers load the new weights
+        and returns when they did (AReaL 1.0.4's order: call it between `engine.pause()` and `engine.resume()`)."""
+        self._engine = engine
+        if meta.is_broadcast:
+            self.prepare_nccl_meta(meta, n_server_gpus=len(getattr(engine, "addresses", [])) or 1)
+
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Publish the current weights as version get_version() + 1 (disk) or broadcast them (NCCL)."""
+        """Publish the current weights as version get_version() + 1 (disk) or broadcast them (NCCL).
+
+        With an engine connected (`connect_engine`) the engine loads them too, and this returns once every server
+        did; without one, call `engine.update_weights(meta)` yourself before this (it waits for the folder).
+        """
         self._require_model()
+        future = None
+        if self._engine is not None and self._rank == 0:
+            future = self._engine.update_weights(meta)  # waits for the folder this call is about to write
         if meta.type == "disk":
             self._update_weights_disk(meta)
-        elif meta.type == "nccl":
+        elif meta.is_broadcast:
             self._update_weights_nccl(meta)
         else:
-            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'nccl', got {meta.type!r}")
+            raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'xccl' or 'nccl', got {meta.type!r}")
+        if future is not None:
+            future.result()
 
     upload_weights = update_weights  # AReaL's older name
 
@@ -938,15 +1023,17 @@ class PPOActor:
         if self._rank == 0:
             self._atomic_dir(final, lambda tmp: self._write_hf_folder(state, tmp))
             self._weight_dirs.append(final)
-            self._prune_versions(meta.path, keep_from=version - max(1, int(meta.keep_last)) + 1)
+            self._prune_versions(os.path.dirname(final), keep_from=version - max(1, int(meta.keep_last)) + 1)
         dist = _dist()
         if dist is not None and self._world > 1:
             dist.barrier()
 
     @staticmethod
     def _prune_versions(root: str, keep_from: int) -> None:
+        prefix = "weight_update_v"
         for name in os.listdir(root):
-            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < keep_from:
+            number = name[len(prefix):]
+            if name.startswith(prefix) and number.isdigit() and int(number) < keep_from:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     def _update_weights_nccl(self, meta: WeightUpdateMeta) -> None:
@@ -963,7 +1050,7 @@ class PPOActor:
             )
         dist = _dist()
         if self._rank == 0 and self._nccl_group is None:
-            world = int(getattr(meta, "nccl_world_size", 0) or 2)  # 1 trainer + the servers' GPUs
+            world = int(meta.nccl_world_size or 2)  # 1 trainer + the servers' GPUs
             self._nccl_group = _init_custom_process_group(
                 "nccl",
                 f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",

@@ -47,6 +47,7 @@ __all__ = [
     "resolve_profile",
     "describe",
     "default_weight_update_dir",
+    "sampling_params",
 ]
 
 
@@ -67,18 +68,28 @@ def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None
 
 @dataclass
 class GenerationHyperparameters:
-    """How one request is sampled. `n_samples` is the GRPO group size; it is given here once and nowhere else."""
+    """How one request is sampled: AReaL 1.0.4's fields, order and defaults (a YAML or cell moves unchanged).
+
+    `n_samples` is the GRPO group size, given here once; workflows send `gconfig.new(n_samples=1)` per request and
+    the engine's `group_size=` runs the group. `max_new_tokens` bounds one request; `max_tokens` bounds prompt +
+    output (the engine lowers `max_new_tokens` to what `max_tokens` leaves, as AReaL's does).
+    """
 
     n_samples: int = _f(1, "number of samples per prompt (the GRPO group size)")
-    max_new_tokens: int = _f(256, "maximum number of tokens generated per request")
+    max_new_tokens: int = _f(16384, "maximum number of tokens generated per request")
     min_new_tokens: int = _f(0, "minimum number of tokens generated before a stop can end the request")
+    max_tokens: int = _f(32768, "maximum number of tokens of prompt plus output")
     greedy: bool = _f(False, "greedy decoding (overrides temperature, top_p, top_k)")
-    temperature: float = _f(1.0, "sampling temperature; 0 also means greedy")
     top_p: float = _f(1.0, "nucleus sampling probability mass, in (0, 1]")
-    top_k: int = _f(-1, "sample from the k most likely tokens; -1 means all")
-    stop: Optional[List[str]] = _f(None, "stop strings; the request ends when one appears in the output")
+    top_k: int = _f(int(1e8), "sample from the k most likely tokens (1e8 or more, or <= 0: all)")
+    temperature: float = _f(1.0, "sampling temperature; 0 also means greedy")
     stop_token_ids: List[int] = _f(help="extra token ids that end the request (EOS always does)", factory=list)
     ignore_eos: bool = _f(False, "keep generating after EOS (benchmarks only)")
+    skip_special_tokens: bool = _f(True, "the server skips special tokens when it detokenizes (text output only)")
+    stop: Optional[List[str]] = _f(None, "stop strings; the request ends when one appears in the output")
+    frequency_penalty: float = _f(0.0, "penalty on tokens by their frequency so far, in [-2, 2]")
+    lora_name: str = _f("default_lora", "LoRA adapter name (AReaL; unused by the kit)")
+    use_beam_search: bool = _f(False, "beam search (AReaL's vLLM backend only; the kit refuses it)")
 
     def new(self, **kwargs: Any) -> "GenerationHyperparameters":
         """A copy with some fields changed: `gconfig.new(n_samples=1)`."""
@@ -87,23 +98,48 @@ class GenerationHyperparameters:
             raise TypeError(f"GenerationHyperparameters has no field(s) {sorted(unknown)}")
         return dataclasses.replace(self, **kwargs)
 
+    def new_with_stop_and_pad_token_ids(self, tokenizer) -> "GenerationHyperparameters":
+        """A copy whose `stop_token_ids` also hold the tokenizer's pad and EOS ids (what AReaL's workflows do)."""
+        ids = list(self.stop_token_ids)
+        for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if tid is not None and tid not in ids:
+                ids.append(tid)
+        return self.new(stop_token_ids=ids)
+
     def to_sampling_params(self) -> Dict[str, Any]:
-        """SGLang's `sampling_params` for one sample (the client fans out `n_samples` itself)."""
-        params: Dict[str, Any] = {
-            "max_new_tokens": int(self.max_new_tokens),
-            "min_new_tokens": int(self.min_new_tokens),
-            "temperature": 0.0 if self.greedy else float(self.temperature),
-            "top_p": 1.0 if self.greedy else float(self.top_p),
-            "top_k": -1 if self.greedy else int(self.top_k),
-            "stop_token_ids": [int(t) for t in self.stop_token_ids],
-            "ignore_eos": bool(self.ignore_eos),
-            "skip_special_tokens": False,
-            "no_stop_trim": True,
-            "n": 1,
-        }
-        if self.stop:
-            params["stop"] = list(self.stop)
-        return params
+        """SGLang's `sampling_params` for one sample (kit extra; the engine builds them from any gconfig)."""
+        return sampling_params(self)
+
+
+def sampling_params(g: Any, max_new_tokens: Optional[int] = None) -> Dict[str, Any]:
+    """SGLang `sampling_params` for one sample from a kit or AReaL `GenerationHyperparameters` (read by attribute).
+
+    Token ids in and out: the client never needs detokenized text, so special tokens are kept and stop strings are
+    not trimmed (`no_stop_trim`), which keeps `output_ids` exactly what was sampled.
+    """
+    greedy = bool(getattr(g, "greedy", False))
+    top_k = int(getattr(g, "top_k", -1))
+    if greedy or top_k <= 0 or top_k >= int(1e8):
+        top_k = -1
+    if getattr(g, "use_beam_search", False):
+        raise ValueError("use_beam_search is not supported by the SGLang-compatible servers")
+    params: Dict[str, Any] = {
+        "max_new_tokens": int(g.max_new_tokens if max_new_tokens is None else max_new_tokens),
+        "min_new_tokens": int(getattr(g, "min_new_tokens", 0)),
+        "temperature": 0.0 if greedy else float(g.temperature),
+        "top_p": 1.0 if greedy else float(getattr(g, "top_p", 1.0)),
+        "top_k": top_k,
+        "stop_token_ids": [int(t) for t in (getattr(g, "stop_token_ids", None) or [])],
+        "ignore_eos": bool(getattr(g, "ignore_eos", False)),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "n": 1,
+    }
+    if getattr(g, "frequency_penalty", 0.0):
+        params["frequency_penalty"] = float(g.frequency_penalty)
+    if getattr(g, "stop", None):
+        params["stop"] = list(g.stop)
+    return params
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -491,8 +527,10 @@ def resolve_profile(requested: str) -> tuple[str, str]:
     return ("gpu", "auto: CUDA is available") if has_cuda else ("cpu", "auto: no CUDA device")
 
 
-def load_expr_config(argv: List[str], cls: type = GRPOConfig, verbose: bool = True) -> tuple[Any, Optional[str]]:
-    """Parse `["--config", FILE, "a.b=1", ...]` into a `cls` instance. Returns `(config, path_of_file)`.
+def load_expr_config(
+    argv: List[str], config_cls: type = GRPOConfig, *, verbose: bool = True
+) -> tuple[Any, Optional[str]]:
+    """Parse `["--config", FILE, "a.b=1", ...]` into a `config_cls` instance. Returns `(config, path_of_file)`.
 
     Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`.
     The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
@@ -537,13 +575,13 @@ def load_expr_config(argv: List[str], cls: type = GRPOConfig, verbose: bool = Tr
         data = loaded
 
     source = path or "<defaults>"
-    data = _Checker(source).check(cls, data, "")
+    data = _Checker(source).check(config_cls, data, "")
     for name, prof in profiles.items():
         if name not in ("cpu", "gpu"):
             near = difflib.get_close_matches(str(name), ["cpu", "gpu"], n=1, cutoff=0.3)
             hint = f"; did you mean 'profiles.{near[0]}'?" if near else ""
             raise ConfigError(f"{source}: key 'profiles.{name}': unknown profile (valid: cpu, gpu){hint}")
-        profiles[name] = _Checker(f"{source} (profile {name})").check(cls, prof or {}, "")
+        profiles[name] = _Checker(f"{source} (profile {name})").check(config_cls, prof or {}, "")
 
     # The environment is the one switch a whole run (CI, `make test-gpu`) flips without editing a notebook:
     # AREAL_LITE_OVERRIDES holds extra overrides applied before the explicit ones, AREAL_LITE_PROFILE the profile.
@@ -552,18 +590,18 @@ def load_expr_config(argv: List[str], cls: type = GRPOConfig, verbose: bool = Tr
     for origin, items in (("AREAL_LITE_OVERRIDES", env_overrides), ("command line", overrides)):
         for item in items:
             key, value = _parse_override(item)
-            nested = _Checker(origin, numbers_as_text=True).check(cls, _nest(key, value), "")
+            nested = _Checker(origin, numbers_as_text=True).check(config_cls, _nest(key, value), "")
             cli = _deep_merge(cli, nested)
 
     env_profile = os.environ.get("AREAL_LITE_PROFILE")
     if env_profile and "profile" not in {o.split("=", 1)[0].strip() for o in overrides}:
-        cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(cls, {"profile": env_profile}, "")["profile"]
+        cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(config_cls, {"profile": env_profile}, "")["profile"]
     requested = cli.get("profile", data.get("profile", "auto"))
     chosen, why = resolve_profile(requested)
     merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)
     merged["profile"] = chosen
     try:
-        conf = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(merged))
+        conf = OmegaConf.merge(OmegaConf.structured(config_cls), OmegaConf.create(merged))
         config = OmegaConf.to_object(conf)
     except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
         raise ConfigError(f"{source}: {e}") from None

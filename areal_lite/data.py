@@ -590,14 +590,18 @@ def make_dataloader(dataset, batch_size: int, shuffle: bool = True, seed: int = 
     )
 
 
-def cycle_dataloader(dataloader) -> Iterator[list[dict]]:
-    """Endless batches, starting a new (reshuffled) epoch whenever one ends; resumes where the loader stands."""
-    empty_epochs = 0
+def cycle_dataloader(dataloader, num_cycles: int = -1) -> Iterator[list[dict]]:
+    """Batches epoch after epoch (reshuffled), `num_cycles` epochs or endlessly (-1, AReaL's default); resumes
+    where the loader stands."""
+    empty_epochs = epochs = 0
     while True:
         n = 0
         for batch in dataloader:
             n += 1
             yield batch
+        epochs += 1
+        if 0 < num_cycles <= epochs:
+            return
         # One empty pass is normal: a state saved right after an epoch's last batch resumes at its end.
         empty_epochs = empty_epochs + 1 if n == 0 else 0
         if empty_epochs >= 2:

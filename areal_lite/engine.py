@@ -80,8 +80,8 @@ import aiohttp
 import torch
 
 from .config import InferenceEngineConfig
-from .io_struct import FinetuneSpec, ModelRequest, ModelResponse, WeightUpdateMeta
-from .trajectory import concat_padded_tensors
+from .config import sampling_params
+from .io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 
 __all__ = ["RemoteSGLangEngine", "EngineError", "ADDRS_ENV"]
 
@@ -104,6 +104,16 @@ class EngineError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
+
+
+def _import_from_string(path: str) -> Any:
+    """`pkg.module.Name` or `pkg.module:Name` -> the object (AReaL accepts workflows named this way)."""
+    import importlib
+
+    module, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"cannot import {path!r}: write 'package.module.Name'")
+    return getattr(importlib.import_module(module), name)
 
 
 def _parse_addrs(addr: Any) -> List[str]:
@@ -163,6 +173,13 @@ def _parse_version(value: Any) -> Optional[int]:
         except ValueError:
             return None
     return None
+
+
+def _looks_like_addrs(value: Any) -> bool:
+    """A server address ("host:port") or a list of them, passed where AReaL expects an engine id."""
+    if isinstance(value, (list, tuple)):
+        return bool(value)
+    return isinstance(value, str) and value.rsplit(":", 1)[-1].isdigit() and ":" in value
 
 
 def _rows_of(batch: Any) -> List[Any]:
@@ -229,7 +246,7 @@ class RemoteSGLangEngine:
             raise ValueError(f"queue_size must be >= 1 or None, got {config.queue_size}")
         self.config = config
         self.addresses: List[str] = []
-        self.ft_spec: Optional[FinetuneSpec] = None
+        self.engine_id: Optional[str] = None
         self.max_concurrent_rollouts = config.max_concurrent_rollouts or config.consumer_batch_size
         self.consumer_batch_size = config.consumer_batch_size
         self.max_head_offpolicyness = config.max_head_offpolicyness
@@ -267,12 +284,23 @@ class RemoteSGLangEngine:
 
     # -------------------------------------------------------------------------------------------- lifecycle
 
-    def initialize(self, addr: Any = None, ft_spec: Optional[FinetuneSpec] = None) -> "RemoteSGLangEngine":
-        """Start the background loop and wait (up to `setup_timeout`) until every server answers GET /health."""
+    def initialize(
+        self, engine_id: Optional[str] = None, addr: Any = None, train_data_parallel_size: Optional[int] = None
+    ) -> "RemoteSGLangEngine":
+        """Start the background loop and wait (up to `setup_timeout`) until every server answers GET /health.
+
+        AReaL 1.0.4's order: the first parameter is an engine id, so pass servers by keyword:
+        `engine.initialize(addr=server.address)`. Without `addr`, `AREAL_LLM_SERVER_ADDRS` is read.
+        """
+        if addr is None and _looks_like_addrs(engine_id):
+            raise TypeError(
+                f"initialize({engine_id!r}): the first argument is engine_id (AReaL's order), not the server; "
+                "write engine.initialize(addr=...) — the same call works in AReaL"
+            )
         if self._initialized or self._destroyed:
             raise RuntimeError("initialize() may be called once per engine (make a new engine after destroy())")
+        self.engine_id = engine_id or uuid.uuid4().hex
         self.addresses = _parse_addrs(addr)
-        self.ft_spec = ft_spec
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._thread = threading.Thread(
@@ -383,7 +411,7 @@ class RemoteSGLangEngine:
         if self._destroyed:
             raise RuntimeError("the engine was destroyed; create a new RemoteSGLangEngine")
         if not self._initialized:
-            raise RuntimeError("call engine.initialize(addr) first")
+            raise RuntimeError("call engine.initialize(addr=...) first")
 
     def _run_sync(self, coro, timeout: Optional[float]):
         """Run `coro` on the background loop and block this thread until it is done."""
@@ -498,6 +526,11 @@ class RemoteSGLangEngine:
             )
         if not req.input_ids:
             raise ValueError("ModelRequest.input_ids is empty: tokenize the prompt first")
+        max_tokens = getattr(req.gconfig, "max_tokens", None)
+        if max_tokens is not None and max_tokens - len(req.input_ids) <= 0:
+            raise ValueError(
+                f"the prompt has {len(req.input_ids)} tokens, gconfig.max_tokens={max_tokens} leaves no room to generate"
+            )
         if asyncio.get_running_loop() is self._loop:
             return await self._agenerate(req)
         # A foreign loop (a notebook cell, a test's asyncio.run): the HTTP session lives on the background loop.
@@ -512,6 +545,9 @@ class RemoteSGLangEngine:
     async def _agenerate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
         prompt = [int(t) for t in req.input_ids]
+        # AReaL's rule: max_tokens bounds prompt + output, so a request generates at most what is left of it.
+        budget = min(int(g.max_new_tokens), int(getattr(g, "max_tokens", 1 << 62)) - len(prompt))
+        min_new = int(getattr(g, "min_new_tokens", 0))
         addr = self._choose_server(req.rid)
         wire_rid = req.rid if req.rid not in self._inflight else f"{req.rid}-{uuid.uuid4().hex[:8]}"
         self._inflight[wire_rid] = addr
@@ -526,13 +562,12 @@ class RemoteSGLangEngine:
             while True:
                 if not await self._wait_unpaused():
                     break  # destroyed while paused: return what we have, marked "abort"
-                remaining = g.max_new_tokens - len(tokens)
+                remaining = budget - len(tokens)
                 if remaining <= 0:
                     stop_reason = "length"
                     break
-                params = g.to_sampling_params()
-                params["max_new_tokens"] = remaining
-                params["min_new_tokens"] = max(0, min(g.min_new_tokens - len(tokens), remaining))
+                params = sampling_params(g, max_new_tokens=remaining)
+                params["min_new_tokens"] = max(0, min(min_new - len(tokens), remaining))
                 payload = {
                     "input_ids": prompt + tokens,
                     "sampling_params": params,
@@ -583,6 +618,7 @@ class RemoteSGLangEngine:
             output_logprobs=logprobs,
             output_versions=versions,
             stop_reason=stop_reason,
+            tokenizer=getattr(req, "tokenizer", None),
             latency=time.perf_counter() - start,
             ttft=ttft,
             rid=req.rid,
@@ -619,15 +655,25 @@ class RemoteSGLangEngine:
         after the future is done. `timeout` (default `request_timeout`) bounds the wait for the folder.
         """
         self._require_running()
-        k = self.get_version() + 1
+        k = self.get_version() + 1 if meta.version is None else meta.version
         timeout = self.config.request_timeout if timeout is None else timeout
         if meta.type == "disk":
             coro = self._update_from_disk(meta.dir_for(k), k, timeout)
-        elif meta.type == "nccl":
+        elif meta.is_broadcast:
             coro = self._update_from_distributed(meta, _nccl_specs(meta), k)
         else:
-            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'nccl', got {meta.type!r}")
+            raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'xccl' or 'nccl', got {meta.type!r}")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future:
+        """AReaL's name for a disk `update_weights`: a Future that is done when every server loaded the version.
+
+        With a versioned meta (`meta.with_version(k)`, AReaL's way) the servers load `meta.path`; otherwise version
+        `get_version() + 1`.
+        """
+        if meta.type != "disk":
+            raise ValueError(f"update_weights_from_disk needs a disk meta, got type {meta.type!r}")
+        return self.update_weights(meta)
 
     async def _update_from_disk(self, path: str, version: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
@@ -782,38 +828,73 @@ class RemoteSGLangEngine:
                 self._errors.append((ep.seq, payload, ep))
             self._cond.notify_all()
 
-    def _check_workflow(self, workflow: Any) -> None:
+    def _resolve_workflow(self, workflow: Any, workflow_kwargs: Optional[dict], group_size: int) -> Any:
+        """AReaL's forms: a workflow instance, a workflow class + `workflow_kwargs`, or an import path string
+        ("pkg.module.Name" or "pkg.module:Name"); `group_size > 1` runs it that many times per data row."""
+        if isinstance(workflow, str):
+            workflow = _import_from_string(workflow)
+        if isinstance(workflow, type):
+            if workflow_kwargs is None:
+                raise ValueError(f"workflow_kwargs is required when workflow is a class ({workflow.__name__})")
+            workflow = workflow(**workflow_kwargs)
+        elif workflow_kwargs is not None:
+            logger.warning("workflow_kwargs is ignored when workflow is already an instance")
         fn = getattr(workflow, "arun_episode", None)
         if fn is None or not inspect.iscoroutinefunction(fn):
             raise TypeError(
                 f"workflow must be an object with `async def arun_episode(self, engine, data)`; got {workflow!r}"
             )
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if group_size > 1:
+            from .workflow import GroupedWorkflow  # the workflow module never imports the engine: no cycle
+
+            # AReaL's rule: group_size decides, whatever the workflow's gconfig.n_samples says
+            workflow = GroupedWorkflow(workflow, group_size=group_size, check_n_samples=False)
+        return workflow
 
     def _enqueue_locked(self, data: Any, workflow: Any, should_accept, batch=None, index=0) -> _Episode:
         ep = _Episode(next(self._seq), data, workflow, should_accept, batch, index)
         self._pending.append(ep)
         return ep
 
-    def submit(self, data: Any, workflow: Any, should_accept: Optional[Callable[[dict], bool]] = None) -> None:
-        """Queue one episode; it starts when the capacity rule allows. Collect results with `wait`."""
+    def submit(
+        self,
+        data: Any,
+        workflow: Any,
+        workflow_kwargs: Optional[dict] = None,
+        should_accept_fn: Optional[Callable[[dict], bool]] = None,
+        group_size: int = 1,
+        task_id: Optional[int] = None,
+        callback_addr: Optional[str] = None,
+        is_eval: bool = False,
+        proxy_addr: Optional[str] = None,
+    ) -> int:
+        """Queue one episode (a group of `group_size` rows); it starts when the capacity rule allows. Returns its
+        task id. Collect results with `wait`. (`task_id`, `callback_addr`, `is_eval` and `proxy_addr` are AReaL's
+        distributed-controller options: the kit assigns ids itself and refuses the other two.)"""
         self._require_running()
-        self._check_workflow(workflow)
+        if callback_addr is not None or proxy_addr is not None:
+            raise NotImplementedError("callback_addr/proxy_addr belong to AReaL's distributed controller")
+        workflow = self._resolve_workflow(workflow, workflow_kwargs, group_size)
         with self._cond:
-            self._enqueue_locked(data, workflow, should_accept)
+            ep = self._enqueue_locked(data, workflow, should_accept_fn)
         self._schedule_pump()
+        return ep.seq
 
-    def wait(self, count: int, timeout: Optional[float] = None) -> Dict[str, torch.Tensor]:
-        """Return the `count` earliest-submitted accepted episodes concatenated (right-padded), once no episode
-        submitted before them is still running (see the module docstring: this keeps staleness within eta).
+    def wait(self, count: int, timeout: Optional[float] = None, raise_timeout: bool = True) -> List[dict]:
+        """The `count` earliest-submitted accepted episodes, once no episode submitted before them is still running
+        (see the module docstring: this keeps staleness within eta). A list of trajectory dicts, as AReaL's.
 
-        Raises a workflow's exception, TimeoutError (with counts) after `timeout` seconds, or RuntimeError when
-        the results can never come (nothing running and the queue empty, paused, or held by the staleness bound).
+        Raises a workflow's exception, TimeoutError (with counts) after `timeout` seconds (or returns [] when
+        `raise_timeout=False`), or RuntimeError when the results can never come (nothing running and the queue
+        empty, paused, or held by the staleness bound).
         """
         self._require_running()
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if count == 0:
-            return {}
+            return []
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -823,10 +904,12 @@ class RemoteSGLangEngine:
                 self._raise_if_stuck_locked(count, "wait")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    if not raise_timeout:
+                        return []
                     raise TimeoutError(f"wait({count}) timed out after {timeout:g}s: {self._describe_locked()}")
                 self._cond.wait(remaining)
         self._schedule_pump()  # consuming may lift the queue_size backpressure
-        return concat_padded_tensors(results)
+        return results
 
     def _take_locked(self, count: int) -> Optional[List[dict]]:
         if self._errors:
@@ -883,21 +966,29 @@ class RemoteSGLangEngine:
         self,
         data: Sequence[Any],
         workflow: Any,
-        should_accept: Optional[Callable[[dict], bool]] = None,
+        workflow_kwargs: Optional[dict] = None,
+        group_size: int = 1,
+        *,
+        should_accept_fn: Optional[Callable[[dict], bool]] = None,
         timeout: Optional[float] = None,
-    ) -> Dict[str, torch.Tensor]:
-        """Run one episode per row and wait for all of them (synchronous RL). Results come in input order;
-        rejected episodes are left out (all rejected: `{}`). The first workflow exception cancels the rest of the
-        batch and is raised here."""
+    ) -> List[dict]:
+        """Run one episode (a group of `group_size` rows) per data row and wait for all of them (synchronous RL).
+
+        Returns a list of trajectory dicts in input order, rejected episodes left out (AReaL's return type; join
+        them with `concat_padded_tensors`). The first workflow exception cancels the rest of the batch and is raised
+        here -- AReaL 1.0.4 logs it and returns an empty list. The staleness bound does not apply: every episode
+        runs on the current weights, so evaluation at a fixed version returns -- AReaL 1.0.4 blocks forever there
+        once (1 + eta) * B episodes have started at one version.
+        """
         self._require_running()
-        self._check_workflow(workflow)
+        workflow = self._resolve_workflow(workflow, workflow_kwargs, group_size)
         rows = list(data)
         if not rows:
-            return {}
+            return []
         batch = _Batch(size=len(rows))
         with self._cond:
             for i, row in enumerate(rows):
-                self._enqueue_locked(row, workflow, should_accept, batch, i)
+                self._enqueue_locked(row, workflow, should_accept_fn, batch, i)
         self._schedule_pump()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -920,7 +1011,7 @@ class RemoteSGLangEngine:
         except BaseException:
             self._cancel_batch(batch)
             raise
-        return concat_padded_tensors([batch.results[i] for i in range(batch.size) if batch.results[i] is not None])
+        return [batch.results[i] for i in range(batch.size) if batch.results[i] is not None]
 
     def _cancel_batch(self, batch: _Batch) -> None:
         """Drop a failed/abandoned rollout_batch: unqueue its episodes and cancel its running ones."""
@@ -935,21 +1026,29 @@ class RemoteSGLangEngine:
         self,
         dataloader: Iterable,
         workflow: Any,
-        should_accept: Optional[Callable[[dict], bool]] = None,
+        workflow_kwargs: Optional[dict] = None,
+        should_accept_fn: Optional[Callable[[dict], bool]] = None,
+        group_size: int = 1,
+        dynamic_bs: bool = False,
+        *,
         timeout: Optional[float] = None,
-    ) -> Dict[str, torch.Tensor]:
+    ) -> List[dict]:
         """Asynchronous RL: keep the pipeline fed from `dataloader` and return the `consumer_batch_size`
-        earliest-submitted accepted episodes (as `wait`). The data iterator persists across calls (a new epoch starts when one ends).
+        earliest-submitted accepted episodes (as `wait`), a list of trajectory dicts. The data iterator persists
+        across calls (a new epoch starts when one ends).
 
         The queue is topped up to min(staleness headroom, max_concurrent_rollouts) + B rows: enough to refill every
         free slot while the trainer is busy, plus one batch to start the moment `set_version()` raises the bound.
+        `dynamic_bs` (AReaL: return what is ready instead of exactly B) is not supported and raises.
         """
         self._require_running()
-        self._check_workflow(workflow)
+        if dynamic_bs:
+            raise NotImplementedError("dynamic_bs=True is not supported by the kit's engine")
+        workflow = self._resolve_workflow(workflow, workflow_kwargs, group_size)
         B = self.consumer_batch_size
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._top_up(dataloader, workflow, should_accept)
+            self._top_up(dataloader, workflow, should_accept_fn)
             with self._cond:
                 while True:
                     results = self._take_locked(B)
@@ -964,7 +1063,7 @@ class RemoteSGLangEngine:
                     self._cond.wait(remaining)
             if results is not None:
                 self._schedule_pump()
-                return concat_padded_tensors(results)
+                return results
 
     def _top_up_target_locked(self) -> int:
         return min(max(self._headroom_locked(), 0), self.max_concurrent_rollouts) + self.consumer_batch_size
@@ -1024,15 +1123,7 @@ class RemoteSGLangEngine:
 
 def _nccl_specs(meta: WeightUpdateMeta) -> dict:
     """names/dtypes/shapes of the parameters to broadcast, from `meta` (set by the actor on the GPU route)."""
-    specs = getattr(meta, "nccl_param_specs", None)
-    if specs:
-        flat = [s for group in specs for s in (group if isinstance(group, (list, tuple)) else [group])]
-        return {
-            "names": [s.name for s in flat],
-            "dtypes": [str(s.dtype).replace("torch.", "") for s in flat],
-            "shapes": [list(s.shape) for s in flat],
-        }
-    names, dtypes, shapes = (getattr(meta, k, None) for k in ("names", "dtypes", "shapes"))
+    names, dtypes, shapes = meta.names, meta.dtypes, meta.shapes
     if names and dtypes and shapes:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("WeightUpdateMeta names/dtypes/shapes must have the same length")

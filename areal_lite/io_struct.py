@@ -5,12 +5,15 @@ Design decisions
   context and never re-tokenizes text the model generated, so what is trained on is exactly what was sampled.
 - Every output token carries the policy version that produced it (`output_versions`): a request interrupted by a
   weight update resumes with the new weights, and its tokens then span two versions.
-- Weight updates go through disk by default: the trainer writes version k to `<path>/v<k>` (a temporary folder
-  renamed into place, so a reader never sees half a checkpoint) and the servers load that folder.
+- The records keep AReaL 1.0.4's fields, order and defaults, so a cell that builds one moves to AReaL unchanged;
+  kit extras come after them.
+- Weight updates go through disk by default: the trainer writes version k to `weight_update_v<k>` (a temporary
+  folder renamed into place, so a reader never sees half a checkpoint) and the servers load that folder.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import uuid
@@ -24,12 +27,20 @@ __all__ = ["ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec", 
 
 @dataclass
 class ModelRequest:
-    """One generation request: a prompt as token ids and how to sample it."""
+    """One generation request: a prompt as token ids and how to sample it (AReaL 1.0.4's fields, in its order).
+
+    `tokenizer` lets the response strip stop tokens (`output_tokens_without_stop`); the image/processor fields are
+    AReaL's vision inputs, accepted and ignored by the kit's text-only servers. `text` is a kit extra.
+    """
 
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     input_ids: List[int] = field(default_factory=list)
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     metadata: Dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    image_data: Optional[List[str]] = field(default_factory=list)
+    processor: Any = None
+    vision_msg_vllm: Optional[list] = None
     text: Optional[str] = None
 
     def copy(self) -> "ModelRequest":
@@ -38,21 +49,34 @@ class ModelRequest:
             input_ids=list(self.input_ids),
             gconfig=self.gconfig.new(),
             metadata=dict(self.metadata),
+            tokenizer=self.tokenizer,
+            image_data=list(self.image_data) if self.image_data is not None else None,
+            processor=self.processor,
+            vision_msg_vllm=list(self.vision_msg_vllm) if self.vision_msg_vllm is not None else None,
             text=self.text,
         )
 
 
 @dataclass
 class ModelResponse:
-    """What came back: the prompt, the new tokens with their logprobs and versions, and why it stopped."""
+    """What came back: the prompt, the new tokens with their logprobs and versions, and why it stopped.
+
+    AReaL 1.0.4's fields in its order (`stop_reason`: "stop" for EOS, a stop token or a stop string; "length";
+    "abort"; "tool_calls"); `rid` is a kit extra.
+    """
 
     input_tokens: List[int] = field(default_factory=list)
     output_tokens: List[int] = field(default_factory=list)
     output_logprobs: List[float] = field(default_factory=list)
     output_versions: List[int] = field(default_factory=list)
-    stop_reason: str = "stop"  # "stop" (EOS, stop token or stop string), "length", or "abort"
+    stop_reason: str = "stop"
+    tokenizer: Any = None
+    input_images: list = field(default_factory=list)
+    processor: Any = None
     latency: float = float("inf")
     ttft: float = float("inf")  # time to first token
+    itl: List[float] = field(default_factory=list)  # inter-token latencies
+    routed_experts: Any = None
     rid: str = ""
 
     @property
@@ -63,42 +87,111 @@ class ModelResponse:
     def output_len(self) -> int:
         return len(self.output_tokens)
 
+    def _stop_ids(self) -> set:
+        if self.tokenizer is None:
+            raise ValueError("this response has no tokenizer: pass ModelRequest(tokenizer=...) to know its stop tokens")
+        return {t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None}
+
+    @property
+    def end_with_stop(self) -> bool:
+        """Whether the output ends with the tokenizer's EOS or pad token."""
+        return bool(self.output_tokens) and self.output_tokens[-1] in self._stop_ids()
+
+    @property
+    def output_tokens_without_stop(self) -> List[int]:
+        """The output without its trailing EOS/pad tokens (unchanged when cut by length or aborted)."""
+        stop = self._stop_ids()
+        if self.stop_reason in ("length", "abort") or not self.output_tokens:
+            return list(self.output_tokens)
+        n = len(self.output_tokens)
+        while n > 0 and self.output_tokens[n - 1] in stop:
+            n -= 1
+        if n == 0:
+            raise ValueError("every output token is EOS or pad: stripping them would leave nothing")
+        return list(self.output_tokens[:n])
+
 
 def weight_dir(root: str, version: int) -> str:
-    """Where the weights of policy version `version` live in a disk weight update."""
-    return os.path.join(root, f"v{int(version)}")
+    """Where the weights of policy version `version` live under a weight-update folder (AReaL's naming)."""
+    return os.path.join(root, f"weight_update_v{int(version)}")
 
 
 @dataclass
 class WeightUpdateMeta:
-    """How new weights travel from the trainer to the inference servers."""
+    """How new weights travel from the trainer to the inference servers (AReaL 1.0.4's fields, then the kit's).
 
-    type: str = "disk"  # "disk" or "nccl"
-    path: Optional[str] = None  # disk: the folder that holds v<k> subfolders
-    nccl_master_address: str = "127.0.0.1"
-    nccl_master_port: int = 0
-    nccl_group_name: str = "areal_lite_weights"
-    keep_last: int = 2  # disk: older version folders are deleted by the writer
+    Disk: version k is written to `dir_for(k)`. As in AReaL, `with_version(k)` returns a copy whose `path` is that
+    version's own folder, `<dirname(path)>/weight_update_v<k>`; the kit's engine and actor also take an unversioned
+    meta and use `dir_for(get_version() + 1)`. The trainer writes a temporary folder and renames it into place, so a
+    reader never sees half a checkpoint, and deletes versions older than `keep_last`.
+    "xccl" (AReaL's name) and "nccl" both mean a GPU broadcast; the NCCL fields at the end are filled by
+    `PPOActor.prepare_nccl_meta`.
+    """
+
+    type: str
+    path: Optional[str] = None
+    gen_allocation: Any = None
+    nccl_master_address: Optional[str] = None
+    nccl_master_port: Optional[int] = None
+    nccl_group_name: Optional[str] = None
+    weight_chunked_mem_mb: int = 1024
+    use_lora: bool = False
+    lora_name: str = ""
+    lora_int_id: int = 0
+    base_model_name: str = ""
+    peft_config: dict = field(default_factory=dict)
+    lora_keep_versions: int = 0
+    clear_checkpoint_after_load: bool = True
+    version: Optional[int] = None
+    # kit extras
+    keep_last: int = 2  # disk: the writer deletes older version folders
+    names: List[str] = field(default_factory=list)  # NCCL: parameter names, dtypes and shapes in broadcast order
+    dtypes: List[str] = field(default_factory=list)
+    shapes: List[List[int]] = field(default_factory=list)
+    nccl_world_size: int = 0  # NCCL: 1 trainer + the servers' GPUs
+
+    def __post_init__(self) -> None:
+        if self.type not in ("disk", "xccl", "nccl"):
+            raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'xccl' or 'nccl', got {self.type!r}")
+
+    @property
+    def is_broadcast(self) -> bool:
+        return self.type in ("xccl", "nccl")
 
     @classmethod
     def from_disk(cls, path: str, keep_last: int = 2) -> "WeightUpdateMeta":
-        """Weights go through files under `path` (put it on /dev/shm when it exists: it is RAM)."""
-        return cls(type="disk", path=os.path.abspath(path), keep_last=keep_last)
+        """Kit shortcut: versions go to `<path>/weight_update_v<k>` (put it on /dev/shm when it exists: RAM).
+
+        AReaL's `from_disk(experiment_name, trial_name, file_root)` derives the folder from names instead; the
+        constructor `WeightUpdateMeta(type="disk", path=...)` is the same on both sides.
+        """
+        return cls(type="disk", path=os.path.join(os.path.abspath(path), "weight_update"), keep_last=keep_last)
 
     @classmethod
     def from_nccl(cls, master_address: str, master_port: int, group_name: str = "areal_lite_weights"):
         """Weights are broadcast from trainer rank 0 to the SGLang servers over NCCL (GPU only)."""
-        return cls(
-            type="nccl",
-            nccl_master_address=master_address,
-            nccl_master_port=int(master_port),
-            nccl_group_name=group_name,
-        )
+        return cls(type="xccl", nccl_master_address=master_address, nccl_master_port=int(master_port),
+                   nccl_group_name=group_name)
+
+    def with_version(self, version: int) -> "WeightUpdateMeta":
+        """A copy for version `version`: its path is `<dirname(path)>/weight_update_v<version>` (AReaL's rule)."""
+        if version < 0:
+            raise ValueError(f"version must be non-negative, got {version}")
+        new = copy.copy(self)
+        new.version = int(version)
+        if self.path is not None:
+            new.path = weight_dir(os.path.dirname(self.path), version)
+        return new
 
     def dir_for(self, version: int) -> str:
+        """The folder of version `version` in a disk update (this meta's own path once `with_version` was used)."""
         if self.type != "disk" or not self.path:
             raise ValueError("dir_for() is only meaningful for a disk weight update with a path")
-        return weight_dir(self.path, version)
+        if self.version is not None:
+            if int(version) != self.version:
+                raise ValueError(f"this meta is for version {self.version}, not {version}")
+            return self.path
+        return self.with_version(version).path
 
 
 @dataclass

@@ -23,7 +23,7 @@ Design decisions:
   `loop.run_in_executor` on whatever loop is running, so it works from the notebook's loop and from
   the rollout executor's background-thread loop. A timeout kills the pool's workers (a hung worker
   would otherwise hold its slot forever) and starts a fresh pool; calls caught in the kill, and
-  calls hit by a crashed worker (BrokenProcessPool), are retried once on the new pool.
+  calls hit by a crashed worker (BrokenProcessPool), are retried on the new pool (up to `max_retries` times).
   Functions defined in a notebook or script (`__main__`) cannot be imported by a worker, so they
   are shipped by value with cloudpickle; anything else must pickle by reference (module-level).
 """
@@ -37,6 +37,7 @@ import logging
 import math
 import multiprocessing
 import pickle
+import os
 import re
 import string
 import threading
@@ -414,17 +415,24 @@ except (AttributeError, RuntimeError):
 class AsyncRewardWrapper:
     """`await AsyncRewardWrapper(fn)(*args, **kwargs) -> float`, run in a worker process with a timeout.
 
-    Hangs, crashes and non-numeric results give 0.0, are counted in `.stats` and logged.
+    Hangs, crashes and non-numeric results give 0.0, are counted in `.stats` and logged. AReaL 1.0.4's constructor;
+    its behaviour differs on purpose: AReaL retries a timed-out call `max_retries` times and re-raises the reward's
+    exception on the last try (one crashing reward then fails the whole rollout). The kit scores a hang or a crash
+    0.0 at once -- a retry of a hanging reward only waits again -- and uses `max_retries` for a worker pool that
+    died (it is rebuilt and the call tried again). `max_workers=None`: up to 2 worker processes.
     """
 
-    def __init__(self, reward_fn, timeout_seconds: float = 15.0, max_workers: int = 2):
+    def __init__(self, reward_fn, timeout_seconds: float = 15, max_workers: int | None = None, max_retries: int = 3):
         if not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
-        if timeout_seconds <= 0 or max_workers < 1:
-            raise ValueError("timeout_seconds must be > 0 and max_workers >= 1")
+        if max_workers is None:
+            max_workers = max(1, min(2, os.cpu_count() or 1))
+        if timeout_seconds <= 0 or max_workers < 1 or max_retries < 0:
+            raise ValueError("timeout_seconds must be > 0, max_workers >= 1 and max_retries >= 0")
         self.reward_fn = reward_fn
         self.timeout_seconds = float(timeout_seconds)
         self.max_workers = int(max_workers)
+        self.max_retries = int(max_retries)
         self._payload = None
         if _needs_by_value(reward_fn):
             try:
@@ -485,7 +493,7 @@ class AsyncRewardWrapper:
             job = (_call, self.reward_fn, args, kwargs)
         deadline = time.monotonic() + self.timeout_seconds
         name = getattr(self.reward_fn, "__name__", repr(self.reward_fn))
-        for attempt in range(2):
+        for attempt in range(self.max_retries + 1):
             pool = self._get_pool()
             try:
                 fut = loop.run_in_executor(pool, *job)
@@ -498,7 +506,7 @@ class AsyncRewardWrapper:
             except BrokenProcessPool:
                 # A worker died (crash, or killed because another call hung); retry once.
                 self._replace_pool(pool)
-                if attempt == 0 and time.monotonic() < deadline:
+                if attempt < self.max_retries and time.monotonic() < deadline:
                     continue
                 self._count("errors")
                 logger.warning("reward %s: worker process died; scoring 0.0", name)
@@ -506,7 +514,7 @@ class AsyncRewardWrapper:
             except asyncio.CancelledError:
                 # Our own cancellation propagates; a future cancelled by a pool kill is a broken pool.
                 task = asyncio.current_task()
-                if (task is not None and task.cancelling()) or attempt == 1:
+                if (task is not None and task.cancelling()) or attempt == self.max_retries:
                     raise
                 self._replace_pool(pool)
                 continue
@@ -515,7 +523,7 @@ class AsyncRewardWrapper:
                 logger.warning("reward %s raised %s: %s; scoring 0.0", name, type(e).__name__, e)
                 return 0.0
             return self._as_reward(result, name)
-        return 0.0  # unreachable; keeps type checkers calm
+        return 0.0  # max_retries pool restarts were all cancelled
 
     def _as_reward(self, result, name: str) -> float:
         try:

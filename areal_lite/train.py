@@ -54,6 +54,7 @@ import torch
 
 from .config import GRPOConfig, InferenceEngineConfig, load_expr_config
 from .io_struct import FinetuneSpec, WeightUpdateMeta
+from .trajectory import concat_padded_tensors
 
 __all__ = ["TrainConfig", "train", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
 
@@ -65,7 +66,9 @@ class TrainConfig(GRPOConfig):
     """GRPOConfig plus what the script chooses that the notebooks write as code."""
 
     workflow: str = field(default="rlvr", metadata={"help": "rollout workflow", "choices": WORKFLOWS})
-    reward: str = field(default="gsm8k", metadata={"help": "reward: gsm8k, or module:function taking (completion, answer)"})
+    reward: str = field(default="gsm8k", metadata={
+        "help": "reward: gsm8k, or module:function with AReaL's signature (prompt, completions, prompt_ids, "
+                "completion_ids, **data)"})
     max_turns: int = field(default=3, metadata={"help": "turns of the reflection / multiturn workflows"})
     turn_discount: float = field(default=0.9, metadata={"help": "per-turn discount of the multi-turn workflows"})
     system_prompt: Optional[str] = field(default=None, metadata={"help": "system message put before each question"})
@@ -77,9 +80,9 @@ class TrainConfig(GRPOConfig):
 def resolve_reward(name: str) -> Callable:
     """`gsm8k` (also for arithmetic: both end in '#### N') or `package.module:function`."""
     if name in ("gsm8k", "arith", "math"):
-        from .reward import gsm8k_reward_fn
+        from .reward import areal_gsm8k_reward_fn
 
-        return gsm8k_reward_fn
+        return areal_gsm8k_reward_fn
     if ":" not in name:
         raise ValueError(f"reward must be 'gsm8k' or 'module:function', got {name!r}")
     module, fn = name.split(":", 1)
@@ -120,9 +123,9 @@ def evaluate(addrs: Sequence[str], rows: Sequence[dict], workflow: Any,
     n = len(rows)
     cfg = dataclasses.replace(rollout, consumer_batch_size=n, max_concurrent_rollouts=n, max_head_offpolicyness=0,
                               queue_size=None)
-    engine = RemoteSGLangEngine(cfg).initialize(list(addrs))
+    engine = RemoteSGLangEngine(cfg).initialize(addr=list(addrs))
     try:
-        batch = engine.rollout_batch(list(rows), workflow)
+        batch = concat_padded_tensors(engine.rollout_batch(list(rows), workflow))
     finally:
         engine.destroy()
     return {
@@ -327,7 +330,7 @@ def train(
             handle.wait_ready(timeout=config.rollout.setup_timeout)
             server_addrs = [handle.address]
         server_addrs = list(server_addrs)
-        engine = RemoteSGLangEngine(config.rollout).initialize(server_addrs, ft_spec)
+        engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
         actor = PPOActor(config.actor, ref_config=config.ref).initialize(None, ft_spec)
 
         start = 0
@@ -369,12 +372,12 @@ def train(
         for step in bar:
             t_step = time.perf_counter()
             if config.async_training:
-                batch = engine.prepare_batch(dataloader, workflow)
+                batch = concat_padded_tensors(engine.prepare_batch(dataloader, workflow))
                 fingerprint = None
             else:
                 rows = next(data_iter)
                 fingerprint = _fingerprint(rows)
-                batch = engine.rollout_batch(rows, workflow)
+                batch = concat_padded_tensors(engine.rollout_batch(rows, workflow))
             t_gen = time.perf_counter() - t_step
             stats: Dict[str, Any] = {"step": step, **batch_stats(batch, actor.get_version())}
 

@@ -1,12 +1,14 @@
 """The tensor contract of one episode, a builder that keeps it, a checker that proves it, and a viewer.
 
 The contract (what every workflow returns and the actor consumes):
-- A batch is a plain `dict[str, torch.Tensor]`. Per-token keys are `[B, L]`, right-padded:
-    `input_ids`      long   the whole trajectory: prompt, then generated tokens and observations in order
+- A batch is a plain `dict[str, torch.Tensor]` with AReaL 1.0.4's keys and dtypes (so a batch moves between the
+  two unchanged). Per-token keys are `[B, L]`, right-padded:
+    `input_ids`      int32  the whole trajectory: prompt, then generated tokens and observations in order
     `attention_mask` bool   True on real tokens; a prefix of ones in every row (padding only on the right)
-    `loss_mask`      long   1 exactly on tokens the policy generated; 0 on prompt, tool/feedback tokens, padding
+    `loss_mask`      int32  1 exactly on tokens the policy generated; 0 on prompt, tool/feedback tokens, padding
     `logprobs`       float32 behaviour log-prob of each generated token (<= 0), 0.0 elsewhere
-    `versions`       long   policy version that produced each generated token (>= 0), -1 elsewhere
+    `versions`       int32  policy version that produced each generated token (>= 0), -1 on prompt and
+                            observations; padding holds `pad_value` (0), as AReaL pads every key
   Per-row keys are `[B]`: `rewards` (float32) always. Extra per-token keys are allowed, e.g. `token_returns`
   (float32, the multi-turn feedback workflow's per-turn returns; 0.0 off generated tokens).
 - Not shifted: position t holds token t's own logprob/version. The actor shifts once, in one place.
@@ -16,7 +18,8 @@ Design decisions:
 - `TrajectoryBuilder` is the only place a workflow appends tokens. Every append extends all per-token lists
   together, so `input_ids` can never outgrow `logprobs`/`loss_mask` (seed 000 appended its output twice). It also
   refuses a response generated from a context other than the one it holds.
-- `loss_mask` is long (not bool) because the actor multiplies with it; `check_trajectory` accepts int or bool.
+- Padding carries no meaning: every consumer (checker, actor, viewer) looks only where `attention_mask` is True.
+  `check_trajectory` accepts int32 or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.
 - `check_trajectory` raises `TrajectoryError`, a subclass of AssertionError, so it reads naturally in tests and
   notebooks, with messages naming the key, row and position of the first violation.
 - "Generated" is checked through the data itself: wherever `loss_mask` is 0, `logprobs` must be exactly 0.0 and
@@ -33,7 +36,7 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -50,14 +53,7 @@ __all__ = [
     "iter_rows",
 ]
 
-# Right-padding values of the contract's keys; any other key pads with `pad_value`.
-PAD_VALUES: Dict[str, Any] = {
-    "input_ids": 0,
-    "attention_mask": False,
-    "loss_mask": 0,
-    "logprobs": 0.0,
-    "versions": -1,
-}
+_INT_DTYPES = (torch.int32, torch.long)
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
 
 
@@ -69,16 +65,18 @@ class TrajectoryError(AssertionError):
 
 
 def concat_padded_tensors(
-    results: Sequence[Dict[str, torch.Tensor]],
+    tensor_dicts: Sequence[Dict[str, torch.Tensor]],
     pad_value: float = 0.0,
+    *,
     pad_token_id: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
-    """Right-pad every `[b, L, ...]` tensor to the longest L and concatenate all dicts on dim 0.
+    """Right-pad every `[b, L, ...]` tensor to the longest L and concatenate all dicts on dim 0 (AReaL's function).
 
-    1-D tensors (`rewards` `[b]`) are concatenated as they are. Padding: attention_mask False, loss_mask 0,
-    logprobs 0.0, versions -1, input_ids `pad_token_id` (default 0), any other key `pad_value`.
-    An empty list gives `{}`; dicts with different keys raise ValueError.
+    1-D tensors (`rewards` `[b]`) are concatenated as they are. Padding, as AReaL's: attention_mask False, every
+    other key `pad_value`; kit extra: `pad_token_id` for input_ids. An empty list gives `{}`; a None item (a
+    rejected episode) or dicts with different keys raise with a message saying which.
     """
+    results = tensor_dicts
     results = list(results)
     if not results:
         return {}
@@ -116,7 +114,7 @@ def concat_padded_tensors(
         if key == "input_ids" and pad_token_id is not None:
             fill = pad_token_id
         else:
-            fill = PAD_VALUES.get(key, pad_value)
+            fill = False if key == "attention_mask" else pad_value
         padded = []
         for t in tensors:
             if t.shape[1] < max_len:
@@ -178,16 +176,16 @@ def check_trajectory(
             _fail(f"{k!r} must be [B, L], got shape {tuple(batch[k].shape)}")
 
     att, lm, lp, ver, rew = (batch[k] for k in ("attention_mask", "loss_mask", "logprobs", "versions", "rewards"))
-    if ids.dtype != torch.long:
-        _fail(f"input_ids dtype is {ids.dtype}, expected torch.long")
+    if ids.dtype not in _INT_DTYPES:
+        _fail(f"input_ids dtype is {ids.dtype}, expected torch.int32 (AReaL's) or torch.long")
     if att.dtype != torch.bool:
         _fail(f"attention_mask dtype is {att.dtype}, expected torch.bool")
     if lm.dtype not in (torch.bool, torch.int8, torch.int16, torch.int32, torch.long, torch.uint8):
         _fail(f"loss_mask dtype is {lm.dtype}, expected an integer or bool dtype")
     if not lp.is_floating_point():
         _fail(f"logprobs dtype is {lp.dtype}, expected a float dtype")
-    if ver.dtype != torch.long:
-        _fail(f"versions dtype is {ver.dtype}, expected torch.long")
+    if ver.dtype not in _INT_DTYPES:
+        _fail(f"versions dtype is {ver.dtype}, expected torch.int32 (AReaL's) or torch.long")
     if rew.dim() != 1 or not rew.is_floating_point():
         _fail(f"rewards must be a float [B] tensor, got dtype {rew.dtype} shape {tuple(rew.shape)}")
     if not torch.isfinite(rew).all():
@@ -207,12 +205,13 @@ def check_trajectory(
         if starts_pad.any():
             r, t = _first_bad(starts_pad)
             _fail(f"attention_mask of row {r} is not a prefix of ones: False at {t}, True at {t + 1} (left padding?)")
-    if (~gen & (lp != 0)).any():
-        r, t = _first_bad(~gen & (lp != 0))
+    real_not_gen = att & ~gen  # prompt and observations; padding may hold anything (AReaL pads with 0)
+    if (real_not_gen & (lp != 0)).any():
+        r, t = _first_bad(real_not_gen & (lp != 0))
         _fail(f"logprobs must be 0 where loss_mask is 0; row {r} position {t} holds {float(lp[r, t]):.4f}")
-    if (~gen & (ver != -1)).any():
-        r, t = _first_bad(~gen & (ver != -1))
-        _fail(f"versions must be -1 where loss_mask is 0; row {r} position {t} holds {int(ver[r, t])}")
+    if (real_not_gen & (ver != -1)).any():
+        r, t = _first_bad(real_not_gen & (ver != -1))
+        _fail(f"versions must be -1 on prompt and observation tokens; row {r} position {t} holds {int(ver[r, t])}")
     if (gen & (ver < 0)).any():
         r, t = _first_bad(gen & (ver < 0))
         _fail(f"versions must be >= 0 on generated tokens; row {r} position {t} holds {int(ver[r, t])}")
@@ -227,8 +226,8 @@ def check_trajectory(
         tr = batch["token_returns"]
         if tr.dim() != 2 or not tr.is_floating_point():
             _fail(f"token_returns must be a float [B, L] tensor, got dtype {tr.dtype} shape {tuple(tr.shape)}")
-        if (~gen & (tr != 0)).any():
-            r, t = _first_bad(~gen & (tr != 0))
+        if (real_not_gen & (tr != 0)).any():
+            r, t = _first_bad(real_not_gen & (tr != 0))
             _fail(f"token_returns must be 0 where loss_mask is 0; row {r} position {t} holds {float(tr[r, t])}")
     if not allow_all_prompt:
         empty = (~gen.any(dim=1)).nonzero().flatten().tolist()
@@ -363,11 +362,11 @@ class TrajectoryBuilder:
         if not math.isfinite(reward):
             raise ValueError(f"reward must be finite, got {reward}")
         out = {
-            "input_ids": torch.tensor([self.input_ids], dtype=torch.long),
+            "input_ids": torch.tensor([self.input_ids], dtype=torch.int32),
             "attention_mask": torch.ones(1, n, dtype=torch.bool),
-            "loss_mask": torch.tensor([self.loss_mask], dtype=torch.long),
+            "loss_mask": torch.tensor([self.loss_mask], dtype=torch.int32),
             "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
-            "versions": torch.tensor([self.versions], dtype=torch.long),
+            "versions": torch.tensor([self.versions], dtype=torch.int32),
             "rewards": torch.tensor([reward], dtype=torch.float32),
         }
         for key, value in extra.items():

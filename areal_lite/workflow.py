@@ -1,35 +1,37 @@
 """Rollout workflows (AReaL's names): how one episode turns a data item into training tensors.
 
-A workflow is any object with `async arun_episode(engine, data) -> dict[str, Tensor] | None`. It asks the engine for
-tokens (`await engine.agenerate(ModelRequest)`), talks to tools or checkers, and returns the tensor contract of
-`areal_lite.trajectory` (one row, or G contiguous rows for a group). None means "rejected": the engine drops it.
+A workflow subclasses `RolloutWorkflow` and implements `async arun_episode(engine, data) -> dict[str, Tensor] | None`.
+It asks the engine for tokens (`await engine.agenerate(ModelRequest)`), talks to tools or checkers, and returns the
+tensor contract of `areal_lite.trajectory` (one row, or G contiguous rows for a group). None means "rejected".
 
 Design decisions:
 - Every workflow builds its row through `TrajectoryBuilder`, the one place that appends tokens, and sends
-  `builder.context()` as the next request. Generated tokens are appended as returned and never re-tokenized;
-  only new text (tool results, feedback) is tokenized (seed 000 appended its output twice).
+  `builder.context()` as the next request. Generated tokens are appended as returned and never re-tokenized (a
+  decode/encode round trip can give other ids, and the trainer would then score tokens the model never sampled);
+  only new text (tool results, feedback) is tokenized.
 - Prompts go through `apply_chat_template(..., tokenize=True, add_generation_prompt=True)`, so they end with the
-  assistant header (seed 002 passed a meaningless `apply_chat_template=True` and no generation prompt). With
-  transformers 5 that call returns a BatchEncoding; `chat_prompt_ids` normalises it to `list[int]`.
+  assistant header the model continues from. With transformers 5 that call returns a BatchEncoding;
+  `chat_prompt_ids` normalises it to `list[int]`.
 - Text inserted between turns (reflection request, feedback) is pre-tokenized once in `__init__` from the chat
   template, as two fragments: the end-of-turn tokens that close an assistant message (ChatML: `<|im_end|>\\n`) and
   the user message plus the next assistant header. After each output we append only the part of the end-of-turn
   fragment the output did not already produce (an output that stopped on EOS ends with `<|im_end|>` and needs only
   `\\n`; one cut by length needs both). The decoded trajectory then equals the chat template of the whole
-  conversation. Seed 002 dropped the `\\n`, because its fragment started after the first message's `<|im_end|>\\n`.
-- Rewards run through `AsyncRewardWrapper` (worker processes, timeout): a reward that hangs or crashes scores 0.0 and
-  the rollout survives (seed 002 defined `REWARD_TIMEOUT_SECONDS` and never used it). The reward function is called
-  as `reward_fn(completion_text, data["answer"])`; the completion is decoded with special tokens skipped.
-- Every workflow returns the key `rewards` (`[1]` float32); seed 002's first workflow returned `reward`.
-- The group size is given once: `gconfig.n_samples`. `GroupedWorkflow` reads it and runs the inner workflow that
-  many times with `n_samples=1`; a plain workflow with `n_samples > 1` raises and says to wrap it (seeds 000/002 gave
-  the size to both the config and the wrapper, and the two could disagree).
+  conversation.
+- Rewards have AReaL's signature, `reward_fn(prompt, completions, prompt_ids, completion_ids, **data)`, and run
+  through `AsyncRewardWrapper` (worker processes, timeout): a reward that hangs or crashes scores 0.0 and the
+  rollout survives. The completion is decoded with special tokens skipped.
+- Every workflow returns the key `rewards` (`[1]` float32), the name the actor reads.
+- A workflow samples one trajectory per call and sends `gconfig.new(n_samples=1)`; the group is the engine's
+  `group_size=` (AReaL's rule), so `rollout_batch(rows, wf, group_size=config.gconfig.n_samples)` gives G rows per
+  row. `GroupedWorkflow` is the same wrapper, usable on its own.
 - A failing or slow search server becomes an `<information>search failed: ...</information>` observation the model
   can read, not an exception: one flaky tool call must not kill a batch.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import copy
 import logging
@@ -196,13 +198,10 @@ def _answer_of(data: Mapping[str, Any]):
     return data["answer"]
 
 
-def _single(gconfig: GenerationHyperparameters, who: str) -> GenerationHyperparameters:
-    if gconfig.n_samples != 1:
-        raise ValueError(
-            f"{who} samples one trajectory per call but gconfig.n_samples={gconfig.n_samples}; wrap it as "
-            f"GroupedWorkflow({who}(...)) to sample a group of that size"
-        )
-    return gconfig
+def _single(gconfig: GenerationHyperparameters) -> GenerationHyperparameters:
+    """The gconfig of one request. A workflow samples one trajectory per call, whatever `n_samples` says: the group
+    is the engine's `group_size=` (AReaL's rule), so a config's `n_samples` can be passed there unchanged."""
+    return gconfig.new(n_samples=1)
 
 
 def _reward_wrapper(reward_fn, timeout: float) -> AsyncRewardWrapper:
@@ -224,23 +223,47 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> List[float]:
 # ------------------------------------------------------------------------------------------------ workflows
 
 
-class RolloutWorkflow:
-    """Base class: one episode per call. Subclasses implement `arun_episode`."""
+class RolloutWorkflow(abc.ABC):
+    """Base class: one episode per call. Subclasses implement `arun_episode` (AReaL's abstract method).
 
+    An abstract base class, like AReaL's: `areal_lite.areal_compat.register_with_areal()` registers it as a virtual
+    subclass of `areal.api.RolloutWorkflow`, so AReaL's engine accepts every kit workflow.
+    """
+
+    @abc.abstractmethod
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> Optional[TensorDict]:
         """Run one episode on `data`; return the tensor contract (or None to reject it)."""
         raise NotImplementedError
 
 
+def default_data_extract_prompt_fn(data: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """The chat messages of a data row: `data["messages"]`, or one user message built from `data["question"]`."""
+    return _messages_of(data)
+
+
+def default_get_input_ids_fn(messages, tokenizer, enable_thinking: bool) -> List[int]:
+    """Prompt token ids: the chat template with the generation prompt (AReaL passes `enable_thinking` always;
+    templates that do not use it ignore it)."""
+    return chat_prompt_ids(tokenizer, messages, enable_thinking=enable_thinking)
+
+
 class RLVRWorkflow(RolloutWorkflow):
-    """Single turn with a verifiable reward: chat prompt -> one generation -> `reward_fn(completion, answer)`."""
+    """Single turn with a verifiable reward: chat prompt -> one generation -> reward.
+
+    AReaL 1.0.4's constructor and reward call: `reward_fn(prompt, completions, prompt_ids, completion_ids, **data)`
+    runs in a worker process through `AsyncRewardWrapper` (a timeout or a crash scores 0.0). Kit extras are
+    keyword-only: `reward_timeout`, `system_prompt` (prepended unless the row has one), `verbose`.
+    """
 
     def __init__(
         self,
-        reward_fn: Callable[[str, Any], float],
+        reward_fn: Callable[..., float],
         gconfig: GenerationHyperparameters,
         tokenizer,
-        enable_thinking: Optional[bool] = None,
+        enable_thinking: bool = False,
+        get_input_ids_fn: Callable[..., List[int]] = default_get_input_ids_fn,
+        data_extract_prompt_fn: Callable[[Mapping[str, Any]], Any] = default_data_extract_prompt_fn,
+        *,
         reward_timeout: float = 15.0,
         system_prompt: Optional[str] = None,
         verbose: bool = False,
@@ -250,53 +273,71 @@ class RLVRWorkflow(RolloutWorkflow):
         self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.enable_thinking = enable_thinking
+        self.get_input_ids_fn = get_input_ids_fn
+        self.data_extract_prompt_fn = data_extract_prompt_fn
         self.system_prompt = system_prompt
         self.verbose = verbose
 
     def _template_kwargs(self) -> Dict[str, Any]:
-        # Only Qwen3-style templates read `enable_thinking`; leave it out unless asked for.
-        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        return {"enable_thinking": self.enable_thinking}
 
     def prompt_ids(self, data: Mapping[str, Any]) -> List[int]:
         """The prompt's token ids (chat template with the generation prompt)."""
-        return chat_prompt_ids(self.tokenizer, _messages_of(data, self.system_prompt), **self._template_kwargs())
+        messages = self.data_extract_prompt_fn(data)
+        if self.system_prompt is not None and not (messages and messages[0].get("role") == "system"):
+            messages = [{"role": "system", "content": self.system_prompt}] + list(messages)
+        return self.get_input_ids_fn(messages, self.tokenizer, self.enable_thinking)
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
-        gconfig = _single(self.gconfig, type(self).__name__)
-        builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
-        resp: ModelResponse = await engine.agenerate(ModelRequest(input_ids=builder.context(), gconfig=gconfig))
-        builder.add_output(resp)
+    async def reward(self, resp: ModelResponse, data: Mapping[str, Any]) -> float:
+        """AReaL's reward call: prompt and completion as text and as ids, then the data row's fields."""
+        prompt = self.tokenizer.decode(list(resp.input_tokens))
         completion = self.decode(resp.output_tokens)
-        reward = await self.async_reward_fn(completion, _answer_of(data))
+        return float(await self.async_reward_fn(prompt, completion, resp.input_tokens, resp.output_tokens, **data))
+
+    def request(self, input_ids: List[int], rid: Optional[str] = None, **metadata) -> ModelRequest:
+        return ModelRequest(rid=rid or uuid.uuid4().hex, input_ids=input_ids, gconfig=_single(self.gconfig),
+                            metadata=metadata, tokenizer=self.tokenizer)
+
+    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+        builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
+        resp: ModelResponse = await engine.agenerate(self.request(builder.context()))
+        builder.add_output(resp)
+        reward = await self.reward(resp, data)
         if self.verbose:
-            print(f"[RLVR] completion={completion!r}\n[RLVR] answer={data.get('answer')!r} reward={reward}")
+            print(f"[RLVR] completion={self.decode(resp.output_tokens)!r}\n[RLVR] answer={data.get('answer')!r} "
+                  f"reward={reward}")
         return builder.to_tensors(reward)
 
 
 class ReflectionWorkflow(RLVRWorkflow):
     """Answer; while the reward is 0 and turns remain, append a pre-tokenized reflection request and answer again.
 
-    Final reward = last turn's reward x `turn_discount ** (turns - 1)`: a later success is worth less.
-    "Wrong" means reward <= 0, as in seed 002 (`while reward == 0`).
+    Final reward = last turn's reward x `turn_discount ** (turns - 1)`: a later success is worth less. "Wrong" means
+    reward <= 0. The constructor starts like AReaL's `MultiTurnWorkflow(reward_fn, gconfig, tokenizer, max_turns,
+    turn_discount)`, the closest AReaL workflow; it differs in the glue between turns: AReaL appends one EOS token and
+    a fragment cut from a two-message template, the kit the template's own end-of-turn tokens (see
+    `chat_turn_fragments`), so the decoded trajectory equals the chat template of the whole conversation.
     """
 
     def __init__(
         self,
-        reward_fn: Callable[[str, Any], float],
+        reward_fn: Callable[..., float],
         gconfig: GenerationHyperparameters,
         tokenizer,
         max_turns: int = 3,
         turn_discount: float = 0.9,
+        *,
         reflection_prompt: str = REFLECTION_PROMPT,
-        enable_thinking: Optional[bool] = None,
+        enable_thinking: bool = False,
         reward_timeout: float = 15.0,
         system_prompt: Optional[str] = None,
         verbose: bool = False,
     ):
-        super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout, system_prompt, verbose)
+        super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout=reward_timeout,
+                         system_prompt=system_prompt, verbose=verbose)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = int(max_turns)
@@ -306,21 +347,17 @@ class ReflectionWorkflow(RLVRWorkflow):
         self.fragments = chat_turn_fragments(tokenizer, reflection_prompt, **self._template_kwargs())
 
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
-        gconfig = _single(self.gconfig, type(self).__name__)
-        answer = _answer_of(data)
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         rid = uuid.uuid4().hex
         reward = 0.0
         for turn in range(self.max_turns):
             if turn > 0:
                 builder.add_observation(self.fragments.after_output(resp.output_tokens), kind="reflection")
-            req = ModelRequest(rid=rid, input_ids=builder.context(), gconfig=gconfig, metadata={"turn": turn})
-            resp = await engine.agenerate(req)
+            resp = await engine.agenerate(self.request(builder.context(), rid=rid, turn=turn))
             builder.add_output(resp)
-            completion = self.decode(resp.output_tokens)
-            reward = await self.async_reward_fn(completion, answer)
+            reward = await self.reward(resp, data)
             if self.verbose:
-                print(f"[Reflection] turn {turn}: reward={reward} completion={completion!r}")
+                print(f"[Reflection] turn {turn}: reward={reward} completion={self.decode(resp.output_tokens)!r}")
             if reward > 0:
                 break
         discounted = reward * self.turn_discount ** (builder.num_turns - 1)
@@ -335,7 +372,7 @@ class SearchAgentWorkflow(RolloutWorkflow):
     with reward = token F1 against the best of `data["answer"]` (a str or list of str); no answer scores 0.
     The episode also ends on EOS, after `max_turns` generations, or when the context would exceed `max_tokens`
     (generation budgets are capped so the trajectory never does). A generation cut by `max_new_tokens` is continued
-    by the next one (as in seed 000), and tags are parsed in all text generated since the last observation, so a
+    by the next one, and tags are parsed in all text generated since the last observation, so a
     `<search>` opened in one generation and closed in the next still counts.
     """
 
@@ -375,7 +412,7 @@ class SearchAgentWorkflow(RolloutWorkflow):
         return _as_id_list(self.tokenizer(text, add_special_tokens=False))
 
     def _request_gconfig(self, budget: int) -> GenerationHyperparameters:
-        g = _single(self.gconfig, type(self).__name__)
+        g = _single(self.gconfig)
         stop = list(g.stop or [])
         stop += [s for s in self.STOP if s not in stop]
         return g.new(stop=stop, max_new_tokens=max(1, min(g.max_new_tokens, budget)))
@@ -410,7 +447,8 @@ class SearchAgentWorkflow(RolloutWorkflow):
         pending = ""
         while builder.num_turns < self.max_turns and len(builder) < self.max_tokens:
             g = self._request_gconfig(self.max_tokens - len(builder))
-            req = ModelRequest(rid=rid, input_ids=builder.context(), gconfig=g, metadata={"turn": builder.num_turns})
+            req = ModelRequest(rid=rid, input_ids=builder.context(), gconfig=g, metadata={"turn": builder.num_turns},
+                               tokenizer=self.tokenizer)
             resp = await engine.agenerate(req)
             builder.add_output(resp)
             pending += self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
@@ -468,7 +506,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
 
     def __init__(
         self,
-        reward_fn: Callable[[str, Any], float],
+        reward_fn: Callable[..., float],
         gconfig: GenerationHyperparameters,
         tokenizer,
         num_turns: int = 3,
@@ -478,12 +516,14 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         feedback_correct: str = FEEDBACK_CORRECT,
         feedback_wrong: str = FEEDBACK_WRONG,
         stop_on_correct: bool = True,
-        enable_thinking: Optional[bool] = None,
+        *,
+        enable_thinking: bool = False,
         reward_timeout: float = 15.0,
         system_prompt: Optional[str] = None,
         verbose: bool = False,
     ):
-        super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout, system_prompt, verbose)
+        super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout=reward_timeout,
+                         system_prompt=system_prompt, verbose=verbose)
         if num_turns < 1:
             raise ValueError(f"num_turns must be >= 1, got {num_turns}")
         self.num_turns = int(num_turns)
@@ -502,8 +542,6 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         return ((success - 0.5) * 2.0 - self.reward_bias) * self.reward_scaling
 
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
-        gconfig = _single(self.gconfig, type(self).__name__)
-        answer = _answer_of(data)
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         rid = uuid.uuid4().hex
         turn_rewards: List[float] = []
@@ -511,15 +549,13 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         for turn in range(self.num_turns):
             if turn > 0:
                 builder.add_observation(self.feedback[correct].after_output(resp.output_tokens), kind="feedback")
-            req = ModelRequest(rid=rid, input_ids=builder.context(), gconfig=gconfig, metadata={"turn": turn})
-            resp = await engine.agenerate(req)
+            resp = await engine.agenerate(self.request(builder.context(), rid=rid, turn=turn))
             builder.add_output(resp)
-            completion = self.decode(resp.output_tokens)
-            success = min(max(float(await self.async_reward_fn(completion, answer)), 0.0), 1.0)
+            success = min(max(await self.reward(resp, data), 0.0), 1.0)
             correct = success > 0.5
             turn_rewards.append(self.turn_reward(success))
             if self.verbose:
-                print(f"[MultiTurn] turn {turn}: success={success} completion={completion!r}")
+                print(f"[MultiTurn] turn {turn}: success={success} completion={self.decode(resp.output_tokens)!r}")
             if correct and self.stop_on_correct:
                 break
         returns = discounted_returns(turn_rewards, self.turn_discount)
@@ -536,14 +572,14 @@ class GroupedWorkflow(RolloutWorkflow):
     cancelled and the exception propagates.
     """
 
-    def __init__(self, workflow, group_size: Optional[int] = None):
+    def __init__(self, workflow, group_size: Optional[int] = None, *, check_n_samples: bool = True):
         gconfig = getattr(workflow, "gconfig", None)
         n = getattr(gconfig, "n_samples", None)
         if group_size is None:
             if n is None:
                 raise ValueError("the inner workflow has no gconfig.n_samples; pass group_size")
             group_size = n
-        elif n is not None and n != 1 and n != group_size:
+        elif check_n_samples and n is not None and n != 1 and n != group_size:
             raise ValueError(
                 f"group size given twice and they disagree: group_size={group_size} but gconfig.n_samples={n}; "
                 "set it once (gconfig.n_samples)"
@@ -582,7 +618,7 @@ class TokenRangeWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
         ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": data["question"]}])
-        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=_single(self.gconfig, "TokenRangeWorkflow")))
+        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=_single(self.gconfig), tokenizer=self.tokenizer))
         out = resp.output_tokens
         reward = sum(self.lo <= t < self.hi for t in out) / max(1, len(out))
         return TrajectoryBuilder().add_prompt(ids).add_output(resp).to_tensors(reward)

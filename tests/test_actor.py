@@ -572,7 +572,8 @@ def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_p
         actor.update_weights(meta)
         actor.set_version(v + 1)
     assert seen == [False] * 4
-    assert sorted(os.listdir(meta.path)) == ["v3", "v4"]  # pruned, no temp folders left
+    root = os.path.dirname(meta.dir_for(4))  # versions sit side by side: <root>/weight_update_v<k> (AReaL's names)
+    assert sorted(os.listdir(root)) == ["weight_update_v3", "weight_update_v4"]  # pruned, no temp folders left
     loaded = AutoModelForCausalLM.from_pretrained(meta.dir_for(4), dtype=torch.float32)
     for n, p in actor.model.named_parameters():
         torch.testing.assert_close(loaded.get_parameter(n), p.detach(), atol=0, rtol=0)
@@ -584,19 +585,20 @@ def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_p
         actor.upload_weights(WeightUpdateMeta.from_nccl("127.0.0.1", 1))
     # Weight versions are transport, not checkpoints: destroy() removes them (and the folder, left empty) ...
     actor.destroy()
-    assert not os.path.exists(meta.path)
+    assert not os.path.exists(root)
 
 
 def test_destroy_keeps_files_it_did_not_write(tiny_model_path, tmp_path):
     actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"))
-    os.makedirs(meta.path)
-    with open(os.path.join(meta.path, "notes.txt"), "w") as f:
+    meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "w" / "weight_update"))  # AReaL's way to say a folder
+    root = os.path.dirname(meta.path)
+    os.makedirs(root)
+    with open(os.path.join(root, "notes.txt"), "w") as f:
         f.write("mine")
-    actor.update_weights(meta)
-    assert sorted(os.listdir(meta.path)) == ["notes.txt", "v1"]
+    actor.update_weights(meta.with_version(1))  # AReaL's versioned meta: written to <root>/weight_update_v1
+    assert sorted(os.listdir(root)) == ["notes.txt", "weight_update_v1"]
     actor.destroy()
-    assert os.listdir(meta.path) == ["notes.txt"]  # ... but nothing else in a folder the user gave
+    assert os.listdir(root) == ["notes.txt"]  # ... but nothing else in a folder the user gave
 
 
 RECEIVER = textwrap.dedent(
@@ -675,7 +677,7 @@ FSDP_SCRIPT = textwrap.dedent(
     state = actor._full_state_dict()
     if int(os.environ.get("RANK", "0")) == 0:
         from safetensors.torch import load_file
-        saved = load_file(out_path + ".weights/v1/model.safetensors")  # read before destroy() removes it
+        saved = load_file(out_path + ".weights/weight_update_v1/model.safetensors")  # read before destroy() removes it
         torch.save({"state": state, "stats": stats, "prox": batch["prox_logp"], "saved": saved}, out_path)
     actor.destroy()
     """

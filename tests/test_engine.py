@@ -24,7 +24,7 @@ from areal_lite.config import EmbeddedServerConfig, GenerationHyperparameters, I
 from areal_lite.engine import ADDRS_ENV, EngineError, RemoteSGLangEngine
 from areal_lite.io_struct import ModelRequest, WeightUpdateMeta
 from areal_lite.launch import find_free_port, launch_server
-from areal_lite.trajectory import check_trajectory
+from areal_lite.trajectory import check_trajectory, concat_padded_tensors
 
 PROMPT = [11, 523, 97, 1402, 36, 2210]
 
@@ -52,7 +52,7 @@ def make_engine():
     def make(addr, **kw) -> RemoteSGLangEngine:
         eng = RemoteSGLangEngine(_config(**kw))
         engines.append(eng)
-        eng.initialize(addr)
+        eng.initialize(addr=addr)
         return eng
 
     yield make
@@ -189,7 +189,7 @@ def test_agenerate_from_own_loop_and_executor_together(make_engine, embedded_ser
         return await asyncio.gather(batch_job, *reqs)
 
     batch, *resps = asyncio.run(scenario())
-    assert batch["input_ids"].shape[0] == 4
+    assert len(batch) == 4 and concat_padded_tensors(batch)["input_ids"].shape[0] == 4
     assert all(r.output_len == 5 for r in resps)
     assert len({tuple(r.output_tokens) for r in resps}) == 1  # concurrent greedy requests agree
 
@@ -376,7 +376,7 @@ def test_initialize_errors(monkeypatch):
     dead = f"127.0.0.1:{find_free_port()}"
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=dead):
-        RemoteSGLangEngine(_config(setup_timeout=1.0)).initialize(dead)
+        RemoteSGLangEngine(_config(setup_timeout=1.0)).initialize(addr=dead)
     assert time.monotonic() - t0 < 5
     assert set(threading.enumerate()) <= before  # the failed engine cleaned up its thread
 
@@ -408,7 +408,7 @@ def test_address_from_environment_and_destroy_is_idempotent(monkeypatch, embedde
 
 def test_rollout_batch_order_and_contract(make_engine, embedded_server):
     eng = make_engine(embedded_server.address, consumer_batch_size=4, max_concurrent_rollouts=2)
-    batch = eng.rollout_batch([{"i": i} for i in range(4)], OneTurn())
+    batch = concat_padded_tensors(eng.rollout_batch([{"i": i} for i in range(4)], OneTurn()))
     assert batch["input_ids"].shape[0] == 4
     assert batch["rewards"].tolist() == [0.0, 1.0, 2.0, 3.0]  # input order
     assert check_trajectory(batch)
@@ -430,7 +430,7 @@ def test_rollout_batch_order_and_contract(make_engine, embedded_server):
             finally:
                 peak["now"] -= 1
 
-    big = eng.rollout_batch([{"i": i} for i in range(12)], Counting())
+    big = concat_padded_tensors(eng.rollout_batch([{"i": i} for i in range(12)], Counting()))
     assert big["rewards"].tolist() == [float(i) for i in range(12)]
     assert peak["n"] == 2
     assert eng.stats()["accepted"] == 0
@@ -439,28 +439,28 @@ def test_rollout_batch_order_and_contract(make_engine, embedded_server):
 def test_should_accept_and_none_drop_episodes(make_engine, embedded_server):
     eng = make_engine(embedded_server.address, consumer_batch_size=6, max_concurrent_rollouts=6)
     rows = [{"i": i} for i in range(5)] + [{"i": 5, "reject": True}]
-    batch = eng.rollout_batch(rows, OneTurn(), should_accept=lambda r: int(r["rewards"][0]) % 2 == 0)
+    batch = concat_padded_tensors(eng.rollout_batch(rows, OneTurn(), should_accept_fn=lambda r: int(r["rewards"][0]) % 2 == 0))
     assert batch["rewards"].tolist() == [0.0, 2.0, 4.0]
     assert eng.stats()["rejected"] == 3 and eng.stats()["sync_accepted"] == 3
 
     # Through submit/wait: rejected episodes are not counted, and waiting for more than can come fails loudly.
     eng.set_version(1)
     for r in ({"i": 1}, {"i": 2}, {"i": 3, "reject": True}):
-        eng.submit(r, OneTurn(), should_accept=lambda r: int(r["rewards"][0]) != 1)
-    assert eng.wait(1, timeout=60)["rewards"].tolist() == [2.0]
+        eng.submit(r, OneTurn(), should_accept_fn=lambda r: int(r["rewards"][0]) != 1)
+    assert concat_padded_tensors(eng.wait(1, timeout=60))["rewards"].tolist() == [2.0]
     with pytest.raises(RuntimeError, match="nothing is running or queued"):
-        eng.wait(1, timeout=60)
+        concat_padded_tensors(eng.wait(1, timeout=60))
 
 
 def test_workflow_exception_reaches_the_caller(make_engine, embedded_server):
     eng = make_engine(embedded_server.address, consumer_batch_size=4, max_concurrent_rollouts=4)
     rows = [{"i": 0}, {"i": 1, "fail": True}, {"i": 2}]
     with pytest.raises(ValueError, match="workflow failed on row 1") as info:
-        eng.rollout_batch(rows, OneTurn())
+        concat_padded_tensors(eng.rollout_batch(rows, OneTurn()))
     assert any(entry.name == "arun_episode" for entry in info.traceback)  # the workflow's own frame
     eng.submit({"i": 3, "fail": True}, OneTurn())
     with pytest.raises(ValueError, match="row 3"):
-        eng.wait(1, timeout=60)
+        concat_padded_tensors(eng.wait(1, timeout=60))
     assert eng.stats()["failed"] == 2
 
 
@@ -468,8 +468,8 @@ def test_wait_timeout_reports_counts_and_loses_nothing(make_engine, embedded_ser
     eng = make_engine(embedded_server.address)
     eng.submit({"i": 7}, OneTurn(max_new_tokens=60))
     with pytest.raises(TimeoutError, match="running 1"):
-        eng.wait(1, timeout=0.01)
-    assert eng.wait(1, timeout=60)["rewards"].tolist() == [7.0]
+        concat_padded_tensors(eng.wait(1, timeout=0.01))
+    assert concat_padded_tensors(eng.wait(1, timeout=60))["rewards"].tolist() == [7.0]
 
 
 def test_wait_takes_episodes_in_submission_order_even_when_a_later_one_finishes_first(make_engine, embedded_server):
@@ -491,10 +491,10 @@ def test_wait_takes_episodes_in_submission_order_even_when_a_later_one_finishes_
     assert eng.stats()["ready"] == 2 and eng.stats()["running"] == 1  # rows 1 and 2 done, row 0 still running
     eng.pause()
     with pytest.raises(RuntimeError, match="paused"):  # row 0 must go first, and it cannot finish while paused
-        eng.wait(2, timeout=60)
+        concat_padded_tensors(eng.wait(2, timeout=60))
     eng.resume()
-    assert eng.wait(2, timeout=60)["rewards"].tolist() == [0.0, 1.0]
-    assert eng.wait(1, timeout=60)["rewards"].tolist() == [2.0]
+    assert concat_padded_tensors(eng.wait(2, timeout=60))["rewards"].tolist() == [0.0, 1.0]
+    assert concat_padded_tensors(eng.wait(1, timeout=60))["rewards"].tolist() == [2.0]
 
 
 @pytest.mark.parametrize("eta", [0, 1])
@@ -507,7 +507,7 @@ def test_prepare_batch_respects_staleness_bound(make_engine, embedded_server, et
     loader = [[{"i": 2 * k}, {"i": 2 * k + 1}] for k in range(3)]  # 3 batches: step 4 is in the second epoch
     seen, staleness = [], []
     for v in range(steps):
-        batch = eng.prepare_batch(loader, OneTurn(max_new_tokens=4))
+        batch = concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=4)))
         assert batch["input_ids"].shape[0] == B
         assert check_trajectory(batch)
         token_versions = batch["versions"][batch["loss_mask"].bool()]
@@ -531,11 +531,11 @@ def test_prepare_batch_respects_staleness_bound(make_engine, embedded_server, et
 def test_prepare_batch_without_set_version_fails_loudly(make_engine, embedded_server):
     eng = make_engine(embedded_server.address, consumer_batch_size=2)
     loader = [[{"i": 0}, {"i": 1}], [{"i": 2}, {"i": 3}]]
-    eng.prepare_batch(loader, OneTurn(max_new_tokens=3))
+    concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))
     with pytest.raises(RuntimeError, match="set_version"):
-        eng.prepare_batch(loader, OneTurn(max_new_tokens=3))
+        concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))
     eng.set_version(1)  # the queued rows were kept: the next step proceeds
-    assert eng.prepare_batch(loader, OneTurn(max_new_tokens=3))["rewards"].tolist() == [2.0, 3.0]
+    assert concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))["rewards"].tolist() == [2.0, 3.0]
 
 
 def test_staleness_counts_from_the_first_version_of_a_resumed_run(make_engine, embedded_server):
@@ -545,8 +545,55 @@ def test_staleness_counts_from_the_first_version_of_a_resumed_run(make_engine, e
     eng.set_version(5)
     loader = [[{"i": 2 * k}, {"i": 2 * k + 1}] for k in range(4)]
     for v in (5, 6, 7):
-        batch = eng.prepare_batch(loader, OneTurn(max_new_tokens=3))
+        batch = concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))
         assert (batch["versions"][batch["loss_mask"].bool()] == v).all()  # eta = 0: always fresh
         eng.set_version(v + 1)
     assert eng.stats()["base_version"] == 5
     assert eng.start_versions()[:6] == [5, 5, 6, 6, 7, 7]
+
+
+# ---------------------------------------------------------------------------------------------- AReaL's call forms
+
+
+def test_initialize_takes_areals_order_and_refuses_an_address_as_engine_id(embedded_server):
+    eng = RemoteSGLangEngine(_config())
+    with pytest.raises(TypeError, match=r"engine.initialize\(addr=\.\.\.\)"):
+        eng.initialize(embedded_server.address)
+    eng.initialize("my-engine", addr=embedded_server.address)  # AReaL: engine_id first, then addr
+    try:
+        assert eng.engine_id == "my-engine" and eng.addresses == [embedded_server.address]
+    finally:
+        eng.destroy()
+
+
+def test_workflow_forms_group_size_and_list_results(make_engine, embedded_server):
+    """An instance, a class + workflow_kwargs, or an import path; group_size=G gives G contiguous rows per row."""
+    eng = make_engine(embedded_server.address, consumer_batch_size=2, max_concurrent_rollouts=8)
+    rows = [{"i": i} for i in range(3)]
+    for workflow, kwargs in [(OneTurn(max_new_tokens=2), None), (OneTurn, {"max_new_tokens": 2}),
+                             (f"{__name__}.OneTurn", {"max_new_tokens": 2})]:
+        items = eng.rollout_batch(rows, workflow=workflow, workflow_kwargs=kwargs, group_size=2)
+        assert isinstance(items, list) and len(items) == 3
+        assert [it["input_ids"].shape[0] for it in items] == [2, 2, 2]
+        assert [it["rewards"].tolist() for it in items] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # input order
+    with pytest.raises(ValueError, match="workflow_kwargs is required"):
+        eng.rollout_batch(rows, workflow=OneTurn)
+    with pytest.raises(ValueError, match="group_size"):
+        eng.rollout_batch(rows, workflow=OneTurn(), group_size=0)
+
+
+def test_agenerate_accepts_areals_own_request_objects(make_engine, embedded_server, tiny_model_path):
+    from areal.api.cli_args import GenerationHyperparameters as AReaLGConfig
+    from areal.api.io_struct import ModelRequest as AReaLModelRequest
+    from transformers import AutoTokenizer
+
+    eng = make_engine(embedded_server.address)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    req = AReaLModelRequest(input_ids=list(PROMPT), gconfig=AReaLGConfig(greedy=True, max_new_tokens=4),
+                            tokenizer=tok)
+    resp = asyncio.run(eng.agenerate(req))
+    kit = _gen(eng, gconfig=_greedy(4))
+    assert resp.output_tokens == kit.output_tokens and resp.tokenizer is tok
+    short = AReaLModelRequest(input_ids=list(PROMPT), gconfig=AReaLGConfig(greedy=True, max_new_tokens=50,
+                                                                          max_tokens=len(PROMPT) + 3))
+    assert asyncio.run(eng.agenerate(short)).output_len == 3  # max_tokens bounds prompt + output, as in AReaL

@@ -82,7 +82,7 @@ def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, token
         # Synchronous, so the trainer recomputes what the server sampled: same policy, same numbers.
         assert abs(s["behav_kl"]) < 1e-4 and s["staleness_max"] == 0 and s["skipped"] == 0
         assert all(s[k] >= 0 for k in ("time/generate", "time/logp", "time/update", "time/weight_sync"))
-    assert listed[-1] == ["v11", "v12"]  # pruned to keep_last while training ...
+    assert listed[-1] == ["weight_update_v11", "weight_update_v12"]  # pruned to keep_last while training ...
     assert not (run_dir / "weights").exists()  # ... and removed at the end: transport, not checkpoints
 
 
@@ -146,7 +146,7 @@ def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer
 
         def keep_final(step, _):  # the trainer removes its weight folders when it ends
             if step == 2:
-                shutil.copytree(weights / "v3", final_dir)
+                shutil.copytree(weights / "weight_update_v3", final_dir)
 
         stats = train(config, workflow=token_workflow(tokenizer, config), server_addrs=[handle.address],
                       progress=False, on_step=keep_final)

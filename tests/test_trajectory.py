@@ -59,7 +59,9 @@ def test_builder_keeps_all_lists_aligned_and_dtypes():
     assert t["versions"].tolist() == [[-1, -1, -1, 0, 0, -1, 0, 0, 0]]
     assert t["logprobs"][0, 3].item() == pytest.approx(-0.5) and t["logprobs"][0, 5].item() == 0.0
     assert t["attention_mask"].dtype == torch.bool and t["attention_mask"].all()
-    assert t["input_ids"].dtype == torch.long and t["versions"].dtype == torch.long
+    # AReaL 1.0.4's dtypes: a batch moves between the two unchanged
+    assert t["input_ids"].dtype == torch.int32 and t["versions"].dtype == torch.int32
+    assert t["loss_mask"].dtype == torch.int32
     assert t["logprobs"].dtype == torch.float32 and t["rewards"].dtype == torch.float32
     assert t["rewards"].shape == (1,) and t["rewards"].item() == 0.5
     assert [(s.kind, s.start, s.end, s.turn) for s in b.segments] == [
@@ -115,19 +117,21 @@ def test_builder_per_turn_values_and_extra_keys():
 # ---------------------------------------------------------------------------------------------- concat
 
 
-def test_concat_pads_right_with_contract_values():
+def test_concat_pads_right_like_areal():
+    """AReaL's padding: every key with pad_value, attention_mask with False (so padded versions are 0, not -1)."""
     a = _row(outs=((8, 9),), obs=()).to_tensors(1.0)  # L = 5
     b = _row(outs=((8, 9), (11, 12)), obs=((10,),)).to_tensors(0.0)  # L = 8
     a["extra"] = torch.ones(1, 5)
     b["extra"] = torch.ones(1, 8)
-    out = concat_padded_tensors([a, b], pad_value=-7.0)
+    out = concat_padded_tensors([a, b])
     assert out["input_ids"].shape == (2, 8)
     assert out["input_ids"][0, 5:].tolist() == [0, 0, 0]
     assert out["attention_mask"][0].tolist() == [True] * 5 + [False] * 3
     assert out["loss_mask"][0, 5:].tolist() == [0, 0, 0]
     assert out["logprobs"][0, 5:].tolist() == [0.0, 0.0, 0.0]
-    assert out["versions"][0, 5:].tolist() == [-1, -1, -1]
-    assert out["extra"][0, 5:].tolist() == [-7.0] * 3
+    assert out["versions"][0, 5:].tolist() == [0, 0, 0]
+    assert out["extra"][0, 5:].tolist() == [0.0] * 3
+    assert concat_padded_tensors([a, b], pad_value=-7.0)["extra"][0, 5:].tolist() == [-7.0] * 3
     assert out["rewards"].tolist() == [1.0, 0.0]
     for k in a:
         assert out[k].dtype == a[k].dtype
@@ -201,15 +205,15 @@ def _good():
     "mutate, match",
     [
         (lambda b: b.update(reward=b.pop("rewards")), "'reward': the key is 'rewards'"),
-        (lambda b: b.update(input_ids=b["input_ids"].int()), "input_ids dtype"),
+        (lambda b: b.update(input_ids=b["input_ids"].float()), "input_ids dtype"),
         (lambda b: b.update(attention_mask=b["attention_mask"].long()), "attention_mask dtype"),
-        (lambda b: b.update(versions=b["versions"].int()), "versions dtype"),
+        (lambda b: b.update(versions=b["versions"].short()), "versions dtype"),
         (lambda b: b.update(loss_mask=b["loss_mask"].float()), "loss_mask dtype"),
         (lambda b: b.update(rewards=torch.zeros(2, dtype=torch.long)), "rewards must be a float"),
         (lambda b: b.update(rewards=torch.zeros(3)), "expected \\[2\\]"),
         (lambda b: b.update(rewards=torch.tensor([float("nan"), 0.0])), "non-finite"),
         (lambda b: b["logprobs"].__setitem__((1, 0), -0.3), "row 1 position 0"),
-        (lambda b: b["versions"].__setitem__((0, 1), 0), "versions must be -1 where loss_mask is 0; row 0 position 1"),
+        (lambda b: b["versions"].__setitem__((0, 1), 0), "versions must be -1 on prompt and observation tokens; row 0 position 1"),
         (lambda b: b["versions"].__setitem__((1, 4), -1), "versions must be >= 0 on generated tokens; row 1 pos"),
         (lambda b: b["logprobs"].__setitem__((0, 3), 0.7), "finite and <= 0; row 0 position 3"),
         (lambda b: b["loss_mask"].__setitem__((0, 6), 1), "outside attention_mask at row 0 position 6"),
@@ -344,3 +348,26 @@ def test_show_trajectory_html_in_ipython(tiny_tokenizer, monkeypatch):
     _, batch = _viewer_batch(tiny_tokenizer)
     show_trajectory(batch, 0, tiny_tokenizer, fmt="html")
     assert len(shown) == 1 and "areal-trajectory" in shown[0].data
+
+
+def test_areal_built_batches_pass_and_match_ours():
+    """Rows in AReaL's layout joined by AReaL's own concat_padded_tensors pass the check, and ours gives the same."""
+    from areal.utils.data import concat_padded_tensors as areal_concat
+
+    rows = [_row(outs=((8, 9),), obs=()).to_tensors(1.0), _row(outs=((8, 9), (11, 12)), obs=((10,),)).to_tensors(0.0)]
+    theirs, ours = areal_concat(rows), concat_padded_tensors(rows)
+    assert theirs.keys() == ours.keys()
+    for key in ours:
+        assert theirs[key].dtype == ours[key].dtype and torch.equal(theirs[key], ours[key]), key
+    assert check_trajectory(theirs)
+
+
+def test_padding_is_ignored_but_real_tokens_are_checked():
+    batch = concat_padded_tensors([_row(outs=((8, 9),), obs=()).to_tensors(1.0),
+                                   _row(outs=((8, 9), (11, 12)), obs=((10,),)).to_tensors(0.0)])
+    batch["versions"][0, 6] = 123  # padding: anything goes
+    batch["logprobs"][0, 6] = 5.0
+    assert check_trajectory(batch)
+    batch["versions"][0, 1] = 0  # a prompt token: must stay -1
+    with pytest.raises(TrajectoryError, match="versions must be -1 on prompt"):
+        check_trajectory(batch)

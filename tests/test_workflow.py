@@ -1,9 +1,8 @@
 """Workflows end to end against a real embedded server (tiny model), a real RAG server, and one SmolLM2 run.
 
 Every result goes through `check_trajectory`. The tiny model is random, so most tests use rewards that do not
-depend on what it writes: `operator.ne` (completion != answer: always 1.0), `operator.eq` (always 0.0), and a
-file-backed counter that succeeds on the n-th call. They are module-level or stdlib callables because
-`AsyncRewardWrapper` runs them in worker processes.
+depend on what it writes: always 1.0, always 0.0, and a file-backed counter that succeeds on the n-th call, all
+with AReaL's reward signature. They are module-level because `AsyncRewardWrapper` runs them in worker processes.
 
 A random model never emits `<search>...</search>` on purpose, so the search agent's tool path is driven by
 `ScriptedPolicy`, which replays fixed completions through the same `agenerate(ModelRequest) -> ModelResponse`
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import operator
 import os
 import socket
 import time
@@ -25,7 +23,7 @@ import torch
 from areal_lite.config import GenerationHyperparameters, InferenceEngineConfig
 from areal_lite.io_struct import ModelRequest, ModelResponse
 from areal_lite.reward import AsyncRewardWrapper
-from areal_lite.trajectory import TrajectoryError, check_trajectory, trajectory_segments
+from areal_lite.trajectory import TrajectoryError, check_trajectory, concat_padded_tensors, trajectory_segments
 from areal_lite.workflow import (
     PROMPT_TEMPLATE,
     REFLECTION_PROMPT,
@@ -40,24 +38,37 @@ from areal_lite.workflow import (
     discounted_returns,
 )
 
-ALWAYS_ONE = operator.ne  # reward_fn(completion, answer): the completion never equals the answer string
-ALWAYS_ZERO = operator.eq
-
-
 # ---------------------------------------------------------------------------------------------- reward functions
-# Module-level so worker processes can import them.
+# Module-level so worker processes can import them. AReaL's signature: (prompt, completions, prompt_ids,
+# completion_ids, **data).
 
 
-def slow_reward(completion, answer):
+def ALWAYS_ONE(prompt, completions, prompt_ids, completion_ids, **data):
+    return 1.0
+
+
+def ALWAYS_ZERO(prompt, completions, prompt_ids, completion_ids, **data):
+    return 0.0
+
+
+def slow_reward(prompt, completions, prompt_ids, completion_ids, **data):
     time.sleep(60)
     return 1.0
 
 
-def crashing_reward(completion, answer):
+def crashing_reward(prompt, completions, prompt_ids, completion_ids, **data):
     raise RuntimeError("reward bug")
 
 
-def nth_call_succeeds(completion, answer):
+def recording_reward(prompt, completions, prompt_ids, completion_ids, answer, log, **data):
+    """Writes what it was given to the file `log` (a data field), so a test can check the call."""
+    with open(log, "w") as f:
+        json.dump({"prompt": prompt, "completions": completions, "prompt_ids": list(prompt_ids),
+                   "completion_ids": list(completion_ids), "answer": answer, "other": sorted(data)}, f)
+    return 0.5
+
+
+def nth_call_succeeds(prompt, completions, prompt_ids, completion_ids, answer, **data):
     """`answer` = "path|n": 1.0 on the n-th call (counted in the file at path), else 0.0."""
     path, n = answer.rsplit("|", 1)
     with open(path, "a") as f:
@@ -81,7 +92,7 @@ def engine(embedded_server):
 
     cfg = InferenceEngineConfig(consumer_batch_size=8, max_concurrent_rollouts=8, max_head_offpolicyness=100_000)
     eng = RemoteSGLangEngine(cfg)
-    eng.initialize(embedded_server.address)
+    eng.initialize(addr=embedded_server.address)
     yield eng
     eng.destroy()
 
@@ -226,8 +237,8 @@ def test_turn_reward_formula(tok):
 
 
 def test_base_class_is_abstract():
-    with pytest.raises(NotImplementedError):
-        asyncio.run(RolloutWorkflow().arun_episode(None, {}))
+    with pytest.raises(TypeError, match="abstract"):
+        RolloutWorkflow()
 
 
 # ---------------------------------------------------------------------------------------------- group size once
@@ -245,9 +256,10 @@ def test_group_size_is_given_once(tok):
     assert GroupedWorkflow(single, group_size=3).group_size == 3  # n_samples=1 means "not set"
     with pytest.raises(ValueError, match=">= 1"):
         GroupedWorkflow(single, group_size=0)
-    # A plain workflow with n_samples > 1 refuses to run and says how to get a group (before any request).
-    with pytest.raises(ValueError, match="GroupedWorkflow"):
-        asyncio.run(inner.arun_episode(None, {"messages": _msgs(), "answer": "5"}))
+    # A plain workflow samples one trajectory per call whatever n_samples says (AReaL's rule: the engine's
+    # group_size= makes the group), so a config's gconfig can be passed as it is.
+    req = inner.request([1, 2, 3])
+    assert req.gconfig.n_samples == 1 and req.tokenizer is tok
 
 
 # ---------------------------------------------------------------------------------------------- RLVR
@@ -267,11 +279,11 @@ def test_rlvr_direct_episode(tok, engine, rewards):
 
 
 def test_rlvr_through_rollout_batch_with_real_reward(tok, engine):
-    from areal_lite.reward import gsm8k_reward_fn
+    from areal_lite.reward import areal_gsm8k_reward_fn
 
-    wf = RLVRWorkflow(gsm8k_reward_fn, _gconfig(), tok)
+    wf = RLVRWorkflow(areal_gsm8k_reward_fn, _gconfig(), tok)
     data = [{"messages": _msgs(f"What is {i} + 1?"), "answer": f"#### {i + 1}"} for i in range(3)]
-    batch = engine.rollout_batch(data, workflow=wf)
+    batch = concat_padded_tensors(engine.rollout_batch(data, workflow=wf))
     assert batch["input_ids"].shape[0] == 3 and batch["rewards"].shape == (3,)
     assert set(batch["rewards"].tolist()) <= {0.0, 1.0}
     check_trajectory(batch)
@@ -305,10 +317,22 @@ def test_crashing_reward_scores_zero(tok, engine):
         wf.async_reward_fn.shutdown()
 
 
-def test_missing_answer_is_a_clear_error(tok, engine, rewards):
-    wf = RLVRWorkflow(rewards["one"], _gconfig(), tok)
-    with pytest.raises(KeyError, match="'answer'"):
-        asyncio.run(wf.arun_episode(engine, {"messages": _msgs()}))
+def test_reward_gets_areals_arguments(tok, engine, tmp_path):
+    """AReaL's reward call: prompt and completion as text and as ids, then every field of the data row."""
+    log = tmp_path / "call.json"
+    wf = RLVRWorkflow(recording_reward, _gconfig(), tok)
+    try:
+        out = asyncio.run(wf.arun_episode(engine, {"messages": _msgs(), "answer": "5", "log": str(log), "id": 3}))
+    finally:
+        wf.async_reward_fn.shutdown()
+    assert out["rewards"].tolist() == [0.5]
+    got = json.loads(log.read_text())
+    n_prompt = len(got["prompt_ids"])
+    assert got["prompt_ids"] + got["completion_ids"] == out["input_ids"][0].tolist()
+    assert got["prompt"] == tok.decode(got["prompt_ids"]) and got["prompt"] == _render(tok, _msgs(), gen=True)
+    assert got["completions"] == tok.decode(got["completion_ids"], skip_special_tokens=True)
+    assert out["loss_mask"][0, :n_prompt].sum() == 0 and out["loss_mask"][0, n_prompt:].all()
+    assert got["answer"] == "5" and got["other"] == ["id", "messages"]
 
 
 # ---------------------------------------------------------------------------------------------- grouped
@@ -317,7 +341,7 @@ def test_missing_answer_is_a_clear_error(tok, engine, rewards):
 def test_grouped_rlvr_gives_g_contiguous_rows(tok, engine, rewards):
     wf = GroupedWorkflow(RLVRWorkflow(rewards["one"], _gconfig(n_samples=3), tok))
     data = [{"messages": _msgs(f"Question number {i}?"), "answer": "x"} for i in range(2)]
-    batch = engine.rollout_batch(data, workflow=wf)
+    batch = concat_padded_tensors(engine.rollout_batch(data, workflow=wf))
     assert batch["input_ids"].shape[0] == 6 and batch["rewards"].tolist() == [1.0] * 6
     check_trajectory(batch)
     for r in range(6):
@@ -374,7 +398,7 @@ def test_reflection_discounts_late_success(tok, engine, rewards, tmp_path):
 
 def test_grouped_reflection_through_rollout_batch(tok, engine, rewards):
     wf = GroupedWorkflow(ReflectionWorkflow(rewards["zero"], _gconfig(n_samples=2), tok, max_turns=2))
-    batch = engine.rollout_batch([{"messages": _msgs(), "answer": "5"}] * 2, workflow=wf)
+    batch = concat_padded_tensors(engine.rollout_batch([{"messages": _msgs(), "answer": "5"}] * 2, workflow=wf))
     assert batch["input_ids"].shape[0] == 4
     check_trajectory(batch)
     for r in range(4):
@@ -418,7 +442,7 @@ def test_multi_turn_feedback_seed_mode_runs_all_turns(tok, engine, rewards):
 
 def test_grouped_multi_turn_through_rollout_batch(tok, engine, rewards):
     wf = GroupedWorkflow(MultiTurnFeedbackWorkflow(rewards["zero"], _gconfig(n_samples=2), tok, num_turns=2))
-    batch = engine.rollout_batch([{"messages": _msgs(), "answer": "5"}] * 2, workflow=wf)
+    batch = concat_padded_tensors(engine.rollout_batch([{"messages": _msgs(), "answer": "5"}] * 2, workflow=wf))
     assert batch["token_returns"].shape == batch["input_ids"].shape and batch["input_ids"].shape[0] == 4
     check_trajectory(batch)
     assert batch["rewards"].tolist() == pytest.approx([-1.0 - 1.0 * 0.9] * 4)
@@ -526,7 +550,7 @@ def test_search_agent_on_real_engine(tok, engine, rag_server):
     wf = GroupedWorkflow(inner)
     data = [{"question": "What is the capital of Japan?", "answer": ["Tokyo"]},
             {"question": "What is the capital of Kenya?", "answer": ["Nairobi"]}]
-    batch = engine.rollout_batch(data, workflow=wf)
+    batch = concat_padded_tensors(engine.rollout_batch(data, workflow=wf))
     assert batch["input_ids"].shape[0] == 4 and batch["input_ids"].shape[1] <= 400
     check_trajectory(batch)
     for r in range(4):
@@ -566,12 +590,12 @@ def test_reflection_on_smollm_closes_turns_exactly(smollm_server, smollm_path, r
 
     tok = AutoTokenizer.from_pretrained(smollm_path)
     eng = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=100))
-    eng.initialize(smollm_server.address)
+    eng.initialize(addr=smollm_server.address)
     try:
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         wf = ReflectionWorkflow(rewards["zero"], GenerationHyperparameters(max_new_tokens=32, greedy=True), tok,
                                 max_turns=2)
-        batch = eng.rollout_batch([{"messages": messages, "answer": "x"}], workflow=wf)
+        batch = concat_padded_tensors(eng.rollout_batch([{"messages": messages, "answer": "x"}], workflow=wf))
     finally:
         eng.destroy()
     check_trajectory(batch)

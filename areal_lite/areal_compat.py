@@ -1,0 +1,251 @@
+"""Where the kit meets AReaL 1.0.4: which names move to AReaL, which are kit-only, and the one boundary call.
+
+A notebook cell copies into an AReaL 1.0.4 experiment by changing only its import lines. This module is the one
+place that says how:
+
+- `AREAL_NAMES`: every kit name that has an AReaL 1.0.4 twin with the same name, signature, defaults and return
+  type, and the AReaL module it is imported from. `tests/test_areal_api.py` checks each against the installed
+  AReaL (the parameters AReaL declares come first, in its order, with its defaults; kit extras are keyword-only).
+- `KIT_ONLY`: the kit's conveniences that AReaL does not have (launching a server in a notebook, packaged data,
+  plots, viewers, the CPU trainer), each with what an AReaL experiment uses instead. A cell that uses one keeps
+  importing it from `areal_lite` (`pip install areal-lite` beside `areal`) or swaps it for the AReaL way.
+- `to_areal_cell(source)`: rewrites a cell's `from areal_lite import ...` lines into AReaL imports (kit-only names
+  stay imported from the kit). Notebook 07 prints cells side by side with it and runs the AReaL version.
+- `register_with_areal()`: AReaL's engine accepts only instances of `areal.api.RolloutWorkflow`. The kit's
+  workflows derive from the kit's own base (the package never imports `areal`: importing it pulls in ray and its
+  schedulers), so this registers that base as a virtual subclass of AReaL's (an ABC). Call it once in a process
+  that runs kit workflows under AReaL's engine; a workflow a learner writes against `areal.api.RolloutWorkflow`
+  needs nothing.
+
+Where AReaL 1.0.4 itself behaves badly, the kit keeps its fix and the notebook says so at that cell:
+`rollout_batch` at a fixed version returns (AReaL's blocks forever once the staleness bound is reached), and a
+failing workflow raises (AReaL logs the error and hands back an empty batch).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Dict, Iterable, List
+
+__all__ = [
+    "AREAL_VERSION", "AREAL_NAMES", "KIT_ONLY", "areal_import_lines", "areal_object", "to_areal_cell",
+    "register_with_areal", "export_areal_experiment",
+]
+
+AREAL_VERSION = "1.0.4"
+
+# kit name -> AReaL module that defines the same name (imported as `from <module> import <name>`), or
+# "module:OtherName" where AReaL's class has another name (imported as `from module import OtherName as <name>`).
+AREAL_NAMES: Dict[str, str] = {
+    # records passed between workflows, engine and trainer
+    "ModelRequest": "areal.api.io_struct",
+    "ModelResponse": "areal.api.io_struct",
+    "WeightUpdateMeta": "areal.api.io_struct",
+    "FinetuneSpec": "areal.api.io_struct",
+    # configuration
+    "GenerationHyperparameters": "areal.api.cli_args",
+    "GRPOConfig": "areal.api.cli_args",
+    "PPOActorConfig": "areal.api.cli_args",
+    "InferenceEngineConfig": "areal.api.cli_args",
+    "NormConfig": "areal.api.cli_args",
+    "OptimizerConfig": "areal.api.cli_args",
+    "MicroBatchSpec": "areal.api.cli_args",
+    "SaverConfig": "areal.api.cli_args",
+    "EvaluatorConfig": "areal.api.cli_args",
+    "StatsLoggerConfig": "areal.api.cli_args",
+    "BaseExperimentConfig": "areal.api.cli_args",
+    "load_expr_config": "areal.api.cli_args",
+    # workflows, rewards, engine, batches
+    "RolloutWorkflow": "areal.api",
+    "AsyncRewardWrapper": "areal.api",
+    "RLVRWorkflow": "areal.workflow.rlvr",
+    "RemoteSGLangEngine": "areal.engine.sglang_remote",
+    "concat_padded_tensors": "areal.utils.data",
+    "cycle_dataloader": "areal.utils.data",
+    # the trainer: same methods and call order as AReaL's FSDP actor (see PPOActor's docstring)
+    "PPOActor": "areal.engine.fsdp_engine:FSDPPPOActor",
+}
+
+# kit-only name -> what an AReaL 1.0.4 experiment does instead.
+KIT_ONLY: Dict[str, str] = {
+    "launch_server": "AReaL's launcher starts the servers (`python -m areal.infra.launcher.local script.py --config ...`)",
+    "ServerHandle": "the launcher owns server processes",
+    "find_free_port": "the launcher picks ports",
+    "launch_rag_server": "run your retrieval server yourself; the workflow only needs its URL",
+    "resolve_model_path": "a Hugging Face id or local path in `actor.path`",
+    "load_tokenizer": "`areal.utils.hf_utils.load_hf_tokenizer(path)`",
+    "prepare_model": "weights come from the hub or a local folder",
+    "load_gsm8k": "`areal.dataset.get_custom_dataset` / `datasets.load_dataset('openai/gsm8k')`",
+    "load_dataset_from_config": "`areal.dataset.get_custom_dataset`",
+    "make_dataloader": "`areal.utils.dataloader.create_dataloader` (a torchdata StatefulDataLoader)",
+    "build_factbook_corpus": "your own corpus",
+    "chat_prompt_ids": "`tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`",
+    "check_trajectory": "AReaL checks shapes only (`areal.infra.check_trajectory_format`); keep the kit's check in tests",
+    "show_trajectory": "no viewer in AReaL",
+    "plot_rewards": "AReaL logs to wandb/swanlab/tensorboard (`stats_logger`)",
+    "plot_sync_vs_async": "AReaL logs timings through `stats_tracker`",
+    "plot_time_breakdown": "AReaL logs timings through `stats_tracker`",
+    "ConfigError": "AReaL raises hydra/omegaconf errors",
+    "GroupedWorkflow": "pass `group_size=` to rollout_batch/prepare_batch (the kit accepts that too)",
+    "ReflectionWorkflow": "closest: `areal.workflow.multi_turn.MultiTurnWorkflow`",
+    "SearchAgentWorkflow": "write it against `areal.api.RolloutWorkflow` (notebook 04 does)",
+    "MultiTurnFeedbackWorkflow": "AReaL's MultiTurnWorkflow gives one discounted reward per row (no per-turn returns)",
+    "discounted_returns": "a three-line loop",
+    "TrainConfig": "`areal.api.cli_args.GRPOConfig`",
+    "train": "`areal.PPOTrainer(config, train_dataset).train(workflow)`",
+    "gsm8k_reward_fn": "a reward with AReaL's signature: `areal_gsm8k_reward_fn`",
+    # rewards and tools: plain functions a cell calls (AReaL ships its own per-dataset rewards under areal.reward)
+    "areal_gsm8k_reward_fn": "`areal.reward.gsm8k.gsm8k_reward_fn` (same signature)",
+    "extract_answer": "part of `areal.reward` / math-verify",
+    "math_equal": "part of `areal.reward` / math-verify",
+    "f1_score": "write your own (the kit's counts tokens as a set or a multiset)",
+    "exact_match": "write your own",
+    "normalize_answer": "write your own",
+    "parse_answer": "write your own tag parser",
+    "parse_boxed": "write your own tag parser",
+    "parse_search_query": "write your own tag parser",
+    "call_search_tool": "an HTTP call to your retrieval server (ASearcher's `/retrieve` API)",
+    "format_search_results": "format passages as your prompt expects",
+}
+
+_IMPORT_RE = re.compile(r"^from areal_lite import ", re.M)
+
+
+def areal_import_lines(names: Iterable[str]) -> List[str]:
+    """AReaL 1.0.4 import lines for `names` (kit-only names are imported from `areal_lite`, as before)."""
+    by_module: Dict[str, List[str]] = {}
+    for name in names:
+        target = AREAL_NAMES.get(name)
+        if target is None and name not in KIT_ONLY:
+            raise KeyError(f"{name!r} is in neither AREAL_NAMES nor KIT_ONLY: list it in areal_lite.areal_compat")
+        module, _, other = (target or "areal_lite").partition(":")
+        by_module.setdefault(module, []).append(f"{other} as {name}" if other else name)
+    lines = []
+    for module in sorted(by_module, key=lambda m: (m == "areal_lite", m)):
+        lines.append(f"from {module} import {', '.join(sorted(by_module[module]))}")
+    return lines
+
+
+def areal_object(name: str):
+    """The AReaL 1.0.4 object that kit name `name` stands for (imports AReaL: heavy)."""
+    import importlib
+
+    module, _, other = AREAL_NAMES[name].partition(":")
+    return getattr(importlib.import_module(module), other or name)
+
+
+def _imported_names(node: ast.ImportFrom) -> List[str]:
+    for alias in node.names:
+        if alias.asname is not None:
+            raise ValueError(f"`from {node.module} import {alias.name} as {alias.asname}`: rename after importing")
+    return [alias.name for alias in node.names]
+
+
+def to_areal_cell(source: str) -> str:
+    """The AReaL 1.0.4 version of a notebook cell: its `from areal_lite import ...` statements rewritten.
+
+    Only import statements change; every other line is returned as it is (that is the claim the kit makes).
+    """
+    if not _IMPORT_RE.search(source):
+        return source
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits = []  # (first line, last line, replacement), 1-based inclusive
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "areal_lite" and node.level == 0:
+            text = "".join(line + "\n" for line in areal_import_lines(_imported_names(node)))
+            edits.append((node.lineno, node.end_lineno, text))
+    for first, last, text in reversed(edits):
+        lines[first - 1 : last] = [text]
+    return "".join(lines)
+
+
+def register_with_areal() -> None:
+    """Make AReaL 1.0.4's engine accept the kit's workflows (`isinstance(wf, areal.api.RolloutWorkflow)`)."""
+    from areal.api import RolloutWorkflow as AReaLRolloutWorkflow
+
+    from .workflow import RolloutWorkflow
+
+    if not issubclass(RolloutWorkflow, AReaLRolloutWorkflow):
+        AReaLRolloutWorkflow.register(RolloutWorkflow)
+
+
+_SCRIPT = '''"""{name}: an AReaL {version} experiment exported by areal-lite (notebook 07).
+
+The cells below are the notebook's, with their imports rewritten for AReaL; kit-only helpers they use are still
+imported from `areal_lite` (install it beside AReaL). Run where the servers can start (a GPU machine or cluster):
+
+    {run}
+"""
+
+import json
+import os
+import sys
+
+from datasets import Dataset
+
+from areal import PPOTrainer
+from areal.api.cli_args import GRPOConfig, load_expr_config
+from areal.utils.hf_utils import load_hf_tokenizer
+
+{constants}
+# ---------------------------------------------------------------------------------------------- notebook cells
+{cells}
+
+# ---------------------------------------------------------------------------------------------- the experiment
+def main(argv):
+    config, _ = load_expr_config(argv, GRPOConfig)
+    tokenizer = load_hf_tokenizer(config.tokenizer_path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "{name}_train.jsonl"), encoding="utf-8") as fh:
+        train_dataset = Dataset.from_list([json.loads(line) for line in fh])
+    workflow_kwargs = {workflow_kwargs}
+    with PPOTrainer(config, train_dataset=train_dataset) as trainer:
+        trainer.train(workflow={workflow}, workflow_kwargs=workflow_kwargs)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+'''
+
+
+def export_areal_experiment(
+    out_dir: str,
+    name: str,
+    cells: List[str],
+    workflow: str,
+    workflow_kwargs: str,
+    config: dict,
+    rows: List[dict],
+    constants: Dict[str, object] | None = None,
+) -> Dict[str, str]:
+    """Write a runnable AReaL experiment: `<name>.py`, `<name>.yaml` and `<name>_train.jsonl` in `out_dir`.
+
+    `cells`: notebook code cells (kit version) that define the workflow; they are written as `to_areal_cell` turns
+    them (imports only). `workflow`: the class name they define. `workflow_kwargs`: Python source of the keyword
+    dict given to it, evaluated in `main` where `config` (AReaL's GRPOConfig), `tokenizer` and `os` exist.
+    `config`: an AReaL config as a dict (from `areal_lite.areal_config`). `constants`: module-level values the cells
+    read (written with repr). Returns the three paths.
+    """
+    import json
+    import os
+
+    import yaml
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {kind: os.path.join(out_dir, f"{name}{suffix}")
+             for kind, suffix in (("script", ".py"), ("config", ".yaml"), ("data", "_train.jsonl"))}
+    run = f"python {name}.py --config {name}.yaml scheduler.type=local"
+    consts = "".join(f"{k} = {v!r}\n" for k, v in (constants or {}).items())
+    body = "\n\n".join(to_areal_cell(c).rstrip("\n") for c in cells)
+    script = _SCRIPT.format(name=name, version=AREAL_VERSION, run=run, constants=consts, cells=body,
+                            workflow=workflow, workflow_kwargs=workflow_kwargs)
+    ast.parse(script)  # a cell that is not plain Python (top-level await, magics) cannot be exported
+    with open(paths["script"], "w", encoding="utf-8") as fh:
+        fh.write(script)
+    with open(paths["config"], "w", encoding="utf-8") as fh:
+        yaml.safe_dump(config, fh, sort_keys=False)
+    with open(paths["data"], "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in rows)
+    return paths

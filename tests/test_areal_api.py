@@ -1,0 +1,208 @@
+"""The kit's public API against the real AReaL 1.0.4 (installed by `make test` from requirements/areal.txt).
+
+What a cell touches must copy into AReaL changing only import lines, so for every name in
+`areal_compat.AREAL_NAMES`: AReaL has it; the parameters AReaL declares come first in ours, in AReaL's order, with
+AReaL's defaults, and anything the kit adds is keyword-only or defaulted; a dataclass has AReaL's fields with
+AReaL's defaults. Every `areal_lite` name a notebook imports is listed (AREAL_NAMES or KIT_ONLY), and the AReaL
+version of every notebook cell (`to_areal_cell`) differs from the kit's in import lines only and its imports run.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import glob
+import importlib
+import inspect
+import os
+from importlib.metadata import version
+
+import nbformat
+import pytest
+
+import areal_lite
+from areal_lite import areal_compat
+from areal_lite.areal_compat import AREAL_NAMES, AREAL_VERSION, KIT_ONLY, register_with_areal, to_areal_cell
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "*.ipynb")))
+INSTALL_HINT = "AReaL 1.0.4 is missing: `make test` installs it (requirements/areal.txt, then --no-deps areal==1.0.4)"
+
+# Methods a notebook cell calls on an instance, per class (checked like functions).
+METHODS = {
+    "RemoteSGLangEngine": [
+        "__init__", "initialize", "destroy", "agenerate", "rollout_batch", "prepare_batch", "submit", "wait",
+        "pause", "resume", "set_version", "get_version", "update_weights_from_disk",
+    ],
+    "AsyncRewardWrapper": ["__init__"],
+    "RLVRWorkflow": ["__init__", "arun_episode"],
+    "RolloutWorkflow": ["arun_episode"],
+    "GenerationHyperparameters": ["new", "new_with_stop_and_pad_token_ids"],
+    "WeightUpdateMeta": ["with_version"],
+    "ModelRequest": ["copy"],
+    "PPOActor": [
+        "initialize", "create_process_group", "connect_engine", "compute_logp", "compute_advantages", "ppo_update",
+        "step_lr_scheduler", "update_weights", "set_version", "get_version", "destroy",
+    ],
+}
+# Dataclasses whose every AReaL field the kit has, with AReaL's default.
+FULL_DATACLASSES = ["ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec", "GenerationHyperparameters"]
+
+
+def areal_object(name):
+    try:
+        return areal_compat.areal_object(name)
+    except ImportError as exc:  # pragma: no cover - the message is the point
+        pytest.fail(f"{INSTALL_HINT}: {exc}")
+
+
+def test_pinned_areal_is_installed():
+    assert version("areal") == AREAL_VERSION, INSTALL_HINT
+
+
+@pytest.mark.parametrize("name", sorted(AREAL_NAMES))
+def test_name_exists_on_both_sides(name):
+    assert hasattr(areal_object(name), "__name__") or areal_object(name) is not None
+    assert name in areal_lite.__all__, f"{name} is listed in AREAL_NAMES but not exported by areal_lite"
+
+
+def _same_default(a, b) -> bool:
+    """Equal defaults; a default *function* (e.g. `default_get_input_ids_fn`) only needs the same name and role."""
+    if callable(a) and callable(b) and not isinstance(a, type):
+        return getattr(a, "__name__", None) == getattr(b, "__name__", None)
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+        return dataclasses.asdict(a) == dataclasses.asdict(b)
+    return type(a) is type(b) and a == b
+
+
+def _conforms(ours, theirs, where: str) -> list[str]:
+    """Problems with `ours` as a drop-in for `theirs` (empty list: conforms)."""
+    problems = []
+    po = list(inspect.signature(ours).parameters.values())
+    pt = list(inspect.signature(theirs).parameters.values())
+    for i, t in enumerate(pt):
+        if t.kind in (t.VAR_POSITIONAL, t.VAR_KEYWORD):
+            continue
+        if i >= len(po) or po[i].name != t.name:
+            got = [p.name for p in po]
+            problems.append(f"{where}: parameter {i} should be {t.name!r} (AReaL order {[p.name for p in pt]}); ours {got}")
+            break
+        if t.default is not t.empty and not _same_default(po[i].default, t.default):
+            problems.append(f"{where}: {t.name} defaults to {po[i].default!r}, AReaL's to {t.default!r}")
+    theirs_names = {p.name for p in pt}
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in pt)
+    for p in po[len(pt):]:
+        if p.name in theirs_names or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty and p.kind != p.KEYWORD_ONLY and not takes_kwargs:
+            problems.append(f"{where}: kit extra {p.name!r} must be keyword-only or have a default")
+    return problems
+
+
+def _method_cases():
+    return [(cls, m) for cls, methods in METHODS.items() for m in methods]
+
+
+@pytest.mark.parametrize("cls,method", _method_cases())
+def test_methods_take_arealss_parameters(cls, method):
+    ours, theirs = getattr(getattr(areal_lite, cls), method), getattr(areal_object(cls), method)
+    assert not _conforms(ours, theirs, f"{cls}.{method}"), _conforms(ours, theirs, f"{cls}.{method}")
+
+
+@pytest.mark.parametrize("name", ["concat_padded_tensors", "cycle_dataloader", "load_expr_config"])
+def test_functions_take_areals_parameters(name):
+    problems = _conforms(getattr(areal_lite, name), areal_object(name), name)
+    assert not problems, problems
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+@pytest.mark.parametrize("name", FULL_DATACLASSES)
+def test_dataclass_has_areals_fields_and_defaults(name):
+    ours = {f.name: f for f in dataclasses.fields(getattr(areal_lite, name))}
+    theirs = dataclasses.fields(areal_object(name))
+    missing = [f.name for f in theirs if f.name not in ours]
+    assert not missing, f"{name} lacks AReaL's fields {missing}"
+    for f in theirs:
+        if f.name in ("rid",):  # a fresh uuid each time
+            continue
+        a, b = _default(ours[f.name]), _default(f)
+        assert _same_default(a, b), f"{name}.{f.name}: kit default {a!r}, AReaL's {b!r}"
+    order = [f.name for f in dataclasses.fields(getattr(areal_lite, name))][: len(theirs)]
+    assert order == [f.name for f in theirs], f"{name}: positional field order differs from AReaL's"
+
+
+def test_register_with_areal_makes_kit_workflows_areal_workflows():
+    from areal.api import RolloutWorkflow as AReaLRolloutWorkflow
+
+    from areal_lite import RLVRWorkflow, RolloutWorkflow
+
+    register_with_areal()
+    register_with_areal()  # idempotent
+    assert issubclass(RolloutWorkflow, AReaLRolloutWorkflow)
+    assert issubclass(RLVRWorkflow, AReaLRolloutWorkflow)
+
+
+# ------------------------------------------------------------------------------------------------ the notebooks
+
+
+def _cells(path):
+    return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
+def _kit_imports(source: str) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "areal_lite" and node.level == 0:
+            names += [a.name for a in node.names]
+    return names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_every_kit_name_a_notebook_imports_is_listed(path):
+    unlisted = sorted({n for src in _cells(path) for n in _kit_imports(src) if n not in AREAL_NAMES | KIT_ONLY})
+    assert not unlisted, f"list these in areal_lite.areal_compat (AREAL_NAMES or KIT_ONLY): {unlisted}"
+
+
+def _import_lines(source: str) -> set[int]:
+    lines = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            lines.update(range(node.lineno, node.end_lineno + 1))
+    return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_areal_version_of_every_cell_differs_only_in_imports(path):
+    for source in _cells(path):
+        if source.lstrip().startswith(("%", "!")):
+            continue
+        converted = to_areal_cell(source)
+        kept = [line for i, line in enumerate(source.splitlines(), 1) if i not in _import_lines(source)]
+        kept_after = [line for i, line in enumerate(converted.splitlines(), 1) if i not in _import_lines(converted)]
+        assert kept == kept_after, "\n".join(difflib.unified_diff(kept, kept_after, lineterm=""))
+        for node in ast.parse(converted).body:  # the AReaL imports really import
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("areal."):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"
+                    assert alias.asname is None or alias.asname in AREAL_NAMES
+
+
+def test_to_areal_cell_rewrites_imports_only():
+    source = "from areal_lite import ModelRequest, launch_server\nreq = ModelRequest(input_ids=[1])\n"
+    out = to_areal_cell(source)
+    assert out.splitlines() == [
+        "from areal.api.io_struct import ModelRequest",
+        "from areal_lite import launch_server",
+        "req = ModelRequest(input_ids=[1])",
+    ]
+    with pytest.raises(KeyError, match="neither AREAL_NAMES nor KIT_ONLY"):
+        to_areal_cell("from areal_lite import not_a_listed_name\n")
