@@ -105,7 +105,8 @@ _TOKENIZER_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "ad
 def normalize(x: torch.Tensor, mask: torch.Tensor, cfg: Optional[NormConfig]) -> torch.Tensor:
     """x^ = (x - mu) / (sigma + eps) over the masked entries of x ([B] or [B, L]); 0 where mask is False.
 
-    Pools are the whole batch (`batch`) or contiguous blocks of `cfg.group_size` rows (`group`).
+    Pools are the whole batch (`batch`) or contiguous blocks of `cfg.group_size` rows (`group`). sigma is the spread
+    around mu, the mean subtracted (AReaL 1.0.4's `Normalization`; `tests/test_areal_maths.py` compares the two).
     """
     if cfg is None:
         return torch.where(mask.bool(), x, torch.zeros_like(x))
@@ -142,14 +143,16 @@ def normalize(x: torch.Tensor, mask: torch.Tensor, cfg: Optional[NormConfig]) ->
         else:
             mu = (S / N.clamp(min=1)).expand_as(xd)
     if cfg.std_level == "none":
-        sigma = torch.ones_like(xd)
-    else:
-        S, N = pooled(cfg.std_level, xm), pooled(cfg.std_level, m)
-        mean = S / N.clamp(min=1)
-        sq = pooled(cfg.std_level, ((xd - mean) ** 2) * m)
-        denom = N - 1 if cfg.std_unbiased else N
-        var = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
-        sigma = var.sqrt().expand_as(xd)
+        return torch.where(mask.bool(), xd - mu, torch.zeros_like(xd)).to(x.dtype)
+    # The spread around the mean actually subtracted, as AReaL 1.0.4 computes it: with mean_level "none" that is the
+    # spread around 0, so a constant group of nonzero rewards is scaled to +-1-ish instead of divided by eps (1e5).
+    N = pooled(cfg.std_level, m)
+    sq = pooled(cfg.std_level, ((xd - mu) ** 2) * m)
+    denom = N - 1 if cfg.std_unbiased else N
+    var = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
+    sigma = var.sqrt().expand_as(xd)
+    if cfg.std_level == "group" and G == 1 and cfg.std_unbiased:
+        sigma = torch.ones_like(xd)  # one row per group has no spread; AReaL divides by 1, not by eps
     out = (xd - mu) / (sigma + cfg.eps)
     return torch.where(mask.bool(), out, torch.zeros_like(out)).to(x.dtype)
 
@@ -395,11 +398,11 @@ def _join(items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
 
 
 def _split(t: torch.Tensor, items: List[Dict[str, torch.Tensor]]) -> List[torch.Tensor]:
-    """Per-trajectory slices of a joined [B, L] tensor, each cut back to its own rows and length."""
+    """Per-trajectory slices of a joined [B, L] (or per-row [B]) tensor, cut back to each one's rows and length."""
     out, row = [], 0
     for item in items:
         rows, length = item["input_ids"].shape
-        out.append(t[row : row + rows, :length])
+        out.append(t[row : row + rows] if t.dim() == 1 else t[row : row + rows, :length])
         row += rows
     return out
 

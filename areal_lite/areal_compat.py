@@ -69,7 +69,7 @@ AREAL_NAMES: Dict[str, str] = {
 
 # kit-only name -> what an AReaL 1.0.4 experiment does instead.
 KIT_ONLY: Dict[str, str] = {
-    "launch_server": "AReaL's launcher starts the servers (`python -m areal.infra.launcher.local script.py --config ...`)",
+    "launch_server": "AReaL's launcher starts the servers (`python script.py --config ... scheduler.type=local`)",
     "ServerHandle": "the launcher owns server processes",
     "find_free_port": "the launcher picks ports",
     "launch_rag_server": "run your retrieval server yourself; the workflow only needs its URL",
@@ -81,7 +81,7 @@ KIT_ONLY: Dict[str, str] = {
     "make_dataloader": "`areal.utils.dataloader.create_dataloader` (a torchdata StatefulDataLoader)",
     "build_factbook_corpus": "your own corpus",
     "chat_prompt_ids": "`tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`",
-    "check_trajectory": "AReaL checks shapes only (`areal.infra.check_trajectory_format`); keep the kit's check in tests",
+    "check_trajectory": "AReaL checks shapes only (`areal.infra.check_trajectory_format`); keep the kit's in tests",
     "show_trajectory": "no viewer in AReaL",
     "plot_rewards": "AReaL logs to wandb/swanlab/tensorboard (`stats_logger`)",
     "plot_sync_vs_async": "AReaL logs timings through `stats_tracker`",

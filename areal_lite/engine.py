@@ -529,7 +529,8 @@ class RemoteSGLangEngine:
         max_tokens = getattr(req.gconfig, "max_tokens", None)
         if max_tokens is not None and max_tokens - len(req.input_ids) <= 0:
             raise ValueError(
-                f"the prompt has {len(req.input_ids)} tokens, gconfig.max_tokens={max_tokens} leaves no room to generate"
+                f"the prompt has {len(req.input_ids)} tokens: gconfig.max_tokens={max_tokens} "
+                "leaves no room to generate"
             )
         if asyncio.get_running_loop() is self._loop:
             return await self._agenerate(req)

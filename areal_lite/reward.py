@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -40,6 +41,7 @@ import pickle
 import os
 import re
 import string
+import sys
 import threading
 import time
 import weakref
@@ -377,6 +379,41 @@ def _mp_context():
     return multiprocessing.get_context("spawn")
 
 
+@contextlib.contextmanager
+def _main_script_hidden():
+    """Hide the running script from multiprocessing while worker processes start.
+
+    A forkserver or spawn worker is told the path of `__main__` and imports it again, which re-runs every line of a
+    script without an `if __name__ == "__main__":` guard (setup, server launches) in every worker. The workers never
+    need `__main__`: reward functions defined there travel by value (cloudpickle). Notebooks have no script path.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    if main is not None and saved.get("__file__"):
+        main.__dict__.pop("__file__")
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
+def _noop() -> None:
+    return None
+
+
+def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """A pool whose workers are all started now, with the script hidden (see `_main_script_hidden`): a worker is
+    started inside `submit`, so `max_workers` concurrent no-op calls start every one of them."""
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=max_workers, mp_context=_mp_context(),
+                                                  initializer=_worker_init)
+    with _main_script_hidden():
+        warmups = [pool.submit(_noop) for _ in range(max_workers)]
+    concurrent.futures.wait(warmups)
+    return pool
+
+
 def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Kill a pool's workers now (a hung reward would keep `shutdown()` waiting forever)."""
     processes = list(getattr(pool, "_processes", {}).values())  # private, but stable since 3.8
@@ -460,9 +497,7 @@ class AsyncRewardWrapper:
             if self._closed:
                 raise RuntimeError("AsyncRewardWrapper has been shut down")
             if self._pool is None:
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.max_workers, mp_context=_mp_context(), initializer=_worker_init
-                )
+                self._pool = _start_pool(self.max_workers)
             return self._pool
 
     def _replace_pool(self, pool) -> None:

@@ -618,7 +618,8 @@ class TokenRangeWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
         ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": data["question"]}])
-        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=_single(self.gconfig), tokenizer=self.tokenizer))
+        req = ModelRequest(input_ids=ids, gconfig=_single(self.gconfig), tokenizer=self.tokenizer)
+        resp = await engine.agenerate(req)
         out = resp.output_tokens
         reward = sum(self.lo <= t < self.hi for t in out) / max(1, len(out))
         return TrajectoryBuilder().add_prompt(ids).add_output(resp).to_tensors(reward)

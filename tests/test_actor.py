@@ -153,26 +153,29 @@ def ref_normalize(x, mask, cfg):
         g0 = (i // G) * G
         return range(g0, g0 + G)
 
+    def mean_at(i, j):
+        """The mean subtracted from entry (i, j)."""
+        if cfg.mean_level == "none":
+            return 0.0
+        vals = [(r, c, float(xs[r, c])) for r in pool_rows(i, cfg.mean_level) for c in range(xs.shape[1]) if ms[r, c]]
+        if cfg.mean_leave1out:
+            others = [v for (r, c, v) in vals if (r, c) != (i, j)]
+            return sum(others) / len(others) if others else 0.0
+        return sum(v for *_, v in vals) / len(vals)
+
     for i in range(B):
         for j in range(xs.shape[1]):
             if not ms[i, j]:
                 continue
-            if cfg.mean_level == "none":
-                mu = 0.0
-            else:
-                vals = [(r, c, float(xs[r, c])) for r in pool_rows(i, cfg.mean_level) for c in range(xs.shape[1]) if ms[r, c]]
-                if cfg.mean_leave1out:
-                    others = [v for (r, c, v) in vals if (r, c) != (i, j)]
-                    mu = sum(others) / len(others) if others else 0.0
-                else:
-                    mu = sum(v for *_, v in vals) / len(vals)
+            mu = mean_at(i, j)
             if cfg.std_level == "none":
-                sigma = 1.0
-            else:
-                vals = [float(xs[r, c]) for r in pool_rows(i, cfg.std_level) for c in range(xs.shape[1]) if ms[r, c]]
-                mean = sum(vals) / len(vals)
-                d = len(vals) - 1 if cfg.std_unbiased else len(vals)
-                sigma = math.sqrt(sum((v - mean) ** 2 for v in vals) / d) if d > 0 else 0.0
+                out[i, j] = float(xs[i, j]) - mu  # no scaling, and no eps (AReaL's rule)
+                continue
+            # the spread of every pool entry around the mean subtracted from it (AReaL 1.0.4's Normalization)
+            devs = [(float(xs[r, c]) - mean_at(r, c)) ** 2
+                    for r in pool_rows(i, cfg.std_level) for c in range(xs.shape[1]) if ms[r, c]]
+            d = len(devs) - 1 if cfg.std_unbiased else len(devs)
+            sigma = math.sqrt(sum(devs) / d) if d > 0 else 0.0
             out[i, j] = (float(xs[i, j]) - mu) / (sigma + cfg.eps)
     return out.reshape(x.shape)
 
@@ -724,3 +727,42 @@ def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
     # The FSDP run also wrote a weight folder equal to its state.
     for k, v in two["saved"].items():
         torch.testing.assert_close(v, two["state"][k], atol=0, rtol=0)
+
+
+def test_areals_list_of_trajectories_gives_the_same_step_as_one_batch(tiny_model_path, vocab):
+    """AReaL's shapes: compute_logp -> one tensor per trajectory, compute_advantages -> the list with advantages
+    (normalised over all trajectories together), ppo_update on the list == on the joined batch. int32 as AReaL."""
+    from areal_lite.trajectory import concat_padded_tensors
+
+    cfg = dict(group_size=2, reward_norm=NormConfig(mean_level="group", std_level="group", group_size=2))
+    whole = make_batch(vocab, B=6, seed=11)
+    whole["rewards"] = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 1.0])
+    n = whole["attention_mask"].sum(-1)
+    groups = []
+    for g in range(3):  # three groups of two rows, each cut to its own length and cast to AReaL's dtypes
+        rows = slice(2 * g, 2 * g + 2)
+        L = int(n[rows].max())
+        item = {k: (v[rows, :L] if v.dim() == 2 else v[rows]) for k, v in whole.items()}
+        for k in ("input_ids", "loss_mask", "versions"):
+            item[k] = item[k].int()
+        groups.append(item)
+    joined = concat_padded_tensors([dict(g) for g in groups])
+    a = PPOActor(actor_cfg(tiny_model_path, **cfg)).initialize()
+    b = PPOActor(actor_cfg(tiny_model_path, **cfg)).initialize()
+
+    logps = a.compute_logp(groups)
+    assert isinstance(logps, list) and [t.shape for t in logps] == [g["input_ids"].shape for g in groups]
+    for g, lp in zip(groups, logps):
+        g["prox_logp"] = lp
+    joined["prox_logp"] = b.compute_logp(joined)
+    torch.testing.assert_close(concat_padded_tensors([{"x": lp} for lp in logps])["x"], joined["prox_logp"])
+
+    out = a.compute_advantages(groups)
+    assert out is groups and all("advantages" in g for g in groups)
+    b.compute_advantages(joined)
+    torch.testing.assert_close(concat_padded_tensors([{"x": g["advantages"]} for g in groups])["x"],
+                               joined["advantages"])
+    a.ppo_update(groups)
+    b.ppo_update(joined)
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        torch.testing.assert_close(p, q, msg=name)

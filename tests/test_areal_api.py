@@ -86,7 +86,8 @@ def _conforms(ours, theirs, where: str) -> list[str]:
             continue
         if i >= len(po) or po[i].name != t.name:
             got = [p.name for p in po]
-            problems.append(f"{where}: parameter {i} should be {t.name!r} (AReaL order {[p.name for p in pt]}); ours {got}")
+            order = [p.name for p in pt]
+            problems.append(f"{where}: parameter {i} should be {t.name!r} (AReaL order {order}); ours {got}")
             break
         if t.default is not t.empty and not _same_default(po[i].default, t.default):
             problems.append(f"{where}: {t.name} defaults to {po[i].default!r}, AReaL's to {t.default!r}")
@@ -188,8 +189,10 @@ def test_areal_version_of_every_cell_differs_only_in_imports(path):
         kept = [line for i, line in enumerate(source.splitlines(), 1) if i not in _import_lines(source)]
         kept_after = [line for i, line in enumerate(converted.splitlines(), 1) if i not in _import_lines(converted)]
         assert kept == kept_after, "\n".join(difflib.unified_diff(kept, kept_after, lineterm=""))
-        for node in ast.parse(converted).body:  # the AReaL imports really import
-            if isinstance(node, ast.ImportFrom) and node.module.startswith("areal."):
+        original = {ast.unparse(n) for n in ast.parse(source).body if isinstance(n, ast.ImportFrom)}
+        for node in ast.parse(converted).body:  # the rewritten AReaL imports really import
+            rewritten = isinstance(node, ast.ImportFrom) and ast.unparse(node) not in original
+            if rewritten and node.module.startswith("areal."):
                 module = importlib.import_module(node.module)
                 for alias in node.names:
                     assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"

@@ -23,7 +23,7 @@ ZH = sorted(glob.glob(os.path.join(ROOT, "notebooks", "zh", "*.ipynb")))
 ALL = EN + ZH
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 EXPECTED = ["01_setup", "02_rewards_and_tools", "03_gsm8k_reflection", "04_search_agent",
-            "05_multiturn_feedback", "06_async_vs_sync"]
+            "05_multiturn_feedback", "06_async_vs_sync", "07_to_areal"]
 
 
 def code_cells(path):

@@ -472,3 +472,50 @@ def test_last_number_reads_latex_fractions_whole(text, expected):
 
 def test_latex_fraction_completion_is_rewarded():
     assert gsm8k_reward_fn(r"She has $\frac{144}{2}$ clips", "#### 72") == 1.0
+
+
+UNGUARDED_SCRIPT = """
+import asyncio, concurrent.futures, multiprocessing, sys
+print("SETUP RAN", flush=True)
+
+
+def reward(prompt, completions, prompt_ids, completion_ids, **data):
+    return float(len(completions))
+
+
+def square(x):
+    return x * x
+
+
+if sys.argv[1] == "raw":  # what a plain forkserver pool does with this script
+    pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
+    print("results", list(pool.map(square, [1, 2, 3, 4])), flush=True)
+    pool.shutdown()
+else:
+    from areal_lite import AsyncRewardWrapper
+
+    w = AsyncRewardWrapper(reward, timeout_seconds=60, max_workers=2)
+
+    async def go():
+        return await asyncio.gather(*(w("p", "abc", [], []) for _ in range(4)))
+
+    print("results", asyncio.run(go()), flush=True)
+"""
+
+
+def test_a_script_without_main_guard_runs_its_setup_once(tmp_path):
+    """AReaL experiments are scripts. A forkserver/spawn worker re-imports the script that started it, re-running
+    unguarded top-level code in every worker; the kit's reward pool starts its workers without it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "experiment.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    run = {mode: subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300,
+                                cwd=tmp_path) for mode in ("raw", "kit")}
+    # The hazard is real: with a plain forkserver pool the setup runs again in the workers (here the re-run script
+    # even tries to start its own pool from inside a worker, which multiprocessing refuses).
+    assert run["raw"].stdout.count("SETUP RAN") > 1 or "bootstrapping phase" in run["raw"].stderr
+    kit = run["kit"]
+    assert kit.returncode == 0, kit.stderr[-2000:]
+    assert kit.stdout.count("SETUP RAN") == 1 and "results [3.0, 3.0, 3.0, 3.0]" in kit.stdout
