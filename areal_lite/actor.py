@@ -157,16 +157,21 @@ def normalize(x: torch.Tensor, mask: torch.Tensor, cfg: Optional[NormConfig]) ->
     return torch.where(mask.bool(), out, torch.zeros_like(out)).to(x.dtype)
 
 
+KL_CLAMP = 10.0  # AReaL 1.0.4 clamps every estimate to [-10, 10]: one token far off the reference cannot dominate
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """k1 = D, k2 = D^2 / 2, k3 = exp(-D) - 1 + D with D = logp - ref_logp (per token)."""
+    """k1 = D, k2 = D^2 / 2, k3 = exp(-D) - 1 + D with D = logp - ref_logp (per token), clamped to [-10, 10]."""
     d = logp - ref_logp
     if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return d.pow(2) / 2
-    if estimator == "k3":
-        return torch.expm1(-d) + d
-    raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
+        kl = d
+    elif estimator == "k2":
+        kl = d.pow(2) / 2
+    elif estimator == "k3":
+        kl = torch.expm1(-d) + d
+    else:
+        raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
+    return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def next_token_logp(
@@ -211,7 +216,12 @@ def ppo_token_loss(
     behav_imp_weight_cap: Optional[float] = None,
     use_decoupled_loss: bool = True,
 ) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Per-token decoupled PPO loss m * w * L (to be summed and divided by the global token count) and masks."""
+    """Per-token decoupled PPO loss m * w * L (to be summed and divided by the global token count) and masks.
+
+    Equal to AReaL 1.0.4's `ppo_actor_loss_fn` (loss and gradient; clip-higher, dual clip, and the cap as AReaL's
+    token-level `rejection_sampling`), with one difference: without a cap AReaL applies no behaviour weight
+    w = exp(prox - behav); the kit applies it whenever the loss is decoupled (tests/test_areal_maths.py).
+    """
     m = mask.bool()
     zero = torch.zeros_like(logp)
     if not use_decoupled_loss:

@@ -527,6 +527,32 @@ def resolve_profile(requested: str) -> tuple[str, str]:
     return ("gpu", "auto: CUDA is available") if has_cuda else ("cpu", "auto: no CUDA device")
 
 
+# Kit defaults that differ from AReaL 1.0.4's, with AReaL's value and why the kit keeps its own (a one-machine run,
+# no reference model by default). `load_expr_config` prints the ones a config leaves at the kit default;
+# `areal_lite.areal_config` writes the kit's value explicitly into the AReaL YAML; tests/test_areal_config.py checks
+# this table against the installed AReaL, and that it is complete.
+AREAL_DEFAULT_DIFFERENCES: Dict[str, tuple] = {
+    "actor.dtype": ("bfloat16", "CPUs train in float32"),
+    "actor.ppo_n_minibatches": (4, "small CPU batches: one optimizer step per batch"),
+    "actor.kl_ctl": (0.1, "no reference model unless `ref` is set"),
+    "actor.use_decoupled_loss": (False, "asynchronous rollouts need the proximal policy"),
+    "actor.recompute_logprob": (False, "the decoupled loss needs recomputed log-probs"),
+    "actor.optimizer.lr": (0.001, "1e-5 suits full fine-tuning of a small LM"),
+    "actor.optimizer.weight_decay": (0.01, "a few hundred steps: no decay"),
+    "actor.optimizer.warmup_steps_proportion": (0.001, "no warm-up for short runs"),
+    "rollout.setup_timeout": (300.0, "a local server starts in seconds"),
+}
+
+
+def _left_at_default(merged: dict, dotted: str) -> bool:
+    node: Any = merged
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return True
+        node = node[part]
+    return False
+
+
 def load_expr_config(
     argv: List[str], config_cls: type = GRPOConfig, *, verbose: bool = True
 ) -> tuple[Any, Optional[str]]:
@@ -609,7 +635,26 @@ def load_expr_config(
     if verbose:
         shown = os.path.basename(path) if path else "defaults"
         print(f"areal-lite: profile={chosen} ({why}) config={shown}")
+        differ = [f"{key}={_get_dotted(config, key)!r} (AReaL: {areal!r})"
+                  for key, (areal, _) in AREAL_DEFAULT_DIFFERENCES.items()
+                  if _left_at_default(merged, key) and _has_dotted(config, key)]
+        if differ:
+            print("areal-lite: kit defaults that differ from AReaL 1.0.4 here: " + ", ".join(differ))
     return config, path
+
+
+def _has_dotted(obj: Any, dotted: str) -> bool:
+    try:
+        _get_dotted(obj, dotted)
+        return True
+    except AttributeError:
+        return False
+
+
+def _get_dotted(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _fill_derived(config: Any) -> None:

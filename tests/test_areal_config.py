@@ -100,3 +100,55 @@ def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].split() == ["Qwen/Qwen2.5-1.5B-Instruct", "1"]  # AReaL logs above
+
+
+def _default(field):
+    import dataclasses
+
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _shared_scalar_defaults(kit_cls, areal_cls, prefix, out):
+    import dataclasses
+
+    theirs = {f.name: f for f in dataclasses.fields(areal_cls)}
+    for f in dataclasses.fields(kit_cls):
+        if f.name not in theirs or f.name in ("experiment_name", "trial_name"):
+            continue
+        a, b = _default(f), _default(theirs[f.name])
+        if dataclasses.is_dataclass(a) or dataclasses.is_dataclass(b) or b is dataclasses.MISSING:
+            continue
+        out[prefix + f.name] = (a, b)
+    return out
+
+
+def test_the_table_of_defaults_that_differ_from_areal_is_true_and_complete():
+    """Every shared default the kit sets differently from AReaL 1.0.4 is in AREAL_DEFAULT_DIFFERENCES with AReaL's
+    real value, and nothing else is: no kit default differs silently."""
+    from areal.api import cli_args as areal
+
+    from areal_lite import config as kit
+    from areal_lite.config import AREAL_DEFAULT_DIFFERENCES
+
+    pairs = {}
+    for kit_cls, areal_cls, prefix in [(kit.PPOActorConfig, areal.PPOActorConfig, "actor."),
+                                       (kit.OptimizerConfig, areal.OptimizerConfig, "actor.optimizer."),
+                                       (kit.InferenceEngineConfig, areal.InferenceEngineConfig, "rollout."),
+                                       (kit.GenerationHyperparameters, areal.GenerationHyperparameters, "gconfig."),
+                                       (kit.NormConfig, areal.NormConfig, "actor.reward_norm.")]:
+        _shared_scalar_defaults(kit_cls, areal_cls, prefix, pairs)
+    differing = {key: theirs for key, (ours, theirs) in pairs.items() if ours != theirs}
+    assert differing == {key: areal_value for key, (areal_value, _) in AREAL_DEFAULT_DIFFERENCES.items()}
+
+
+def test_load_expr_config_says_which_kit_defaults_differ(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor:\n  kl_ctl: 0.1\n")
+    load_expr_config(["--config", str(path)], TrainConfig)
+    said = capsys.readouterr().out
+    assert "differ from AReaL 1.0.4" in said and "actor.ppo_n_minibatches=1 (AReaL: 4)" in said
+    assert "kl_ctl" not in said  # set in the YAML: not a silent default
