@@ -31,8 +31,9 @@ Design decisions
   for an earlier episode still running rather than pass it. That is what makes the bound a guarantee: an episode
   that started at version v had fewer than (eta + v + 1) * B episodes accepted or running ahead of it, so it is
   consumed by step v + eta at the latest. Taking whatever finished first (AReaL sorts the finished ones by creation
-  time, then shuffles) lets a slow episode be passed over step after step and arrive more than eta versions stale. `rollout_batch` returns its
-  own episodes in input order, without rejected ones, and never takes results of `submit`/`prepare_batch`.
+  time, then shuffles) lets a slow episode be passed over step after step and arrive more than eta versions stale.
+  `rollout_batch` returns its own episodes in input order, without rejected ones, and never takes results of
+  `submit`/`prepare_batch`.
 - Fail loudly instead of hanging. A workflow exception is re-raised (same object, so its traceback) in the thread
   that calls `wait`/`rollout_batch`/`prepare_batch`. When nothing can make progress -- nothing running, and the
   queue is empty, or blocked by the staleness bound, or paused -- waiting raises with the reason (typically: call
@@ -79,8 +80,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 import aiohttp
 import torch
 
-from .config import InferenceEngineConfig
-from .config import sampling_params
+from .config import InferenceEngineConfig, sampling_params
 from .io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 
 __all__ = ["RemoteSGLangEngine", "EngineError", "ADDRS_ENV"]
@@ -110,7 +110,7 @@ def _import_from_string(path: str) -> Any:
     """`pkg.module.Name` or `pkg.module:Name` -> the object (AReaL accepts workflows named this way)."""
     import importlib
 
-    module, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
     if not module or not name:
         raise ValueError(f"cannot import {path!r}: write 'package.module.Name'")
     return getattr(importlib.import_module(module), name)
@@ -291,6 +291,7 @@ class RemoteSGLangEngine:
 
         AReaL 1.0.4's order: the first parameter is an engine id, so pass servers by keyword:
         `engine.initialize(addr=server.address)`. Without `addr`, `AREAL_LLM_SERVER_ADDRS` is read.
+        `train_data_parallel_size` is AReaL's (it splits rollouts among trainer ranks); the kit's one client ignores it.
         """
         if addr is None and _looks_like_addrs(engine_id):
             raise TypeError(
