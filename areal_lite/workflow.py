@@ -568,7 +568,8 @@ class GroupedWorkflow(RolloutWorkflow):
     G is `workflow.gconfig.n_samples` unless `group_size` is given; giving both with different values (and
     n_samples != 1) is an error. The inner workflow is a shallow copy whose gconfig has `n_samples=1`.
     If any episode of the group is rejected (returns None) the whole group is rejected (None): a partial group
-    would break the "G contiguous rows" layout that group normalisation relies on. If one raises, the others are
+    would break the "G contiguous rows" layout that group normalisation relies on (AReaL 1.0.4's
+    `GroupedRolloutWorkflow` keeps the survivors and returns a short group). If one raises, the others are
     cancelled and the exception propagates.
     """
 
