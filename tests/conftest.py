@@ -25,7 +25,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the notebooks first, each English one next to its Chinese twin, then the test files.
+    """Run the notebooks first (each English one next to its Chinese twin when both are collected), then the tests.
 
     `make test` runs two xdist workers that take whole files in this order (`--dist loadfile
     --no-loadscope-reorder`). The notebooks are the long, indivisible units; the many short test files that follow

@@ -1,7 +1,8 @@
 """Notebooks are code: parity between languages, no volatile outputs committed, exercises not stale, sources in sync,
 and every `areal_lite` name a notebook uses exists and accepts the keywords passed to it.
 
-(The notebooks themselves are executed by nbval: `pytest notebooks/en notebooks/zh --nbval-lax`.)
+(The notebooks themselves are executed by nbval: `make test` runs `pytest notebooks/en --nbval-lax`; the Chinese
+notebooks share every code cell with the English ones, checked here, and `make test-zh` executes them.)
 """
 
 from __future__ import annotations
