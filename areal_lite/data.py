@@ -26,6 +26,7 @@ import html
 import importlib.util
 import json
 import os
+import warnings
 import random
 import re
 import tempfile
@@ -579,15 +580,18 @@ def make_dataloader(dataset, batch_size: int, shuffle: bool = True, seed: int = 
         sampler_generator = torch.Generator()
         sampler_generator.manual_seed(seed)
         sampler = RandomSampler(dataset, generator=sampler_generator)
-    return StatefulDataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
-        collate_fn=collate_rows,
-        generator=loader_generator,
-        num_workers=0,
-    )
+    with warnings.catch_warnings():
+        # torchdata calls a deprecated torch telemetry hook in its constructor; the warning says nothing to a user
+        warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
+        return StatefulDataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            collate_fn=collate_rows,
+            generator=loader_generator,
+            num_workers=0,
+        )
 
 
 def cycle_dataloader(dataloader, num_cycles: int = -1) -> Iterator[list[dict]]:

@@ -518,9 +518,13 @@ def show_trajectory(
     if not 0 <= i < batch["input_ids"].shape[0]:
         raise IndexError(f"row {i} out of range for a batch of {batch['input_ids'].shape[0]} rows")
     if fmt == "html" or (fmt == "auto" and _in_jupyter()):
-        from IPython.display import HTML, display
+        from IPython.display import display
 
-        display(HTML(trajectory_to_html(batch, i, tokenizer, max_tokens)))
+        # Both forms in one output: a viewer that does not render HTML (a terminal, some notebook previews) shows
+        # the text view instead of "<IPython.core.display.HTML object>".
+        bundle = {"text/html": trajectory_to_html(batch, i, tokenizer, max_tokens),
+                  "text/plain": trajectory_to_text(batch, i, tokenizer, max_tokens)}
+        display(bundle, raw=True)
     else:
         print(trajectory_to_text(batch, i, tokenizer, max_tokens))
 

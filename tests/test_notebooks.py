@@ -1,5 +1,5 @@
-"""Notebooks are code: parity between languages, no volatile outputs committed, exercises not stale, sources in sync,
-and every `areal_lite` name a notebook uses exists and accepts the keywords passed to it.
+"""Notebooks are code: parity between languages, committed outputs from the current code, exercises not stale,
+sources in sync, and every `areal_lite` name a notebook uses exists and accepts the keywords passed to it.
 
 (The notebooks themselves are executed by nbval: `make test` runs `pytest notebooks/en --nbval-lax`; the Chinese
 notebooks share every code cell with the English ones, checked here, and `make test-zh` executes them.)
@@ -12,6 +12,7 @@ import glob
 import importlib
 import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -49,35 +50,67 @@ def test_en_zh_parity(en):
     assert any(any("\u4e00" <= ch <= "\u9fff" for ch in c.source) for c in md_zh), "zh notebook has no Chinese"
 
 
+def _build_tool():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import build_notebooks
+
+    return build_notebooks
+
+
 @pytest.mark.parametrize("path", ALL, ids=lambda p: os.path.relpath(p, ROOT))
-def test_no_volatile_outputs_committed(path):
+def test_committed_outputs_come_from_this_code(path):
+    """Outputs are the reference run of exactly these code cells (tools/build_notebooks.py --execute wrote them)."""
+    nb = nbformat.read(path, as_version=4)
+    name = os.path.basename(path)[:-6]
+    recorded = nb.metadata.get("areal_lite", {}).get("code_sha256")
+    assert recorded == _build_tool().code_fingerprint(nb), (
+        f"the committed outputs of {name} were not produced by its current code: "
+        f"run python tools/build_notebooks.py --execute {name}"
+    )
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: os.path.relpath(p, ROOT))
+def test_headline_cells_show_results(path):
+    nb = nbformat.read(path, as_version=4)
+    headlines = [(i, c) for i, c in enumerate(nb.cells) if "headline" in c.metadata.get("tags", [])]
+    trains = os.path.basename(path).startswith(("03_", "04_", "05_", "06_"))
+    assert headlines or not trains, "a training notebook marks no headline cell"
+    for i, cell in headlines:
+        assert cell.outputs, f"cell {i} is a headline cell and has no committed output"
+        if "plot_" in cell.source or "plt." in cell.source:
+            assert any("image/png" in o.get("data", {}) for o in cell.outputs), f"cell {i} plots but has no image"
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: os.path.relpath(p, ROOT))
+def test_committed_outputs_are_readable(path):
+    """What a reader sees on GitHub or in JupyterLab before running: text, HTML and PNG, no machine paths."""
+    tool = _build_tool()
     nb = nbformat.read(path, as_version=4)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
-        if not cell.source.startswith(CHECK_MARK):
-            assert cell.execution_count is None, f"cell {i}: execution count committed"
-            assert cell.outputs == [], f"cell {i}: output of an unchecked (volatile) cell committed"
-        else:
+        if cell.source.startswith(CHECK_MARK):
             assert cell.outputs, f"cell {i}: checked cell has no stored output to compare against"
-            for out in cell.outputs:
-                assert out.output_type in ("stream", "execute_result"), f"cell {i}: {out.output_type} committed"
+        for out in cell.outputs:
+            assert out.output_type in ("stream", "execute_result", "display_data"), f"cell {i}: {out.output_type}"
+            assert set(out.get("data", {})) <= set(tool.KEPT_MIME), f"cell {i}: {sorted(out.get('data', {}))}"
+            text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+            assert ROOT not in text, f"cell {i}: the checkout's path is committed"
+    assert "widgets" not in nb.metadata, "widget state committed (its text form is kept instead)"
 
 
 def test_notebooks_match_their_sources():
     """The committed notebooks are exactly what tools/build_notebooks.py writes from notebooks/src."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import build_notebooks
-
+    build_notebooks = _build_tool()
     for src in sorted(glob.glob(os.path.join(ROOT, "notebooks", "src", "*.nb.md"))):
         name = os.path.basename(src)[: -len(".nb.md")]
         cells = build_notebooks.parse_source(src)
         for lang in ("en", "zh"):
             built = build_notebooks.to_notebook(cells, lang)
             committed = nbformat.read(os.path.join(ROOT, "notebooks", lang, name + ".ipynb"), as_version=4)
-            assert [c.source for c in built.cells] == [c.source for c in committed.cells], (
-                f"{lang}/{name}.ipynb is stale: run python tools/build_notebooks.py {name}"
-            )
+            assert [(c.source, c.metadata.get("tags")) for c in built.cells] == [
+                (c.source, c.metadata.get("tags")) for c in committed.cells
+            ], f"{lang}/{name}.ipynb is stale: run python tools/build_notebooks.py {name}"
 
 
 def test_exercises_not_stale():
@@ -89,6 +122,20 @@ def test_exercises_not_stale():
     for path in exercises:
         text = "\n".join(code_cells(path))
         assert "BEGIN SOLUTION" not in text and "NotImplementedError" in text and "# CHECK" in text
+        assert CHECK_MARK not in text, f"{os.path.relpath(path, ROOT)}: an exercise cell carries an nbval marker"
+
+
+@pytest.mark.parametrize(
+    "path", ALL + sorted(glob.glob(os.path.join(ROOT, "notebooks", "exercises", "*", "*.ipynb"))),
+    ids=lambda p: os.path.relpath(p, ROOT),
+)
+def test_relative_paths_resolve(path):
+    """Config files and linked documents exist where the notebook's own folder says (exercises sit a level deeper)."""
+    folder = os.path.dirname(path)
+    for cell in nbformat.read(path, as_version=4).cells:
+        pattern = r'"(\.\./[^"]*?\.(?:yaml|md))"' if cell.cell_type == "code" else r"\]\((\.\./[^)#]+)"
+        for rel in re.findall(pattern, cell.source):
+            assert os.path.exists(os.path.join(folder, rel)), f"{rel} does not exist from {os.path.relpath(folder, ROOT)}"
 
 
 # ---- static check: names and keywords used from areal_lite exist -------------------------------------------------
@@ -144,3 +191,75 @@ def test_areal_lite_names_and_keywords_exist(path):
                 assert kw.arg in sig.parameters, (
                     f"{os.path.basename(path)} line {node.lineno}: {node.func.id}() has no keyword '{kw.arg}'"
                 )
+
+
+# ---- the build tool: committed outputs follow the code ---------------------------------------------------------------
+
+
+def _tiny_notebook(tool, code):
+    cells = [{"kind": "md", "en": "# t", "zh": "# 题", "line": 1}]
+    cells += [{"kind": "code", "source": c, "check": False, "headline": i == 0, "line": 2} for i, c in enumerate(code)]
+    return tool.to_notebook(cells, "en")
+
+
+def _executed(tool, nb):
+    """What --execute leaves: outputs on every code cell, the fingerprint in the metadata."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"ran {cell.source}\n")]
+    nb.metadata["areal_lite"] = {"code_sha256": tool.code_fingerprint(nb)}
+    tool.finalize(nb, executed=True)
+    return nb
+
+
+def test_rebuild_keeps_outputs_only_while_the_code_is_unchanged(tmp_path):
+    tool = _build_tool()
+    path = tmp_path / "n.ipynb"
+    nbformat.write(_executed(tool, _tiny_notebook(tool, ["a = 1", "print(a)"])), path)
+
+    same = _tiny_notebook(tool, ["a = 1", "print(a)"])
+    tool._keep_outputs(str(path), same)
+    assert [c.outputs[0].text for c in same.cells[1:]] == ["ran a = 1\n", "ran print(a)\n"]
+    assert same.metadata["areal_lite"]["code_sha256"] == tool.code_fingerprint(same)
+    assert same.cells[1].metadata["tags"] == ["headline"]
+
+    edited = _tiny_notebook(tool, ["a = 2", "print(a)"])
+    tool._keep_outputs(str(path), edited)
+    assert all(c.outputs == [] for c in edited.cells[1:]), "outputs of other code survived an edit"
+    assert "areal_lite" not in edited.metadata
+
+
+def test_finalize_keeps_readable_outputs_and_the_final_state_of_progress_bars():
+    tool = _build_tool()
+    nb = _tiny_notebook(tool, ["for _ in trange(3): pass", "fig", "engine.initialize()"])
+    bar, label, counts = "m-bar", "m-label", "m-counts"
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {
+        "m-box": {"state": {"children": [f"IPY_MODEL_{label}", f"IPY_MODEL_{bar}", f"IPY_MODEL_{counts}"]}},
+        label: {"state": {"value": "train: 100%"}},
+        bar: {"state": {"value": 3, "max": 3}},
+        counts: {"state": {"value": "\u20073/3\u2007[00:04&lt;00:00]"}},
+    }}}
+    nb.cells[1].outputs = [nbformat.v4.new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": "m-box"}, "text/plain": "train:   0%| | 0/3"})]
+    nb.cells[2].outputs = [
+        nbformat.v4.new_output("display_data", data={"image/png": "iVBOR", "text/plain": "<Figure>"}),
+        nbformat.v4.new_output("stream", name="stdout", text=f"saved to {ROOT}/runs/x\n"),
+    ]
+    nb.cells[3].outputs = [
+        nbformat.v4.new_output("execute_result", data={"text/plain": "<a.b.Engine at 0x7f0a>"}),
+        nbformat.v4.new_output("display_data", data={"text/html": "<b>x</b>", "text/plain": "<a.HTML object>"}),
+    ]
+    tool.finalize(nb, executed=True)
+    assert [o.data for o in nb.cells[3].outputs] == [{"text/html": "<b>x</b>"}], "a bare default repr was kept"
+    assert nb.cells[1].outputs[0].data == {"text/plain": "train: 100%|██████████|3/3 [00:04<00:00]"}
+    assert nb.cells[2].outputs[0].data["image/png"] == "iVBOR"
+    assert nb.cells[2].outputs[1].text == "saved to <repo>/runs/x\n"
+    assert "widgets" not in nb.metadata
+    assert [c.execution_count for c in nb.cells if c.cell_type == "code"] == [1, 2, 3]
+
+
+def test_unknown_code_cell_option_is_an_error(tmp_path):
+    src = tmp_path / "x.nb.md"
+    src.write_text("%% code headlin\nprint(1)\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="unknown code cell option"):
+        _build_tool().parse_source(str(src))

@@ -344,10 +344,14 @@ def test_show_trajectory_html_in_ipython(tiny_tokenizer, monkeypatch):
     import IPython.display
 
     shown = []
-    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append((obj, raw)))
     _, batch = _viewer_batch(tiny_tokenizer)
     show_trajectory(batch, 0, tiny_tokenizer, fmt="html")
-    assert len(shown) == 1 and "areal-trajectory" in shown[0].data
+    assert len(shown) == 1
+    bundle, raw = shown[0]
+    assert raw and "areal-trajectory" in bundle["text/html"]
+    # the plain-text form travels with it, for viewers that do not render HTML
+    assert bundle["text/plain"] == trajectory_to_text(batch, 0, tiny_tokenizer)
 
 
 def test_areal_built_batches_pass_and_match_ours():

@@ -6,22 +6,33 @@ still checks the built notebooks.
 
 Source: `notebooks/src/NN_name.nb.md`. Cells start with a line `%% KIND [options]`:
 - `%% md` then `%% zh`  — a markdown cell in English, followed by the same cell in Chinese (both required).
-- `%% code`             — a code cell; its output is volatile and never committed.
-- `%% code check`       — a code cell whose output is deterministic: it is stored and nbval compares it.
+- `%% code`             — a code cell. Its output from the reference run is committed (readers see results before
+  running anything) but never compared: timings and sampled text differ from run to run.
+- `%% code check`       — a code cell whose output is deterministic: nbval compares it after the sanitizer.
   (`# NBVAL_CHECK_OUTPUT` is added as the first line, the marker nbval's lax mode looks for.)
+- `%% code headline`    — a code cell whose output is what the notebook is about (a curve, a before/after number, a
+  trajectory view): a test fails if the committed notebook has no output there, and if the cell plots, no image.
 Inside code, `# BEGIN SOLUTION hint: ...` / `# END SOLUTION` mark what the exercise versions replace by a TODO.
 
+Committed outputs are only ever written by `--execute`, never by hand. The executed notebook records a fingerprint
+of its code cells (`metadata.areal_lite.code_sha256`); rebuilding without `--execute` keeps the outputs only while
+the fingerprint still matches, and a test fails when it does not (the outputs could not have come from this code).
+
 Usage: python tools/build_notebooks.py [--execute] [NAME ...]
-  --execute runs each built notebook (nbclient) and keeps outputs of `check` cells only.
+  --execute runs each English notebook (nbclient, a fresh kernel in its folder) and commits its outputs to both
+  languages (the code cells are identical, so the Chinese notebook gets the English run's outputs).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
+import html
 import os
 import re
 import sys
+import time
 
 import nbformat
 
@@ -29,11 +40,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "notebooks", "src")
 LANGS = ("en", "zh")
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+# Output types a reader can see without a live kernel; widget views (tqdm bars) keep their text/plain form.
+KEPT_MIME = ("text/plain", "text/html", "image/png", "text/markdown", "text/latex")
 KERNEL = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 
 def parse_source(path: str) -> list[dict]:
-    """Return cells as dicts: {"kind": "md", "en":..., "zh":...} or {"kind": "code", "source":..., "check": bool}."""
+    """Return cells as dicts: {"kind": "md", "en":..., "zh":...} or {"kind": "code", "source":..., "check", "headline"}."""
     cells: list[dict] = []
     kind, opts, buf = None, [], []
 
@@ -48,7 +61,11 @@ def parse_source(path: str) -> list[dict]:
                 raise SystemExit(f"{path}:{line_no}: a `%% zh` cell must follow a `%% md` cell")
             cells[-1]["zh"] = text
         elif kind == "code":
-            cells.append({"kind": "code", "source": text, "check": "check" in opts, "line": line_no})
+            unknown = set(opts) - {"check", "headline"}
+            if unknown:
+                raise SystemExit(f"{path}:{line_no}: unknown code cell option(s) {sorted(unknown)}")
+            cells.append({"kind": "code", "source": text, "check": "check" in opts, "headline": "headline" in opts,
+                          "line": line_no})
         else:
             raise SystemExit(f"{path}:{line_no}: unknown cell kind {kind!r}")
 
@@ -80,40 +97,117 @@ def to_notebook(cells: list[dict], lang: str) -> nbformat.NotebookNode:
             if cell["check"]:
                 source = CHECK_MARK + "\n" + source
             nb.cells.append(nbformat.v4.new_code_cell(source))
+            if cell["headline"]:
+                nb.cells[-1].metadata["tags"] = ["headline"]
     for i, c in enumerate(nb.cells):
         c["id"] = f"c{i:02d}"  # stable ids keep diffs small
     return nb
 
 
-def strip_volatile(nb: nbformat.NotebookNode) -> None:
-    """Keep outputs only where nbval checks them; everything else (ports, timings, plots) is not committed.
+def code_fingerprint(nb: nbformat.NotebookNode) -> str:
+    """sha256 of the code cells in order: what the committed outputs were produced from."""
+    h = hashlib.sha256()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            h.update(cell.source.encode("utf-8") + b"\0")
+    return h.hexdigest()
 
-    nbval refuses a stored output without an execution count, so checked cells get a stable one: their position
-    among the code cells (rebuilding never changes it unless the notebook does).
+
+def _scrub(text: str) -> str:
+    """Machine-specific prefixes out of committed text: the checkout and the home folder."""
+    return text.replace(ROOT, "<repo>").replace(os.path.expanduser("~"), "~")
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# Python's default repr (`<areal_lite.engine.RemoteSGLangEngine at 0x7f...>`, the value of `engine.initialize(...)`;
+# `<IPython.core.display.HTML object>` beside rendered HTML): a class name and an address, nothing a reader learns from.
+BARE_REPR = re.compile(r"^<[\w.]+( object)?( at 0x[0-9a-f]+)?>$")
+
+
+def _widget_text(model_id: str, state: dict) -> str:
+    """The final look of a widget as text: a tqdm bar is an HBox of (HTML label, progress, HTML counts).
+
+    A widget's own text/plain is captured when it is first displayed (a bar at 0%); its final state lives only in
+    the notebook's widget state, which GitHub and nbconvert do not render.
     """
+    model = state.get(model_id, {}).get("state", {})
+    if "children" in model:
+        return "|".join(_widget_text(c.removeprefix("IPY_MODEL_"), state) for c in model["children"])
+    if "max" in model and "value" in model:
+        filled = round(10 * float(model["value"]) / max(float(model["max"]), 1e-9))
+        return "█" * filled + " " * (10 - filled)
+    text = html.unescape(re.sub(r"<[^>]+>", "", str(model.get("value", ""))))
+    return text.replace("\u2007", " ").replace("\xa0", " ").strip()  # tqdm pads with figure and no-break spaces
+
+
+def _clean_output(out: nbformat.NotebookNode, count: int, widgets: dict):
+    """The readable part of one output, or None when nothing readable is left."""
+    if out.output_type == "stream":
+        out.text = _scrub(out.text)
+        return out
+    if out.output_type not in ("display_data", "execute_result"):
+        return None  # errors never get here: nbclient stops the build at the failing cell
+    view = out.data.get(WIDGET_VIEW)
+    if view and view.get("model_id") in widgets:
+        out.data = {"text/plain": _widget_text(view["model_id"], widgets)}
+    data = {k: v for k, v in out.data.items() if k in KEPT_MIME}
+    if BARE_REPR.match(data.get("text/plain", "")):
+        del data["text/plain"]
+    if not data:
+        return None
+    out.data = {k: (_scrub(v) if isinstance(v, str) and k != "image/png" else v) for k, v in data.items()}
+    out.metadata = {}
+    if out.output_type == "execute_result":
+        out.execution_count = count
+    return out
+
+
+def _cell_seconds(cell: nbformat.NotebookNode) -> float | None:
+    t = cell.metadata.get("execution", {})
+    start, end = t.get("iopub.execute_input"), t.get("shell.execute_reply")
+    if not (start and end):
+        return None
+    from datetime import datetime
+
+    parse = lambda s: datetime.fromisoformat(s.replace("Z", "+00:00"))  # noqa: E731
+    return (parse(end) - parse(start)).total_seconds()
+
+
+def finalize(nb: nbformat.NotebookNode, executed: bool) -> None:
+    """Number code cells by position and keep their readable outputs; drop cell metadata but the headline tag.
+
+    Execution counts are positions among the code cells (nbval refuses a stored output without one, and positions
+    never change unless the notebook does), so rebuilding gives identical files.
+    """
+    widgets = nb.metadata.pop("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     n = 0
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
         n += 1
-        if cell.source.startswith(CHECK_MARK):
-            # text only: figures and widgets are volatile even in a checked cell
-            cell.outputs = [o for o in cell.outputs if o.get("output_type") in ("stream", "execute_result")]
-            for o in cell.outputs:
-                if o.get("output_type") == "execute_result":
-                    o["execution_count"] = n
-                    o["data"] = {k: v for k, v in o["data"].items() if k == "text/plain"}
-            cell.execution_count = n
-        else:
-            cell.outputs = []
-            cell.execution_count = None
-        cell.metadata = {}
+        cell.outputs = [o for o in (_clean_output(o, n, widgets) for o in cell.outputs) if o is not None]
+        cell.execution_count = n if cell.outputs or executed else None
+        tags = cell.metadata.get("tags", [])
+        cell.metadata = {"tags": tags} if tags else {}
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat.NotebookNode:
+    """Run in a fresh kernel in the notebook's own folder (configs are found by relative path, as for a learner)."""
     from nbclient import NotebookClient
 
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": cwd}}).execute()
+    env_backend = os.environ.pop("MPLBACKEND", None)  # CI sets Agg; the kernel must use the inline backend to show plots
+    try:
+        tik = time.perf_counter()
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": cwd}}).execute()
+        wall = time.perf_counter() - tik
+    finally:
+        if env_backend is not None:
+            os.environ["MPLBACKEND"] = env_backend
+    slow = {c.id: round(s, 1) for c in nb.cells if c.cell_type == "code" and (s := _cell_seconds(c) or 0) >= 5}
+    nb.metadata["areal_lite"] = {
+        "code_sha256": code_fingerprint(nb),
+        "reference_run": {"wall_seconds": round(wall, 1), "cpu_count": os.cpu_count(), "slow_cells_seconds": slow},
+    }
     return nb
 
 
@@ -135,22 +229,35 @@ def build(name_filter: list[str], run: bool) -> list[str]:
                     print(f"executing {name} ...", flush=True)
                     executed_en = execute(nb, out_dir)
                     nb = executed_en
+                    print(f"  {nb.metadata['areal_lite']['reference_run']['wall_seconds']} s", flush=True)
                 else:
-                    # same code, same outputs: copy the English outputs instead of running twice
+                    # same code, same outputs: copy the English run instead of running twice
                     for c_zh, c_en in zip(nb.cells, executed_en.cells):
                         if c_zh.cell_type == "code":
                             c_zh.outputs = c_en.outputs
+                    nb.metadata["areal_lite"] = executed_en.metadata["areal_lite"]
             elif os.path.exists(out):
-                _keep_checked_outputs(out, nb)
-            strip_volatile(nb)
+                _keep_outputs(out, nb)
+            finalize(nb, executed=run)
             nbformat.write(nb, out)
             written.append(out)
     return written
 
 
-def _keep_checked_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
-    """Rebuilding without --execute keeps stored outputs of check cells whose code did not change."""
+def _keep_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
+    """Rebuilding without --execute keeps the reference run's outputs while the code is what produced them.
+
+    Once the code changed, only outputs of unchanged check cells stay (nbval compares those against a fresh run);
+    the fingerprint goes, and tests/test_notebooks.py asks for `--execute`.
+    """
     old = nbformat.read(old_path, as_version=4)
+    meta = old.metadata.get("areal_lite", {})
+    if meta.get("code_sha256") == code_fingerprint(nb):
+        old_code = [c for c in old.cells if c.cell_type == "code"]
+        for cell, old_cell in zip((c for c in nb.cells if c.cell_type == "code"), old_code):
+            cell.outputs = old_cell.outputs
+        nb.metadata["areal_lite"] = meta
+        return
     by_source = {c.source: c.outputs for c in old.cells if c.cell_type == "code" and c.source.startswith(CHECK_MARK)}
     for cell in nb.cells:
         if cell.cell_type == "code" and cell.source in by_source:
@@ -160,7 +267,7 @@ def _keep_checked_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="only notebooks whose name contains one of these")
-    ap.add_argument("--execute", action="store_true", help="execute and store the outputs of check cells")
+    ap.add_argument("--execute", action="store_true", help="execute the English notebook and commit its outputs to both languages")
     args = ap.parse_args(argv)
     for path in build(args.names, args.execute):
         print("wrote", os.path.relpath(path, ROOT))
