@@ -64,10 +64,14 @@ _export(
     "RolloutWorkflow", "RLVRWorkflow", "ReflectionWorkflow", "SearchAgentWorkflow", "MultiTurnFeedbackWorkflow",
     "GroupedWorkflow", "chat_prompt_ids", "chat_turn_fragments", "discounted_returns", "PROMPT_TEMPLATE",
 )
-_export("actor", "PPOActor")
-_export("plot", "plot_rewards", "plot_response_length", "plot_time_breakdown", "plot_sync_vs_async", "save_png")
+_export("actor", "PPOActor", "ppo_token_loss")
+_export(
+    "plot", "plot_rewards", "plot_response_length", "plot_time_breakdown", "plot_sync_vs_async", "save_png",
+    "plot_turns",
+)
 _export("prepare", "prepare_all")
 _export("train", "TrainConfig", "train")
+_export("checks", "check_cases")
 
 __all__ = sorted(_EXPORTS)
 

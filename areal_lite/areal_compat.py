@@ -81,11 +81,14 @@ KIT_ONLY: Dict[str, str] = {
     "make_dataloader": "`areal.utils.dataloader.create_dataloader` (a torchdata StatefulDataLoader)",
     "build_factbook_corpus": "your own corpus",
     "chat_prompt_ids": "`tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`",
+    "ppo_token_loss": "`areal.utils.functional.ppo_actor_loss_fn` (the same loss, tests/test_areal_maths.py)",
     "check_trajectory": "AReaL checks shapes only (`areal.infra.check_trajectory_format`); keep the kit's in tests",
     "show_trajectory": "no viewer in AReaL",
     "plot_rewards": "AReaL logs to wandb/swanlab/tensorboard (`stats_logger`)",
     "plot_sync_vs_async": "AReaL logs timings through `stats_tracker`",
     "plot_time_breakdown": "AReaL logs timings through `stats_tracker`",
+    "plot_response_length": "AReaL logs sequence lengths through `stats_tracker`",
+    "plot_turns": "AReaL logs to wandb/swanlab/tensorboard (`stats_logger`)",
     "ConfigError": "AReaL raises hydra/omegaconf errors",
     "GroupedWorkflow": "pass `group_size=` to rollout_batch/prepare_batch (the kit accepts that too)",
     "ReflectionWorkflow": "closest: `areal.workflow.multi_turn.MultiTurnWorkflow`",
@@ -107,6 +110,7 @@ KIT_ONLY: Dict[str, str] = {
     "parse_search_query": "write your own tag parser",
     "call_search_tool": "an HTTP call to your retrieval server (ASearcher's `/retrieve` API)",
     "format_search_results": "format passages as your prompt expects",
+    "check_cases": "a notebook exercise check; in tests, plain `assert` or pytest.approx",
 }
 
 _IMPORT_RE = re.compile(r"^from areal_lite import ", re.M)

@@ -9,8 +9,9 @@ In a solution notebook a code cell may hold regions
 The exercise copy replaces each region by a `# TODO` with the hint and a line that fails loudly if left alone, keeping
 the indentation. Right after each such cell the exercise gets a check cell that runs the notebook's own assertions
 for that cell: the solution notebooks already hold it, as a code cell starting with `# CHECK` right after the cell it
-checks (it runs there too, so the checks themselves are tested). A test fails if the committed exercises differ from what this script
-writes, so they never go stale.
+checks (it runs there too, so the checks themselves are tested). A test fails if the committed exercises differ from
+what this script writes, so they never go stale. The exercises carry no nbval markers (`# NBVAL_CHECK_OUTPUT`): they
+are not run under nbval, and a learner should not see test plumbing in a cell.
 
 Usage: python tools/make_exercises.py [--check]
 """
@@ -30,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANGS = ("en", "zh")
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?:\s+hint:\s*(?P<hint>.*))?$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
+NBVAL = "# NBVAL_"  # nbval's cell markers, e.g. `# NBVAL_CHECK_OUTPUT`
 
 CHECK_TEXT = {
     "en": "**Check your work** — run the cell below; it tells you whether your code above is right.",
@@ -63,13 +65,28 @@ def strip_markers(source: str) -> str:
     return "\n".join(l for l in source.split("\n") if not BEGIN.match(l) and not END.match(l))
 
 
+def strip_nbval(source: str) -> str:
+    return "\n".join(line for line in source.split("\n") if not line.startswith(NBVAL))
+
+
+def one_level_deeper(source: str, kind: str) -> str:
+    """Relative paths of a solution notebook (`notebooks/LANG/`) as seen from `notebooks/exercises/LANG/`."""
+    if kind == "code":
+        return source.replace('"../../', '"../../../')  # configs, runs: string literals from the repository root
+    return source.replace("](../", "](../../")  # markdown links to notebooks/README.md, GLOSSARY.md
+
+
 def make_exercise(nb: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode:
     """Blank the solution regions; the `# CHECK` cell after each one gets a short instruction above it."""
     ex = copy.deepcopy(nb)
+    ex.metadata.pop("areal_lite", None)  # no reference run: the exercise has no outputs
     cells = []
     for i, cell in enumerate(ex.cells):
+        cell.source = one_level_deeper(cell.source, cell.cell_type)
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+            cell.metadata = {}
+            cell.source = strip_nbval(cell.source)
             new_source, changed = exercise_source(cell.source, lang)
             if changed:
                 nxt = ex.cells[i + 1] if i + 1 < len(ex.cells) else None
@@ -86,7 +103,7 @@ def make_exercise(nb: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode
 
 
 def _is_check(source: str) -> bool:
-    lines = [l for l in source.split("\n") if not l.startswith("# NBVAL")]
+    lines = strip_nbval(source).split("\n")
     return bool(lines) and lines[0].startswith("# CHECK")
 
 

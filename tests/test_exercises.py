@@ -1,0 +1,359 @@
+"""Every exercise's check accepts the solution and rejects plausible wrong ones.
+
+A check that prints True for a wrong answer teaches the wrong thing, so each one is tried here against mistakes a
+learner is likely to make. The cells come from the notebook sources (notebooks/src): the notebook's imports,
+the exercise cell with its `# BEGIN SOLUTION` region either kept or replaced by a wrong body, then the `# CHECK` cell
+that follows it. A check fails by raising AssertionError (areal_lite.check_cases names the case, expected and got).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import glob
+import inspect
+import io
+import json
+import os
+import re
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from areal_lite.io_struct import ModelResponse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import build_notebooks  # noqa: E402
+
+REGION = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION.*?^[ \t]*# END SOLUTION[ \t]*$", re.M | re.S)
+
+# Wrong bodies for the solution regions, by notebook: mistakes the check must catch.
+WRONG = {
+    "02_rewards_and_tools": {
+        "set-based F1": """
+            common = len(set(pred_tokens) & set(gold_tokens))
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(set(pred_tokens)), common / len(set(gold_tokens))
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "set intersection over token counts": """
+            common = len(set(pred_tokens) & set(gold_tokens))
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "counts every predicted token found in gold": """
+            common = sum(token in gold_tokens for token in pred_tokens)
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+    },
+    "05_multiturn_feedback": {
+        "no discount": """
+            following = 0.0
+            for k in reversed(range(len(rewards))):
+                following = rewards[k] + following
+                returns[k] = following
+        """,
+        "sums forward": """
+            earlier = 0.0
+            for k in range(len(rewards)):
+                earlier = rewards[k] + gamma * earlier
+                returns[k] = earlier
+        """,
+        "discounts from the first turn": """
+            for k in range(len(rewards)):
+                returns[k] = sum(gamma ** j * rewards[j] for j in range(k, len(rewards)))
+        """,
+    },
+    "06_async_vs_sync": {
+        "ignores concurrency": "return (eta + version + 1) * batch_size - (accepted + running)",
+        "ignores staleness": "return max_concurrent - running",
+        "leaves running out of the staleness term": (
+            "return min(max_concurrent - running, (eta + version + 1) * batch_size - accepted)"
+        ),
+    },
+}
+
+# The search agent's loop is long; its wrong versions are the solution with a few lines changed.
+WRONG_SEARCH_LOOP = {
+    "appends each output twice": [
+        ("ids += resp.output_tokens", "ids += resp.output_tokens * 2"),
+        ("loss_mask += [1] * len(resp.output_tokens)", "loss_mask += [1] * 2 * len(resp.output_tokens)"),
+        ("logprobs += resp.output_logprobs", "logprobs += resp.output_logprobs * 2"),
+        ("versions += resp.output_versions", "versions += resp.output_versions * 2"),
+    ],
+    "trains on the information block": [("loss_mask += [0] * len(info)", "loss_mask += [1] * len(info)")],
+}
+
+
+def code_cells(name: str) -> list[str]:
+    cells = build_notebooks.parse_source(os.path.join(ROOT, "notebooks", "src", name + ".nb.md"))
+    return [c["source"] for c in cells if c["kind"] == "code"]
+
+
+def exercise(name: str, index: int = 0) -> tuple[str, str, str]:
+    """(imports, solution cell, check cell) of exercise `index` (counted from 0) in notebook `name`."""
+    cells = code_cells(name)
+    at = [i for i, source in enumerate(cells) if REGION.search(source)][index]
+    assert cells[at + 1].startswith("# CHECK"), f"{name}: exercise {index} is not followed by its check"
+    return imports(cells[0]), cells[at], cells[at + 1]
+
+
+def imports(source: str) -> str:
+    """The import statements of a cell: the first cell of a notebook may also load its config or start servers."""
+    tree = ast.parse(source)
+    return "\n".join(ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
+def with_body(source: str, body: str) -> str:
+    """`source` with its solution region replaced by `body` (indented like the region)."""
+    indent = REGION.search(source).group("indent")
+    return REGION.sub(lambda m: textwrap.indent(textwrap.dedent(body).strip("\n"), indent), source, count=1)
+
+
+def with_edits(source: str, edits: list[tuple[str, str]]) -> str:
+    for old, new in edits:
+        assert source.count(old) == 1, f"the solution no longer contains {old!r} once: update this test"
+        source = source.replace(old, new)
+    return source
+
+
+def run(ns: dict, *sources: str) -> None:
+    """Run cells in `ns` as a notebook would (top-level `await` allowed)."""
+    for source in sources:
+        code = compile(source, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        if code.co_flags & inspect.CO_COROUTINE:
+            asyncio.run(eval(code, ns))
+        else:
+            exec(code, ns)
+
+
+def assert_accepted(ns: dict, *sources: str) -> None:
+    """The last cell (a check) must pass every case and say so."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(ns, *sources)
+    assert re.search(r"^all \d+ cases pass$", out.getvalue(), re.M) and "FAIL" not in out.getvalue(), out.getvalue()
+
+
+def assert_rejected(ns: dict, *sources: str) -> None:
+    """The last cell (a check) must print a FAIL line, then raise AssertionError naming expected and got."""
+    out = io.StringIO()
+    with pytest.raises(AssertionError) as err, contextlib.redirect_stdout(out):
+        run(ns, *sources)
+    assert "expected" in str(err.value) and "got" in str(err.value), str(err.value)
+    assert "FAIL" in out.getvalue(), out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- 02, 05, 06
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_check_accepts_the_solution(name):
+    imports, solution, check = exercise(name)
+    assert_accepted({}, imports, solution, check)
+
+
+@pytest.mark.parametrize("name,mistake", [(n, m) for n in sorted(WRONG) for m in WRONG[n]])
+def test_check_rejects_a_wrong_solution(name, mistake):
+    imports, solution, check = exercise(name)
+    assert_rejected({}, imports, with_body(solution, WRONG[name][mistake]), check)
+
+
+def test_every_exercise_is_tested():
+    sources = glob.glob(os.path.join(ROOT, "notebooks", "src", "*.nb.md"))
+    names = [os.path.basename(p)[: -len(".nb.md")] for p in sources]
+    with_exercise = {n for n in names if any(REGION.search(c) for c in code_cells(n))}
+    untested = sorted(with_exercise - set(WRONG) - {"03_gsm8k_reflection", "04_search_agent"})
+    assert not untested, f"exercises without wrong solutions to reject in this file: {untested}"
+
+
+# ---------------------------------------------------------------------------------------------- 04: the turn loop
+
+CORPUS = [
+    {"id": "0", "title": "France", "contents": "Paris is the capital of France."},
+    {"id": "1", "title": "Peru", "contents": "Lima is the capital of Peru."},
+]
+
+
+@pytest.fixture(scope="module")
+def search_ns(tiny_model_path, tmp_path_factory):
+    """What the notebook has defined by its exercise: config, tokenizer, prompt, retrieval server, scripted engine."""
+    from transformers import AutoTokenizer
+
+    from areal_lite import GenerationHyperparameters, launch_rag_server
+
+    corpus = tmp_path_factory.mktemp("rag") / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
+    rag = launch_rag_server(str(corpus))
+    rag.wait_ready(timeout=120)
+    cells = code_cells("04_search_agent")
+    engine_cell = next(c for c in cells if "class ScriptedEngine" in c)
+    ns = {
+        "tokenizer": AutoTokenizer.from_pretrained(tiny_model_path),
+        "config": SimpleNamespace(gconfig=GenerationHyperparameters(max_new_tokens=64), max_turns=4),
+        "PROMPT": "Question: {question}\nAnswer:",
+        "TOPK": 1,
+        "rag": rag,
+    }
+    run(ns, imports(cells[0]), engine_cell)
+    yield ns
+    rag.stop()
+
+
+def test_search_loop_check_accepts_the_solution(search_ns):
+    _, solution, check = exercise("04_search_agent")
+    assert_accepted(dict(search_ns), solution, check)
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_SEARCH_LOOP))
+def test_search_loop_check_rejects_a_wrong_loop(search_ns, mistake):
+    _, solution, check = exercise("04_search_agent")
+    assert_rejected(dict(search_ns), with_edits(solution, WRONG_SEARCH_LOOP[mistake]), check)
+
+
+# ---------------------------------------------------------------------------------------------- 03: the agent
+# Four exercises in order: RLVR workflow, reflection workflow, grouped wrapper, advantages + loss. Each check compares
+# the learner's code with the package's; here the server is a scripted engine (real ModelResponses, replies in turn,
+# a short sleep so that concurrent episodes really overlap) and the trainer a PPOActor that only computes advantages.
+
+WRONG_AGENT = {
+    0: {  # MyRLVRWorkflow
+        "trains on the prompt": [('"loss_mask": torch.tensor([[0] * n + [1] * len(out)]',
+                                  '"loss_mask": torch.tensor([[1] * n + [1] * len(out)]')],
+        "tags the prompt with version 0": [("[[-1] * n + resp.output_versions]", "[[0] * n + resp.output_versions]")],
+    },
+    1: {  # MyReflectionWorkflow
+        "does not close the assistant turn": [("glue = closing + self.reflection_turn", "glue = self.reflection_turn")],
+        "trains on the reflection turn": [("loss_mask + [0] * len(glue)", "loss_mask + [1] * len(glue)")],
+        "forgets the discount": [("reward *= self.turn_discount ** turn", "reward *= 1.0")],
+    },
+    2: {  # MyGroupedWorkflow
+        "runs the episodes one after another": [(
+            "episodes = await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))",
+            "episodes = [await self.workflow.arun_episode(engine, data) for _ in range(self.group_size)]",
+        )],
+        "keeps one episode": [("return concat_padded_tensors(list(episodes))", "return episodes[0]")],
+    },
+    3: {  # my_grpo_advantages and my_ppo_loss
+        # (a population std instead of the unbiased one is no mistake here: the batch normalisation cancels the factor)
+        "the batch mean instead of the group's": [("(r - r.mean(1, keepdim=True))", "(r - r.mean())")],
+        "no batch normalisation": [("return torch.where(m, (adv - adv[m].mean()) / (adv[m].std() + eps), 0.0).float()",
+                                    "return adv.float()")],
+        "min instead of max": [("surrogate = torch.maximum(", "surrogate = torch.minimum(")],
+        "no behaviour weight": [("behaviour_weight = torch.exp(prox_logp - behav_logp).detach()",
+                                 "behaviour_weight = 1.0")],
+        "no clip": [("ratio.clamp(1 - eps_clip, 1 + eps_clip)", "ratio")],
+    },
+}
+AGENT = "03_gsm8k_reflection"
+REPLIES = ["The answer is 7.", "The answer is 5."]  # a wrong first answer, a right second one (gold: 5)
+AGENT_ROWS = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+              {"question": "What is 1 + 4?", "answer": "1 + 4 = 5\n#### 5"}]
+
+
+class ScriptedReplies:
+    """An engine whose answers are REPLIES in turn, each ended by EOS, as real ModelResponses."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    async def agenerate(self, req):
+        await asyncio.sleep(0.01)  # let concurrent episodes overlap, as on a server
+        text = REPLIES[self.calls % len(REPLIES)]
+        self.calls += 1
+        out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=out, output_logprobs=[-0.5] * len(out),
+                             output_versions=[0] * len(out))
+
+
+def _definitions(source: str, names: set[str]) -> str:
+    """Only the top-level functions and assignments of a cell that define `names` (a cell may also start servers)."""
+    keep = []
+    for node in ast.parse(source).body:
+        defined = {node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else {
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+        if defined & names:
+            keep.append(ast.unparse(node))
+    return "\n\n".join(keep)
+
+
+@pytest.fixture(scope="module")
+def agent_ns(smollm_path):
+    """What notebook 03 has defined before its first exercise, with the scripted engine and a small actor."""
+    import torch
+
+    from areal_lite import GenerationHyperparameters, NormConfig, PPOActor, PPOActorConfig, load_tokenizer
+
+    G = 2
+    cells = code_cells(AGENT)
+    tokenizer = load_tokenizer(smollm_path)
+    ns = {
+        "tokenizer": tokenizer,
+        "config": SimpleNamespace(gconfig=GenerationHyperparameters(n_samples=G, max_new_tokens=16),
+                                  actor=SimpleNamespace(eps_clip=0.2)),
+        "rows": AGENT_ROWS,
+        "data": iter([AGENT_ROWS] * 100),
+        "engine": ScriptedReplies(tokenizer),
+        "actor": PPOActor(PPOActorConfig(group_size=G, reward_norm=NormConfig("group", "group"),
+                                         adv_norm=NormConfig("batch", "batch"))),
+        # section 3's grouped batch: two groups of two rows, 3 prompt tokens then 4 generated
+        "batch": {"input_ids": torch.arange(28, dtype=torch.int32).view(4, 7) + 10,
+                  "attention_mask": torch.ones(4, 7, dtype=torch.bool),
+                  "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * 4, dtype=torch.int32),
+                  "logprobs": -torch.rand(4, 7, generator=torch.Generator().manual_seed(1)),
+                  "rewards": torch.zeros(4)},
+    }
+    setup = [imports(cells[0]), _definitions(next(c for c in cells if "def chat_ids" in c), {"chat_ids"}),
+             next(c for c in cells if c.startswith("REFLECTION")), next(c for c in cells if "class Recorder" in c)]
+    run(ns, *setup)
+    return ns
+
+
+def _agent_upto(ns: dict, index: int) -> dict:
+    """A copy of `ns` after the exercises before `index`, solved and checked, as a learner gets there."""
+    ns = dict(ns)
+    for k in range(index):
+        _, solution, check = exercise(AGENT, k)
+        run(ns, solution, check)
+    return ns
+
+
+@pytest.mark.parametrize("index", sorted(WRONG_AGENT))
+def test_agent_check_accepts_the_solution(agent_ns, index):
+    _, solution, check = exercise(AGENT, index)
+    assert_accepted(_agent_upto(agent_ns, index), solution, check)
+
+
+@pytest.mark.parametrize("index,mistake", [(i, m) for i in sorted(WRONG_AGENT) for m in WRONG_AGENT[i]])
+def test_agent_check_rejects_a_wrong_solution(agent_ns, index, mistake):
+    _, solution, check = exercise(AGENT, index)
+    assert_rejected(_agent_upto(agent_ns, index), with_edits(solution, WRONG_AGENT[index][mistake]), check)
+
+
+def test_every_agent_exercise_has_wrong_solutions():
+    cells = code_cells(AGENT)
+    assert len([c for c in cells if REGION.search(c)]) == len(WRONG_AGENT)
+
+
+# ---------------------------------------------------------------------------------------------- the helper itself
+
+
+def test_check_cases_names_the_case_and_where_it_differs(capsys):
+    from areal_lite import check_cases
+
+    cases = {"sum": (0.3, 0.1 + 0.2), "rows": ([[1, 2]], [[1, 3]]), "short": ([1, 2], [1])}
+    with pytest.raises(AssertionError, match=r"2 of 3 cases fail; first: rows: .*\(at \[0\]\[1\]: expected 2, got 3\)"):
+        check_cases(cases)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "ok    sum" and lines[1].startswith("FAIL  rows")
+    assert lines[2] == "FAIL  short: expected [1, 2], got [1] (length: expected 2, got 1)"
