@@ -27,6 +27,7 @@ __all__ = [
     "plot_time_breakdown",
     "plot_sync_vs_async",
     "save_png",
+    "plot_turns",
 ]
 
 Stats = Union[str, os.PathLike, Sequence[Dict[str, Any]]]
@@ -252,3 +253,32 @@ def save_png(fig, path: Union[str, os.PathLike], dpi: int = 110) -> str:
     fig.savefig(path, dpi=dpi)
     _pyplot().close(fig)
     return path
+
+
+TURN_KEYS = ("turns", "rollout/turns", "mean_turns")
+
+
+def plot_turns(stats: Stats, ax=None, smoothing: float = 0.6, max_turns: Optional[int] = None,
+               title: str = "Turns per episode"):
+    """Mean answers per episode, per step (points + smoothed line), for agents that may answer several times.
+
+    A row's `turns` is the mean over the step's episodes of the answers up to the first correct one (the whole
+    budget when none was). Dotted lines mark 1 (every episode right at the first try) and `max_turns` (none right).
+    """
+    rows = load_stats(stats)
+    fig, ax = _axes(ax)
+    key = _key(rows, TURN_KEYS, "turn count")
+    xs, ys = _series(rows, key)
+    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)")
+    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)")
+    ax.axhline(1, ls=":", color="gray", lw=1)
+    if max_turns is not None:
+        ax.axhline(max_turns, ls=":", color="gray", lw=1)
+        ax.set_ylim(0.9, max_turns + 0.1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("answers per episode")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

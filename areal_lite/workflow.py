@@ -34,7 +34,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import copy
+import json
 import logging
+import os
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -476,21 +479,31 @@ class SearchAgentWorkflow(RolloutWorkflow):
 
 
 class MultiTurnFeedbackWorkflow(RLVRWorkflow):
-    """Seed 003's multi-turn agent: answer, get "correct"/"wrong" feedback, try again; turn-level returns.
+    """A math agent that hears back after every answer: "correct" or "wrong, try again"; turn-level returns.
 
     Turn k's success s_k = clip(reward_fn(completion_k, answer), 0, 1) (1 = correct); its reward is
     `r_k = ((s_k - 0.5) * 2 - reward_bias) * reward_scaling` and its return `G_k = r_k + turn_discount * G_{k+1}`.
-    Feedback text goes in through the chat template as pre-tokenized fragments (outputs are never re-tokenized).
+    Success maps to +1 and failure to -1 (not 0) so that a wrong answer carries a penalty of its own: with 0 for
+    failure, a wrong answer followed by a right one would inherit a positive return from its successor. `reward_bias`
+    shifts every turn's reward (a positive bias is a cost per extra answer), `reward_scaling` stretches it; with
+    group normalisation of both mean and std the scale cancels. Feedback text goes in through the chat template as
+    pre-tokenized fragments (outputs are never re-tokenized).
 
-    Early stop (default `stop_on_correct=True`): the episode ends at the first correct answer. Seed 003 ran all
-    `num_turns` even after a success, which trains the model on turns that answer "Congratulations!" rather than
-    the task, and lets a late wrong answer drag down an earlier correct one. Stopping makes "correct sooner" strictly
-    better: G_0 = 1 for a first-turn success, -1 + gamma for a second-turn one, and so on. Pass
-    `stop_on_correct=False` to reproduce seed 003.
+    Early stop (default `stop_on_correct=True`): the episode ends at the first correct answer. Running all
+    `num_turns` after a success would train the model on turns that answer "Congratulations!" rather than the task,
+    and let a late wrong answer drag down an earlier correct one. Stopping makes "correct sooner" strictly better:
+    G_0 = 1 for a first-turn success, -1 + gamma for a second-turn one, and so on. `stop_on_correct=False` runs
+    every turn, as the older multi-turn math agents did.
 
     Output: `rewards` [1] = G_0 (the first turn's return: a meaningful per-episode number for plots and for any
-    actor that only reads `rewards`), and `token_returns` [1, L] float32 = G_k on the generated tokens of turn k,
-    0.0 on prompt and feedback tokens.
+    actor that only reads `rewards`); `token_returns` [1, L] float32 = G_k on the generated tokens of turn k, 0.0 on
+    prompt and feedback tokens; `turns` [1] float32 = answers up to and including the first correct one (all answers
+    given when none was correct); `solved` [1] float32 = 1.0 when some answer was correct.
+
+    `dump_dir`: when set, every episode appends one JSON line per answer to `{dump_dir}/v{version}.jsonl`, version
+    being the policy version that generated the answer's first token: the question, the answer text, success, turn
+    (1-based), reward r_k and return G_k. So what each policy version answered can be read back after training.
+    Lines are written once the episode ends (its returns are known then), under a process-wide lock.
 
     How per-turn returns reach the loss (the convention `areal_lite.actor` implements): when a batch has
     `token_returns`, the actor uses it instead of broadcasting `rewards[i]` over row i. A turn is a maximal run of
@@ -500,9 +513,15 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
     of a group ("batch": all turns of the batch), each turn counted once whatever its length. The normalised return
     is written back on the turn's tokens and is the advantage base: A_t = G^_t + sum of later KL rewards. Tokens of
     different turns of one row thus get different advantages: an early wrong answer is pushed down even when a
-    later turn succeeds. (This workflow already applies its own `reward_scaling`/`reward_bias` per turn, as seed 003
-    did; leave the actor's at their defaults, 1 and 0, to avoid shaping twice.)
+    later turn succeeds. In a group where every answer is wrong the returns differ only by how many wrong answers
+    followed, so the last wrong turn ends above the group mean (with 0 for failure that group would teach nothing).
+    (This workflow already applies its own `reward_scaling`/`reward_bias` per turn; leave the actor's at their
+    defaults, 1 and 0, to avoid shaping twice.)
     """
+
+    # One lock for the whole process: grouped copies of a workflow, and other instances writing to the same
+    # dump_dir, may finish episodes in different threads' event loops.
+    _dump_lock = threading.Lock()
 
     def __init__(
         self,
@@ -521,6 +540,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         reward_timeout: float = 15.0,
         system_prompt: Optional[str] = None,
         verbose: bool = False,
+        dump_dir: Optional[str] = None,
     ):
         super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout=reward_timeout,
                          system_prompt=system_prompt, verbose=verbose)
@@ -531,11 +551,10 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         self.reward_scaling = float(reward_scaling)
         self.reward_bias = float(reward_bias)
         self.stop_on_correct = bool(stop_on_correct)
+        self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
+        self.feedback_text = {True: feedback_correct, False: feedback_wrong}
         kw = self._template_kwargs()
-        self.feedback = {
-            True: chat_turn_fragments(tokenizer, feedback_correct, **kw),
-            False: chat_turn_fragments(tokenizer, feedback_wrong, **kw),
-        }
+        self.feedback = {ok: chat_turn_fragments(tokenizer, text, **kw) for ok, text in self.feedback_text.items()}
 
     def turn_reward(self, success: float) -> float:
         """`r = ((success - 0.5) * 2 - bias) * scale` (success 1 -> +1, 0 -> -1 before bias/scale)."""
@@ -544,7 +563,8 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         rid = uuid.uuid4().hex
-        turn_rewards: List[float] = []
+        responses: List[ModelResponse] = []
+        successes: List[float] = []
         correct = False
         for turn in range(self.num_turns):
             if turn > 0:
@@ -553,13 +573,41 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
             builder.add_output(resp)
             success = min(max(await self.reward(resp, data), 0.0), 1.0)
             correct = success > 0.5
-            turn_rewards.append(self.turn_reward(success))
+            responses.append(resp)
+            successes.append(success)
             if self.verbose:
                 print(f"[MultiTurn] turn {turn}: success={success} completion={self.decode(resp.output_tokens)!r}")
             if correct and self.stop_on_correct:
                 break
+        turn_rewards = [self.turn_reward(s) for s in successes]
         returns = discounted_returns(turn_rewards, self.turn_discount)
-        return builder.to_tensors(returns[0], token_returns=builder.per_turn_values(returns))
+        solved = any(s > 0.5 for s in successes)
+        turns = next(k + 1 for k, s in enumerate(successes) if s > 0.5) if solved else len(successes)
+        if self.dump_dir is not None:
+            self._dump(engine, data, rid, responses, successes, turn_rewards, returns)
+        return builder.to_tensors(returns[0], token_returns=builder.per_turn_values(returns), turns=turns,
+                                  solved=float(solved))
+
+    def _dump(self, engine, data, rid, responses, successes, rewards, returns) -> None:
+        """Append one JSON line per answer to `{dump_dir}/v{version}.jsonl` (see the class docstring)."""
+        question = data.get("question")
+        if question is None:
+            question = self.data_extract_prompt_fn(data)[-1].get("content")
+        lines: Dict[int, List[str]] = {}
+        for k, resp in enumerate(responses):
+            if resp.output_versions:
+                version = int(resp.output_versions[0])
+            else:  # an empty answer has no token to read the version from
+                version = int(getattr(engine, "get_version", lambda: -1)())
+            record = dict(version=version, episode=rid, turn=k + 1, question=question,
+                          answer=self.decode(resp.output_tokens), success=successes[k], reward=rewards[k],
+                          ret=returns[k], gold=data.get("answer"))
+            lines.setdefault(version, []).append(json.dumps(record, default=str) + "\n")
+        with self._dump_lock:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            for version, chunk in lines.items():
+                with open(os.path.join(self.dump_dir, f"v{version}.jsonl"), "a", encoding="utf-8") as fh:
+                    fh.write("".join(chunk))
 
 
 class GroupedWorkflow(RolloutWorkflow):

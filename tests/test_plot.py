@@ -91,3 +91,16 @@ def test_smooth_is_bias_corrected():
     assert smooth([0.0, 1.0], 0.0) == [0.0, 1.0]
     with pytest.raises(ValueError):
         smooth([1.0], 1.0)
+
+
+def test_plot_turns_draws_mean_turns_and_bounds(tmp_path):
+    from areal_lite.plot import plot_turns
+
+    rows = [{"step": i, "turns": 2.0 - i / 4} for i in range(4)]
+    fig = plot_turns(rows, max_turns=3)
+    ax = fig.axes[0]
+    assert list(ax.lines[0].get_ydata()) == [2.0, 1.75, 1.5, 1.25]
+    assert sorted(line.get_ydata()[0] for line in ax.lines[2:]) == [1, 3]  # the two dotted bounds
+    assert is_png(save_png(fig, tmp_path / "turns.png"))
+    with pytest.raises(KeyError, match="no turn count"):
+        plot_turns([{"reward": 1.0}])

@@ -604,3 +604,65 @@ def test_reflection_on_smollm_closes_turns_exactly(smollm_server, smollm_path, r
     assert outs[0][-1] == tok.eos_token_id, tok.decode(outs[0])
     n = int(batch["attention_mask"][0].sum())
     assert "<|im_end|>\n<|im_start|>user\n" in tok.decode(batch["input_ids"][0, :n].tolist())
+
+
+# ---------------------------------------------------------------------------------------------- multi-turn feedback:
+# turn counts and the per-version answer log
+
+
+class VersionedPolicy(ScriptedPolicy):
+    """ScriptedPolicy whose answers carry the policy version `self.version` (the test bumps it between batches)."""
+
+    version = 0
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        resp = await super().agenerate(req)
+        resp.output_versions = [self.version] * len(resp.output_tokens)
+        await asyncio.sleep(0)  # let concurrent episodes interleave
+        return resp
+
+    def get_version(self) -> int:
+        return self.version
+
+
+def test_multi_turn_feedback_records_turns_to_success(tok, engine, rewards, tmp_path):
+    policy = ScriptedPolicy(tok, ["5"])
+    cases = [  # (workflow, answer) -> turns to success, solved
+        (MultiTurnFeedbackWorkflow(rewards["nth"], _gconfig(), tok, num_turns=4), f"{tmp_path / 'calls'}|2", 2, 1),
+        (MultiTurnFeedbackWorkflow(rewards["zero"], _gconfig(), tok, num_turns=3), "5", 3, 0),
+        # Running every turn still counts the turns up to the first success.
+        (MultiTurnFeedbackWorkflow(rewards["one"], _gconfig(), tok, num_turns=2, stop_on_correct=False), "5", 1, 1),
+    ]
+    for wf, answer, turns, solved in cases:
+        out = asyncio.run(wf.arun_episode(policy, {"messages": _msgs(), "answer": answer}))
+        check_trajectory(out)
+        assert out["turns"].tolist() == [float(turns)] and out["solved"].tolist() == [float(solved)]
+    grouped = GroupedWorkflow(MultiTurnFeedbackWorkflow(rewards["zero"], _gconfig(n_samples=2), tok, num_turns=2))
+    batch = concat_padded_tensors(engine.rollout_batch([{"messages": _msgs(), "answer": "5"}] * 2, workflow=grouped))
+    check_trajectory(batch)
+    assert batch["turns"].tolist() == [2.0] * 4 and batch["solved"].tolist() == [0.0] * 4
+
+
+def test_multi_turn_feedback_dumps_answers_per_version(tok, rewards, tmp_path):
+    text = "The answer is 5."
+    policy = VersionedPolicy(tok, [text])
+    log = tmp_path / "log"
+    wf = MultiTurnFeedbackWorkflow(rewards["zero"], _gconfig(), tok, num_turns=2, turn_discount=0.5, dump_dir=log)
+
+    async def run(questions):
+        return await asyncio.gather(*[wf.arun_episode(policy, {"question": q, "answer": "5"}) for q in questions])
+
+    asyncio.run(run([f"q{i}" for i in range(6)]))  # six concurrent episodes append to the same file
+    policy.version = 1
+    asyncio.run(run(["late"]))
+    assert sorted(os.listdir(log)) == ["v0.jsonl", "v1.jsonl"]
+    v0 = [json.loads(line) for line in (log / "v0.jsonl").read_text().splitlines()]
+    assert len(v0) == 12 and {r["question"] for r in v0} == {f"q{i}" for i in range(6)}
+    answer = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:8], skip_special_tokens=True)
+    for episode in {r["episode"] for r in v0}:
+        lines = sorted((r for r in v0 if r["episode"] == episode), key=lambda r: r["turn"])
+        assert [r["turn"] for r in lines] == [1, 2] and {r["version"] for r in lines} == {0}
+        assert [(r["success"], r["reward"], r["ret"]) for r in lines] == [(0.0, -1.0, -1.5), (0.0, -1.0, -1.0)]
+        assert all(r["answer"] == answer and r["gold"] == "5" for r in lines)
+    v1 = [json.loads(line) for line in (log / "v1.jsonl").read_text().splitlines()]
+    assert [(r["question"], r["version"], r["turn"]) for r in v1] == [("late", 1, 1), ("late", 1, 2)]
