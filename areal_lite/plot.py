@@ -36,6 +36,7 @@ Stats = Union[str, os.PathLike, Sequence[Dict[str, Any]]]
 REWARD_KEYS = ("reward", "rollout/reward", "task_reward", "rewards")
 ACCURACY_KEYS = ("eval_accuracy", "eval/accuracy", "accuracy")
 LENGTH_KEYS = ("response_length", "rollout/response_length", "seqlen", "response_len")
+TURN_KEYS = ("turns", "rollout/turns", "mean_turns")
 PHASES = (  # (label, accepted keys)
     ("generate", ("time/generate", "generate_time", "time_generate", "rollout_time")),
     ("logp", ("time/logp", "logp_time", "time_logp")),
@@ -119,6 +120,25 @@ def _axes(ax, figsize=(6, 3.5)):
     return fig, ax
 
 
+def _curve(ax, rows, keys: Sequence[str], what: str, smoothing: float, legend: bool = True) -> None:
+    """One statistic per step: faint points and their smoothed line (the per-step values of RL are noisy)."""
+    key = _key(rows, keys, what)
+    xs, ys = _series(rows, key)
+    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)" if legend else None)
+    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)" if legend else None)
+
+
+def _finish(fig, ax, ylabel: str, title: str, legend: bool = True):
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def plot_rewards(
     stats: Stats,
     ax=None,
@@ -134,10 +154,7 @@ def plot_rewards(
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    key = _key(rows, REWARD_KEYS, "reward")
-    xs, ys = _series(rows, key)
-    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)")
-    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)")
+    _curve(ax, rows, REWARD_KEYS, "reward", smoothing)
     acc = _key(rows, ACCURACY_KEYS, "accuracy", required=False)
     if evals:
         ax.plot([float(x) for x, _ in evals], [float(y) for _, y in evals], "s--", ms=5, label=eval_label)
@@ -153,29 +170,15 @@ def plot_rewards(
                 xs_acc.append(r.get("step", i) + (1 if acc == "eval_accuracy" else 0))
                 ys_acc.append(float(r[acc]))
         ax.plot(xs_acc, ys_acc, "s--", ms=5, label=f"{acc} (greedy, held-out)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "reward / accuracy", title)
 
 
 def plot_response_length(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Response length"):
     """Mean generated tokens per response, per step."""
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    key = _key(rows, LENGTH_KEYS, "response length")
-    xs, ys = _series(rows, key)
-    ax.plot(xs, ys, "o", alpha=0.35, ms=3)
-    ax.plot(xs, smooth(ys, smoothing), "-", lw=2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    _curve(ax, rows, LENGTH_KEYS, "response length", smoothing, legend=False)
+    return _finish(fig, ax, "tokens", title, legend=False)
 
 
 def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
@@ -255,8 +258,6 @@ def save_png(fig, path: Union[str, os.PathLike], dpi: int = 110) -> str:
     return path
 
 
-TURN_KEYS = ("turns", "rollout/turns", "mean_turns")
-
 
 def plot_turns(stats: Stats, ax=None, smoothing: float = 0.6, max_turns: Optional[int] = None,
                title: str = "Turns per episode"):
@@ -267,18 +268,9 @@ def plot_turns(stats: Stats, ax=None, smoothing: float = 0.6, max_turns: Optiona
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    key = _key(rows, TURN_KEYS, "turn count")
-    xs, ys = _series(rows, key)
-    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)")
-    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)")
+    _curve(ax, rows, TURN_KEYS, "turn count", smoothing)
     ax.axhline(1, ls=":", color="gray", lw=1)
     if max_turns is not None:
         ax.axhline(max_turns, ls=":", color="gray", lw=1)
         ax.set_ylim(0.9, max_turns + 0.1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("answers per episode")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "answers per episode", title)

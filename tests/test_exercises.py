@@ -239,8 +239,8 @@ WRONG_AGENT = {
     },
     2: {  # MyGroupedWorkflow
         "runs the episodes one after another": [(
-            "episodes = await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))",
-            "episodes = [await self.workflow.arun_episode(engine, data) for _ in range(self.group_size)]",
+            "await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))",
+            "[await self.workflow.arun_episode(engine, data) for _ in range(self.group_size)]",
         )],
         "keeps one episode": [("return concat_padded_tensors(list(episodes))", "return episodes[0]")],
     },

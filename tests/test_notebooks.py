@@ -135,7 +135,8 @@ def test_relative_paths_resolve(path):
     for cell in nbformat.read(path, as_version=4).cells:
         pattern = r'"(\.\./[^"]*?\.(?:yaml|md))"' if cell.cell_type == "code" else r"\]\((\.\./[^)#]+)"
         for rel in re.findall(pattern, cell.source):
-            assert os.path.exists(os.path.join(folder, rel)), f"{rel} does not exist from {os.path.relpath(folder, ROOT)}"
+            where = os.path.relpath(folder, ROOT)
+            assert os.path.exists(os.path.join(folder, rel)), f"{rel} does not exist from {where}"
 
 
 # ---- static check: names and keywords used from areal_lite exist -------------------------------------------------

@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import time
+from datetime import datetime
 
 import nbformat
 
@@ -40,13 +41,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "notebooks", "src")
 LANGS = ("en", "zh")
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
-# Output types a reader can see without a live kernel; widget views (tqdm bars) keep their text/plain form.
+# Output types a reader can see without a live kernel; a widget (a tqdm bar) is kept as text of its final state.
 KEPT_MIME = ("text/plain", "text/html", "image/png", "text/markdown", "text/latex")
 KERNEL = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 
 def parse_source(path: str) -> list[dict]:
-    """Return cells as dicts: {"kind": "md", "en":..., "zh":...} or {"kind": "code", "source":..., "check", "headline"}."""
+    """Cells as dicts: {"kind": "md", "en", "zh"} or {"kind": "code", "source", "check", "headline"} (and "line")."""
     cells: list[dict] = []
     kind, opts, buf = None, [], []
 
@@ -163,14 +164,16 @@ def _clean_output(out: nbformat.NotebookNode, count: int, widgets: dict):
 
 
 def _cell_seconds(cell: nbformat.NotebookNode) -> float | None:
+    """How long a cell ran, from the timestamps nbclient records in its metadata."""
     t = cell.metadata.get("execution", {})
     start, end = t.get("iopub.execute_input"), t.get("shell.execute_reply")
     if not (start and end):
         return None
-    from datetime import datetime
+    return (_timestamp(end) - _timestamp(start)).total_seconds()
 
-    parse = lambda s: datetime.fromisoformat(s.replace("Z", "+00:00"))  # noqa: E731
-    return (parse(end) - parse(start)).total_seconds()
+
+def _timestamp(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def finalize(nb: nbformat.NotebookNode, executed: bool) -> None:
@@ -195,7 +198,8 @@ def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat
     """Run in a fresh kernel in the notebook's own folder (configs are found by relative path, as for a learner)."""
     from nbclient import NotebookClient
 
-    env_backend = os.environ.pop("MPLBACKEND", None)  # CI sets Agg; the kernel must use the inline backend to show plots
+    # CI sets MPLBACKEND=Agg; the kernel must keep Jupyter's inline backend, or no plot would reach the outputs
+    env_backend = os.environ.pop("MPLBACKEND", None)
     try:
         tik = time.perf_counter()
         NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": cwd}}).execute()
@@ -267,7 +271,8 @@ def _keep_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="only notebooks whose name contains one of these")
-    ap.add_argument("--execute", action="store_true", help="execute the English notebook and commit its outputs to both languages")
+    ap.add_argument("--execute", action="store_true",
+                    help="execute the English notebook and commit its outputs to both languages")
     args = ap.parse_args(argv)
     for path in build(args.names, args.execute):
         print("wrote", os.path.relpath(path, ROOT))
