@@ -26,11 +26,11 @@ import html
 import importlib.util
 import json
 import os
-import warnings
 import random
 import re
 import tempfile
 import unicodedata
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
