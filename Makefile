@@ -14,11 +14,12 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo test test-zh test-fast test-gpu lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-gpu lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
 	@echo "make test      - install dev dependencies and run the whole suite (notebooks included)"
+	@echo "make lint      - ruff: lint and format check (make test runs it first)"
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
@@ -63,7 +64,11 @@ TEST_WORKERS ?= 2
 # (tests/test_notebooks.py checks it), so running them too doubled the CI time and tested nothing new.
 # `make test-zh` executes the Chinese ones.
 
-test: $(DEVSTAMP)
+lint: $(DEVSTAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m areal_lite.prepare
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \

@@ -26,47 +26,104 @@ def _export(module: str, *names: str) -> None:
 
 _export(
     "config",
-    "ConfigError", "GenerationHyperparameters", "InferenceEngineConfig", "OptimizerConfig", "MicroBatchSpec",
-    "NormConfig", "PPOActorConfig", "SGLangConfig", "EmbeddedServerConfig", "DatasetConfig", "SaverConfig",
-    "StatsLoggerConfig", "EvaluatorConfig", "BaseExperimentConfig", "GRPOConfig", "load_expr_config",
-    "resolve_profile", "describe",
+    "ConfigError",
+    "GenerationHyperparameters",
+    "InferenceEngineConfig",
+    "OptimizerConfig",
+    "MicroBatchSpec",
+    "NormConfig",
+    "PPOActorConfig",
+    "SGLangConfig",
+    "EmbeddedServerConfig",
+    "DatasetConfig",
+    "SaverConfig",
+    "StatsLoggerConfig",
+    "EvaluatorConfig",
+    "BaseExperimentConfig",
+    "GRPOConfig",
+    "load_expr_config",
+    "resolve_profile",
+    "describe",
 )
 _export("io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
 _export("models", "prepare_model", "resolve_model_path", "build_tiny_model", "pick_device", "load_tokenizer")
 _export(
     "data",
-    "load_gsm8k", "load_arithmetic", "to_messages", "build_factbook_corpus", "build_factbook_qa",
-    "build_factbook_qa_splits", "load_search_dataset", "load_dataset_from_config", "make_dataloader",
+    "load_gsm8k",
+    "load_arithmetic",
+    "to_messages",
+    "build_factbook_corpus",
+    "build_factbook_qa",
+    "build_factbook_qa_splits",
+    "load_search_dataset",
+    "load_dataset_from_config",
+    "make_dataloader",
     "cycle_dataloader",
 )
 _export(
     "reward",
-    "extract_answer", "math_equal", "gsm8k_reward_fn", "normalize_answer", "f1_score", "exact_match",
-    "AsyncRewardWrapper", "areal_gsm8k_reward_fn",
+    "extract_answer",
+    "math_equal",
+    "gsm8k_reward_fn",
+    "normalize_answer",
+    "f1_score",
+    "exact_match",
+    "AsyncRewardWrapper",
+    "areal_gsm8k_reward_fn",
 )
 _export(
     "tools",
-    "parse_search_query", "parse_answer", "parse_boxed", "parse_access_url", "format_search_results",
-    "call_search_tool", "SearchToolError",
+    "parse_search_query",
+    "parse_answer",
+    "parse_boxed",
+    "parse_access_url",
+    "format_search_results",
+    "call_search_tool",
+    "SearchToolError",
 )
 _export("rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
 _export(
-    "launch", "launch_server", "find_free_port", "find_free_ports", "ServerHandle", "ServerLaunchError", "choose_backend"
+    "launch",
+    "launch_server",
+    "find_free_port",
+    "find_free_ports",
+    "ServerHandle",
+    "ServerLaunchError",
+    "choose_backend",
 )
 _export("engine", "RemoteSGLangEngine", "EngineError")
 _export(
     "trajectory",
-    "concat_padded_tensors", "check_trajectory", "TrajectoryError", "TrajectoryBuilder", "Segment",
-    "show_trajectory", "trajectory_to_text", "trajectory_to_html",
+    "concat_padded_tensors",
+    "check_trajectory",
+    "TrajectoryError",
+    "TrajectoryBuilder",
+    "Segment",
+    "show_trajectory",
+    "trajectory_to_text",
+    "trajectory_to_html",
 )
 _export(
     "workflow",
-    "RolloutWorkflow", "RLVRWorkflow", "ReflectionWorkflow", "SearchAgentWorkflow", "MultiTurnFeedbackWorkflow",
-    "GroupedWorkflow", "chat_prompt_ids", "chat_turn_fragments", "discounted_returns", "PROMPT_TEMPLATE",
+    "RolloutWorkflow",
+    "RLVRWorkflow",
+    "ReflectionWorkflow",
+    "SearchAgentWorkflow",
+    "MultiTurnFeedbackWorkflow",
+    "GroupedWorkflow",
+    "chat_prompt_ids",
+    "chat_turn_fragments",
+    "discounted_returns",
+    "PROMPT_TEMPLATE",
 )
 _export("actor", "PPOActor", "ppo_token_loss")
 _export(
-    "plot", "plot_rewards", "plot_response_length", "plot_time_breakdown", "plot_sync_vs_async", "save_png",
+    "plot",
+    "plot_rewards",
+    "plot_response_length",
+    "plot_time_breakdown",
+    "plot_sync_vs_async",
+    "save_png",
     "plot_turns",
 )
 _export("prepare", "prepare_all")

@@ -313,13 +313,22 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(k, None)
     if cu is None or query.shape[0] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     bounds = cu.tolist()
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        out, _ = sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                        dropout=dropout, scaling=scaling, is_causal=True)
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )
         outs.append(out)  # [1, t, heads, head_dim]
     return torch.cat(outs, dim=1), None
 
@@ -508,7 +517,7 @@ class PPOActor:
             raise ValueError(f"optimizer.type must be adam or sgd, got {opt.type!r}")
         total = ft_spec.total_train_steps if ft_spec is not None else None
         if total is None and opt.lr_scheduler_type != "constant":
-            warnings.warn("no FinetuneSpec given: the learning rate stays constant after warmup")
+            warnings.warn("no FinetuneSpec given: the learning rate stays constant after warmup", stacklevel=2)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda(total))
         return self
 
@@ -564,7 +573,9 @@ class PPOActor:
     def _valid(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["attention_mask"].bool()
 
-    def _pack(self, batch: Dict[str, torch.Tensor], rows: Sequence[int], keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+    def _pack(
+        self, batch: Dict[str, torch.Tensor], rows: Sequence[int], keys: Sequence[str]
+    ) -> Dict[str, torch.Tensor]:
         """Unpad `rows` and concatenate them into one row with restarting position ids."""
         valid = self._valid(batch)
         ids, pos, out = [], [], {k: [] for k in keys}
@@ -649,8 +660,9 @@ class PPOActor:
                     self._dummy_forward_backward(model, backward=False)
                     continue
                 packed = self._pack(batch, rows, [])
-                lp = next_token_logp(self._forward(model, packed), packed["input_ids"], packed["seq_start"],
-                                     self.config.temperature)
+                lp = next_token_logp(
+                    self._forward(model, packed), packed["input_ids"], packed["seq_start"], self.config.temperature
+                )
                 # Scatter the packed values back to their padded rows.
                 sel = torch.zeros(B, L, dtype=torch.bool, device=self.device)
                 sel[rows] = valid[rows]
@@ -681,7 +693,9 @@ class PPOActor:
     def compute_ref_logp(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs under the reference model (same alignment as `compute_logp`)."""
         if self.ref_model is None:
-            raise RuntimeError("no reference model: construct PPOActor(config, ref_config=...) or put ref_logp in the batch")
+            raise RuntimeError(
+                "no reference model: construct PPOActor(config, ref_config=...) or put ref_logp in the batch"
+            )
         return self._logp_of(self.ref_model, batch)
 
     # ---------------------------------------------------------------- advantages
@@ -873,23 +887,23 @@ class PPOActor:
             with torch.no_grad():
                 md = m.double()
                 ratio, w = info["ratio"].double(), info["behav_w"].double()
-                sums += torch.stack([
-                    loss.detach().double().cpu() * n_global,
-                    md.sum().cpu(),
-                    info["clipped"].double().sum().cpu(),
-                    info["dual_clipped"].double().sum().cpu(),
-                    (ratio * md).sum().cpu(),
-                    (w * md).sum().cpu(),
-                    info["capped"].double().sum().cpu(),
-                    ((logp.detach().double() - prox.double()) * md).sum().cpu(),
-                    _entropy(logits.detach(), cfg.temperature).double().sum().cpu(),  # one row per policy token
-                ])
+                sums += torch.stack(
+                    [
+                        loss.detach().double().cpu() * n_global,
+                        md.sum().cpu(),
+                        info["clipped"].double().sum().cpu(),
+                        info["dual_clipped"].double().sum().cpu(),
+                        (ratio * md).sum().cpu(),
+                        (w * md).sum().cpu(),
+                        info["capped"].double().sum().cpu(),
+                        ((logp.detach().double() - prox.double()) * md).sum().cpu(),
+                        _entropy(logits.detach(), cfg.temperature).double().sum().cpu(),  # one row per policy token
+                    ]
+                )
                 # k1 estimate of KL(behaviour || proximal) on behaviour samples: how stale/mismatched the data is.
                 behav_kl += ((packed["logprobs"].double() - prox.double()) * md).sum().cpu()
                 if m.any():
-                    maxes = torch.maximum(maxes, torch.stack([
-                        ratio[m].max(), -ratio[m].min(), w[m].max()
-                    ]).cpu())
+                    maxes = torch.maximum(maxes, torch.stack([ratio[m].max(), -ratio[m].min(), w[m].max()]).cpu())
         if dist is not None and self._world > 1:
             red = torch.cat([sums, behav_kl]).to(self.device)
             dist.all_reduce(red)
@@ -1045,7 +1059,7 @@ class PPOActor:
     def _prune_versions(root: str, keep_from: int) -> None:
         prefix = "weight_update_v"
         for name in os.listdir(root):
-            number = name[len(prefix):]
+            number = name[len(prefix) :]
             if name.startswith(prefix) and number.isdigit() and int(number) < keep_from:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
@@ -1159,8 +1173,9 @@ class PPOActor:
         missing = [k for k in (getattr(result, "missing_keys", None) or []) if k not in tied]
         if missing:
             raise RuntimeError(f"checkpoint {path} lacks weights {missing[:5]}")
-        set_optimizer_state_dict(self.model, self.optimizer, extra["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, extra["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self._version = int(extra["version"])
         rng = extra["rng"]

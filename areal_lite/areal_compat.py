@@ -29,8 +29,14 @@ import re
 from typing import Dict, Iterable, List
 
 __all__ = [
-    "AREAL_VERSION", "AREAL_NAMES", "KIT_ONLY", "areal_import_lines", "areal_object", "to_areal_cell",
-    "register_with_areal", "export_areal_experiment",
+    "AREAL_VERSION",
+    "AREAL_NAMES",
+    "KIT_ONLY",
+    "areal_import_lines",
+    "areal_object",
+    "to_areal_cell",
+    "register_with_areal",
+    "export_areal_experiment",
 ]
 
 AREAL_VERSION = "1.0.4"
@@ -238,13 +244,22 @@ def export_areal_experiment(
     import yaml
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {kind: os.path.join(out_dir, f"{name}{suffix}")
-             for kind, suffix in (("script", ".py"), ("config", ".yaml"), ("data", "_train.jsonl"))}
+    paths = {
+        kind: os.path.join(out_dir, f"{name}{suffix}")
+        for kind, suffix in (("script", ".py"), ("config", ".yaml"), ("data", "_train.jsonl"))
+    }
     run = f"python {name}.py --config {name}.yaml scheduler.type=local"
     consts = "".join(f"{k} = {v!r}\n" for k, v in (constants or {}).items())
     body = "\n\n".join(to_areal_cell(c).rstrip("\n") for c in cells)
-    script = _SCRIPT.format(name=name, version=AREAL_VERSION, run=run, constants=consts, cells=body,
-                            workflow=workflow, workflow_kwargs=workflow_kwargs)
+    script = _SCRIPT.format(
+        name=name,
+        version=AREAL_VERSION,
+        run=run,
+        constants=consts,
+        cells=body,
+        workflow=workflow,
+        workflow_kwargs=workflow_kwargs,
+    )
     ast.parse(script)  # a cell that is not plain Python (top-level await, magics) cannot be exported
     with open(paths["script"], "w", encoding="utf-8") as fh:
         fh.write(script)

@@ -33,8 +33,11 @@ def check_cases(cases: Mapping[str, Tuple[Any, Any]], tol: float = 1e-9) -> None
 
 def _close(expected: Any, got: Any, tol: float) -> bool:
     if isinstance(expected, (list, tuple)):
-        return (isinstance(got, (list, tuple)) and len(got) == len(expected)
-                and all(_close(e, g, tol) for e, g in zip(expected, got)))
+        return (
+            isinstance(got, (list, tuple))
+            and len(got) == len(expected)
+            and all(_close(e, g, tol) for e, g in zip(expected, got))
+        )
     if _is_number(expected) and _is_number(got):
         return math.isclose(expected, got, rel_tol=tol, abs_tol=tol)
     return expected == got

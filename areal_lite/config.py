@@ -219,7 +219,8 @@ class SGLangConfig:
 
 @dataclass
 class EmbeddedServerConfig:
-    """Arguments of `python -m areal_lite.serve`, the small SGLang-compatible server for CPU (and CUDA without SGLang)."""
+    """Arguments of `python -m areal_lite.serve`, the small SGLang-compatible server for CPU (and CUDA without
+    SGLang)."""
 
     model_path: str = _f("", "model folder or alias; empty means the actor's path")
     dtype: str = _f("float32", "weights dtype", choices=("float32", "bfloat16", "float16"))
@@ -332,8 +333,9 @@ class BaseExperimentConfig:
     trial_name: str = _f("trial0", "trial name")
     fileroot: str = _f("runs", "root folder for logs, checkpoints and weight updates")
     seed: int = _f(1, "global random seed")
-    profile: str = _f("auto", "hardware profile: cpu, gpu, or auto (gpu when CUDA is available)",
-                      choices=("auto", "cpu", "gpu"))
+    profile: str = _f(
+        "auto", "hardware profile: cpu, gpu, or auto (gpu when CUDA is available)", choices=("auto", "cpu", "gpu")
+    )
     total_train_epochs: int = _f(1, "passes over the training data")
     total_train_steps: Optional[int] = _f(None, "stop after this many steps (None: epochs decide)")
     tokenizer_path: str = _f("", "tokenizer folder, alias or hub id; empty means actor.path")
@@ -353,8 +355,11 @@ class GRPOConfig(BaseExperimentConfig):
     rollout: InferenceEngineConfig = _f(help="rollout client and executor", factory=InferenceEngineConfig)
     actor: PPOActorConfig = _f(help="policy model and PPO settings", factory=PPOActorConfig)
     ref: Optional[PPOActorConfig] = _f(None, "reference model for the KL penalty (None: no reference)")
-    backend: str = _f("auto", "inference server: sglang, embedded, or auto (sglang if installed and CUDA)",
-                      choices=("auto", "sglang", "embedded"))
+    backend: str = _f(
+        "auto",
+        "inference server: sglang, embedded, or auto (sglang if installed and CUDA)",
+        choices=("auto", "sglang", "embedded"),
+    )
     sglang: SGLangConfig = _f(help="SGLang server arguments (GPU)", factory=SGLangConfig)
     embedded: EmbeddedServerConfig = _f(help="embedded server arguments (CPU)", factory=EmbeddedServerConfig)
     async_training: bool = _f(False, "overlap rollout and training (prepare_batch) instead of rollout_batch")
@@ -635,9 +640,11 @@ def load_expr_config(
     if verbose:
         shown = os.path.basename(path) if path else "defaults"
         print(f"areal-lite: profile={chosen} ({why}) config={shown}")
-        differ = [f"{key}={_get_dotted(config, key)!r} (AReaL: {areal!r})"
-                  for key, (areal, _) in AREAL_DEFAULT_DIFFERENCES.items()
-                  if _left_at_default(merged, key) and _has_dotted(config, key)]
+        differ = [
+            f"{key}={_get_dotted(config, key)!r} (AReaL: {areal!r})"
+            for key, (areal, _) in AREAL_DEFAULT_DIFFERENCES.items()
+            if _left_at_default(merged, key) and _has_dotted(config, key)
+        ]
         if differ:
             print("areal-lite: kit defaults that differ from AReaL 1.0.4 here: " + ", ".join(differ))
     return config, path
@@ -685,8 +692,7 @@ def _fill_derived(config: Any) -> None:
             if server is not None and not server.model_path:
                 server.model_path = actor.path
     if hasattr(config, "weight_update_dir") and not config.weight_update_dir:
-        config.weight_update_dir = default_weight_update_dir(config.experiment_name, config.trial_name,
-                                                             config.fileroot)
+        config.weight_update_dir = default_weight_update_dir(config.experiment_name, config.trial_name, config.fileroot)
     rollout = getattr(config, "rollout", None)
     if rollout is not None and hasattr(config, "train_dataset"):
         if rollout.consumer_batch_size == 1 and config.train_dataset.batch_size > 1:

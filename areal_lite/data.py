@@ -471,7 +471,7 @@ _PLURAL_NAMES = {"Philippines", "Netherlands", "Maldives", "Comoros", "Seychelle
 
 
 def _with_article(title: str) -> str:
-    """"capital of the United States", "of the Cayman Islands" -- but "of France", "of The Gambia"."""
+    """ "capital of the United States", "of the Cayman Islands" -- but "of France", "of The Gambia"."""
     if (
         title in _PLURAL_NAMES
         or title.endswith(("Islands", "Republic"))

@@ -50,8 +50,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     after = stats[-1].get("eval_accuracy", float("nan"))
     print()
     print(f"rewards by step: {[round(s['reward'], 2) for s in stats]}")
-    print(f"greedy accuracy on {config.evaluator.size} held-out problems: {before:.2f} -> {after:.2f} "
-          f"({after - before:+.2f}) in {minutes:.1f} min")
+    print(
+        f"greedy accuracy on {config.evaluator.size} held-out problems: {before:.2f} -> {after:.2f} "
+        f"({after - before:+.2f}) in {minutes:.1f} min"
+    )
     print(f"reward curve: {os.path.join(run_dir, 'reward_curve.png')}")
     return 0
 

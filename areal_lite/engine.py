@@ -128,7 +128,7 @@ def _parse_addrs(addr: Any) -> List[str]:
         a = str(a).strip()
         for prefix in ("http://", "https://"):
             if a.startswith(prefix):
-                a = a[len(prefix):]
+                a = a[len(prefix) :]
         a = a.rstrip("/")
         if not a:
             continue
@@ -304,9 +304,7 @@ class RemoteSGLangEngine:
         self.addresses = _parse_addrs(addr)
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run_loop, args=(started,), name="areal-lite-rollout", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run_loop, args=(started,), name="areal-lite-rollout", daemon=True)
         self._thread.start()
         started.wait()
         self._initialized = True
@@ -495,9 +493,7 @@ class RemoteSGLangEngine:
             if attempt < retries:
                 await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(2 * delay, _BACKOFF_MAX)
-        raise EngineError(
-            f"{method} {url} failed after {attempts} attempt(s) within {budget:g}s: {last}", address=addr
-        )
+        raise EngineError(f"{method} {url} failed after {attempts} attempt(s) within {budget:g}s: {last}", address=addr)
 
     def _choose_server(self, rid: str) -> str:
         addr = self._rid_to_addr.get(rid)
@@ -1129,8 +1125,11 @@ def _nccl_specs(meta: WeightUpdateMeta) -> dict:
     if names and dtypes and shapes:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("WeightUpdateMeta names/dtypes/shapes must have the same length")
-        return {"names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
-                "shapes": [list(s) for s in shapes]}
+        return {
+            "names": list(names),
+            "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+        }
     raise NotImplementedError(
         "NCCL weight update needs the parameter names, dtypes and shapes: set meta.names/meta.dtypes/meta.shapes "
         "(or meta.nccl_param_specs) from the actor before update_weights(). The NCCL route is GPU-only; on CPU use "

@@ -170,8 +170,12 @@ class WeightUpdateMeta:
     @classmethod
     def from_nccl(cls, master_address: str, master_port: int, group_name: str = "areal_lite_weights"):
         """Weights are broadcast from trainer rank 0 to the SGLang servers over NCCL (GPU only)."""
-        return cls(type="xccl", nccl_master_address=master_address, nccl_master_port=int(master_port),
-                   nccl_group_name=group_name)
+        return cls(
+            type="xccl",
+            nccl_master_address=master_address,
+            nccl_master_port=int(master_port),
+            nccl_group_name=group_name,
+        )
 
     def with_version(self, version: int) -> "WeightUpdateMeta":
         """A copy for version `version`: its path is `<dirname(path)>/weight_update_v<version>` (AReaL's rule)."""

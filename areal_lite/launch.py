@@ -286,7 +286,10 @@ class ServerHandle:
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else f"exited({self.proc.returncode})"
-        return f"ServerHandle(backend={self.backend!r}, address={self.address!r}, pid={self.pid}, {state}, log={self.log_path!r})"
+        return (
+            f"ServerHandle(backend={self.backend!r}, address={self.address!r}, pid={self.pid}, {state}, "
+            f"log={self.log_path!r})"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -366,7 +369,9 @@ def launch_server(
         fallback_path = getattr(getattr(config, "actor", None), "path", "") or ""
         seed = getattr(config, "seed", None)
     else:
-        raise TypeError(f"launch_server: expected EmbeddedServerConfig, SGLangConfig or GRPOConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"launch_server: expected EmbeddedServerConfig, SGLangConfig or GRPOConfig, got {type(config).__name__}"
+        )
 
     chosen, why = choose_backend(backend)
     cfg = sub[chosen]

@@ -55,7 +55,8 @@ TAG_TOKENS = (
 
 # Same pattern as transformers' Qwen2Tokenizer (digits split one by one, which suits arithmetic).
 QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 # ChatML, as used by Qwen2.5 and SmolLM2, without a default system prompt. Any role name is rendered the same
@@ -121,9 +122,7 @@ def build_atomically(
             if is_current(info):
                 return dst  # another process built it while we waited
             if not owned:
-                raise ValueError(
-                    f"{dst} already holds a different build ({info}); choose another path or delete it"
-                )
+                raise ValueError(f"{dst} already holds a different build ({info}); choose another path or delete it")
             shutil.rmtree(dst)
         elif os.path.isdir(dst) and os.listdir(dst):
             if not owned:
@@ -432,7 +431,7 @@ def set_torch_threads(n: int) -> int:
 
 
 def pick_device(preferred: str = "auto") -> torch.device:
-    """"auto" -> cuda, else mps, else cpu. Explicit names are honoured, with a clear error if unavailable."""
+    """ "auto" -> cuda, else mps, else cpu. Explicit names are honoured, with a clear error if unavailable."""
     preferred = (preferred or "auto").strip().lower()
     if preferred == "auto":
         if torch.cuda.is_available():

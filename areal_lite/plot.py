@@ -258,9 +258,9 @@ def save_png(fig, path: Union[str, os.PathLike], dpi: int = 110) -> str:
     return path
 
 
-
-def plot_turns(stats: Stats, ax=None, smoothing: float = 0.6, max_turns: Optional[int] = None,
-               title: str = "Turns per episode"):
+def plot_turns(
+    stats: Stats, ax=None, smoothing: float = 0.6, max_turns: Optional[int] = None, title: str = "Turns per episode"
+):
     """Mean answers per episode, per step (points + smoothed line), for agents that may answer several times.
 
     A row's `turns` is the mean over the step's episodes of the answers up to the first correct one (the whole

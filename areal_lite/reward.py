@@ -3,11 +3,11 @@
 Design decisions:
 - `extract_answer` returns the raw answer *string*; `math_equal` does all normalisation. One place
   decides what "the same answer" means, and a reward never depends on how the text was cut.
-- `math_equal` first compares plain numbers after normalising GSM8K-style noise (`$`, `%`,
-  thousands commas, unit words, `\\text{}`, `\\frac`, `a/b`, mixed numbers, trailing periods) with a
-  relative tolerance (integers compare exactly); a string that still holds exactly one number ("18 apples per day") is read
-  as that number. Only when a side is not a plain number does it call `math_verify` (symbolic:
-  `x^2+2x+1` vs `(x+1)^2`, sets, `\\sqrt{2}/2` vs `1/\\sqrt 2`).
+- `math_equal` first compares plain numbers after normalising GSM8K-style noise (`$`, `%`, thousands commas,
+  unit words, `\\text{}`, `\\frac`, `a/b`, mixed numbers, trailing periods) with a relative tolerance
+  (integers compare exactly); a string that still holds exactly one number ("18 apples per day") is read as
+  that number. Only when a side is not a plain number does it call `math_verify` (symbolic: `x^2+2x+1` vs
+  `(x+1)^2`, sets, `\\sqrt{2}/2` vs `1/\\sqrt 2`).
 - `math_verify` times out with `signal.alarm`, which only works on the main thread. We pass its
   timeouts only there; elsewhere (threads, the engine's background loop) we turn them off and rely
   on `AsyncRewardWrapper`, which runs rewards in worker processes (where they run on the main
@@ -37,8 +37,8 @@ import contextlib
 import logging
 import math
 import multiprocessing
-import pickle
 import os
+import pickle
 import re
 import string
 import sys
@@ -406,8 +406,9 @@ def _noop() -> None:
 def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
     """A pool whose workers are all started now, with the script hidden (see `_main_script_hidden`): a worker is
     started inside `submit`, so `max_workers` concurrent no-op calls start every one of them."""
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=max_workers, mp_context=_mp_context(),
-                                                  initializer=_worker_init)
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=max_workers, mp_context=_mp_context(), initializer=_worker_init
+    )
     with _main_script_hidden():
         warmups = [pool.submit(_noop) for _ in range(max_workers)]
     concurrent.futures.wait(warmups)

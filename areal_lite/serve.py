@@ -336,7 +336,9 @@ def parse_generate_body(
             raise BadRequest(f"prompt {i}: {len(p)} tokens, longer than the context length {context_length}")
         if sp.max_new_tokens is None:
             # As SGLang: an unset max_new_tokens is 128, shortened to what still fits; a set one must fit.
-            params[i] = sp = dataclasses.replace(sp, max_new_tokens=min(DEFAULT_MAX_NEW_TOKENS, context_length - len(p)))
+            params[i] = sp = dataclasses.replace(
+                sp, max_new_tokens=min(DEFAULT_MAX_NEW_TOKENS, context_length - len(p))
+            )
         elif len(p) + sp.max_new_tokens > context_length:
             raise BadRequest(
                 f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds the context "
@@ -1019,7 +1021,9 @@ def build_app(state: ServerState):
             return web.Response(status=503)
         if len(engine.batch) or engine.paused:  # busy (or gated): the scheduler is alive, skip the probe
             return web.Response(status=200)
-        spec = PromptSpec(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0), False)
+        spec = PromptSpec(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0), False
+        )
         try:
             await asyncio.wait_for(_run_sequences(state, [engine.new_sequence(spec, 0)]), timeout=30)
         except asyncio.TimeoutError:

@@ -16,8 +16,8 @@ Design decisions
 - The server is a separate process (`launch_server`); trainer and server each get one torch thread on a 2-core CPU
   (a process with more threads than cores slows the other down badly). `server_addrs=` reuses running servers.
 - Weight updates go through disk: version k is written to `<weights>/v<k>` (temp folder + rename, old versions
-  pruned, all removed by `actor.destroy()` at the end) and loaded by every server; trainer and engine versions are bumped together *before* `resume()`, so
-  every rollout started afterwards is tagged with the new version.
+  pruned, all removed by `actor.destroy()` at the end) and loaded by every server; trainer and engine versions are
+  bumped together *before* `resume()`, so every rollout started afterwards is tagged with the new version.
 - Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
   eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
   time the trainer waited for data (generation otherwise overlaps training).
@@ -66,9 +66,13 @@ class TrainConfig(GRPOConfig):
     """GRPOConfig plus what the script chooses that the notebooks write as code."""
 
     workflow: str = field(default="rlvr", metadata={"help": "rollout workflow", "choices": WORKFLOWS})
-    reward: str = field(default="gsm8k", metadata={
-        "help": "reward: gsm8k, or module:function with AReaL's signature (prompt, completions, prompt_ids, "
-                "completion_ids, **data)"})
+    reward: str = field(
+        default="gsm8k",
+        metadata={
+            "help": "reward: gsm8k, or module:function with AReaL's signature (prompt, completions, prompt_ids, "
+            "completion_ids, **data)"
+        },
+    )
     max_turns: int = field(default=3, metadata={"help": "turns of the reflection / multiturn workflows"})
     turn_discount: float = field(default=0.9, metadata={"help": "per-turn discount of the multi-turn workflows"})
     system_prompt: Optional[str] = field(default=None, metadata={"help": "system message put before each question"})
@@ -100,18 +104,31 @@ def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None)
     if kind == "rlvr":
         inner = RLVRWorkflow(reward_fn, g, tokenizer, system_prompt=system)
     elif kind == "reflection":
-        inner = ReflectionWorkflow(reward_fn, g, tokenizer, max_turns=config.max_turns,
-                                   turn_discount=config.turn_discount, system_prompt=system)
+        inner = ReflectionWorkflow(
+            reward_fn,
+            g,
+            tokenizer,
+            max_turns=config.max_turns,
+            turn_discount=config.turn_discount,
+            system_prompt=system,
+        )
     elif kind == "multiturn":
-        inner = MultiTurnFeedbackWorkflow(reward_fn, g, tokenizer, num_turns=config.max_turns,
-                                          turn_discount=config.turn_discount, system_prompt=system)
+        inner = MultiTurnFeedbackWorkflow(
+            reward_fn,
+            g,
+            tokenizer,
+            num_turns=config.max_turns,
+            turn_discount=config.turn_discount,
+            system_prompt=system,
+        )
     else:
         raise ValueError(f"workflow must be one of {WORKFLOWS}, got {kind!r}")
     return GroupedWorkflow(inner, group_size=config.gconfig.n_samples)
 
 
-def evaluate(addrs: Sequence[str], rows: Sequence[dict], workflow: Any,
-             rollout: InferenceEngineConfig) -> Dict[str, float]:
+def evaluate(
+    addrs: Sequence[str], rows: Sequence[dict], workflow: Any, rollout: InferenceEngineConfig
+) -> Dict[str, float]:
     """Accuracy (mean reward) and mean response length of `workflow` (e.g. a greedy RLVRWorkflow) on `rows`.
 
     Runs through a fresh engine client, so its episodes never count against a training engine's staleness bound.
@@ -121,8 +138,9 @@ def evaluate(addrs: Sequence[str], rows: Sequence[dict], workflow: Any,
     if not rows:
         return {}
     n = len(rows)
-    cfg = dataclasses.replace(rollout, consumer_batch_size=n, max_concurrent_rollouts=n, max_head_offpolicyness=0,
-                              queue_size=None)
+    cfg = dataclasses.replace(
+        rollout, consumer_batch_size=n, max_concurrent_rollouts=n, max_head_offpolicyness=0, queue_size=None
+    )
     engine = RemoteSGLangEngine(cfg).initialize(addr=list(addrs))
     try:
         batch = concat_padded_tensors(engine.rollout_batch(list(rows), workflow))
@@ -186,9 +204,14 @@ class StatsLogger:
             try:
                 import wandb
 
-                self.wandb = wandb.init(project=config.experiment_name, name=config.trial_name,
-                                        mode=config.stats_logger.wandb_mode, config=dataclasses.asdict(config),
-                                        dir=run_dir, resume="allow")
+                self.wandb = wandb.init(
+                    project=config.experiment_name,
+                    name=config.trial_name,
+                    mode=config.stats_logger.wandb_mode,
+                    config=dataclasses.asdict(config),
+                    dir=run_dir,
+                    resume="allow",
+                )
             except ImportError:
                 print("train: wandb is not installed; stats go to stats.jsonl only")
 
@@ -215,8 +238,11 @@ class StatsLogger:
 def _latest_checkpoint(ckpt_root: str) -> Optional[str]:
     if not os.path.isdir(ckpt_root):
         return None
-    done = [d for d in os.listdir(ckpt_root) if d.startswith("step_") and
-            os.path.isfile(os.path.join(ckpt_root, d, "trainer_state.pt"))]
+    done = [
+        d
+        for d in os.listdir(ckpt_root)
+        if d.startswith("step_") and os.path.isfile(os.path.join(ckpt_root, d, "trainer_state.pt"))
+    ]
     return os.path.join(ckpt_root, max(done, key=lambda d: int(d[5:]))) if done else None
 
 
@@ -227,8 +253,10 @@ def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     actor.save(os.path.join(tmp, "actor"))
-    torch.save({"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()},
-               os.path.join(tmp, "trainer_state.pt"))
+    torch.save(
+        {"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()},
+        os.path.join(tmp, "trainer_state.pt"),
+    )
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     steps = sorted(int(d[5:]) for d in os.listdir(ckpt_root) if d.startswith("step_"))
@@ -293,8 +321,10 @@ def train(
         if config.actor.temperature == 1.0:  # left at its default: log-probs must use the sampling temperature
             config.actor.temperature = config.gconfig.temperature
         else:
-            print(f"train: warning: actor.temperature={config.actor.temperature} differs from "
-                  f"gconfig.temperature={config.gconfig.temperature}; behaviour and proximal log-probs disagree")
+            print(
+                f"train: warning: actor.temperature={config.actor.temperature} differs from "
+                f"gconfig.temperature={config.gconfig.temperature}; behaviour and proximal log-probs disagree"
+            )
     run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
     ckpt_root = os.path.join(run_dir, "checkpoints")
     weights = config.weight_update_dir or os.path.join(run_dir, "weights")
@@ -320,8 +350,9 @@ def train(
     reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
     workflow = workflow or build_workflow(config, tokenizer, reward_fn)
     # One evaluation workflow for the whole run: its reward worker pool starts once.
-    eval_workflow = RLVRWorkflow(reward_fn, config.eval_gconfig.new(n_samples=1), tokenizer,
-                                 system_prompt=getattr(config, "system_prompt", None))
+    eval_workflow = RLVRWorkflow(
+        reward_fn, config.eval_gconfig.new(n_samples=1), tokenizer, system_prompt=getattr(config, "system_prompt", None)
+    )
     handle = engine = actor = logger = None
     history: List[Dict[str, Any]] = []
     try:
@@ -398,8 +429,9 @@ def train(
             stats["kl_reward"] = adv["kl_reward"]
             stats["version"] = actor.get_version()
             stats["data_fingerprint"] = fingerprint
-            stats.update({"time/generate": t_gen, "time/logp": t_logp, "time/update": t_update,
-                          "time/weight_sync": t_sync})
+            stats.update(
+                {"time/generate": t_gen, "time/logp": t_logp, "time/update": t_update, "time/weight_sync": t_sync}
+            )
             done = step + 1
             if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
                 save_checkpoint(ckpt_root, done, actor, dataloader, config.saver.keep_last)
@@ -417,8 +449,10 @@ def train(
         if config.saver.freq_steps and total > start:
             save_checkpoint(ckpt_root, total, actor, dataloader, config.saver.keep_last)
         if history:
-            save_png(plot_rewards(history, title=f"{config.experiment_name} reward"),
-                     os.path.join(run_dir, "reward_curve.png"))
+            save_png(
+                plot_rewards(history, title=f"{config.experiment_name} reward"),
+                os.path.join(run_dir, "reward_curve.png"),
+            )
         return history
     finally:
         if logger is not None:
@@ -443,7 +477,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "eval_accuracy_before" in first and "eval_accuracy" in last:
             print(f"train: greedy accuracy {first['eval_accuracy_before']:.3f} -> {last['eval_accuracy']:.3f}")
         run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
-        print(f"train: stats in {os.path.join(run_dir, 'stats.jsonl')}, curve in {os.path.join(run_dir, 'reward_curve.png')}")
+        print(
+            f"train: stats in {os.path.join(run_dir, 'stats.jsonl')}, "
+            f"curve in {os.path.join(run_dir, 'reward_curve.png')}"
+        )
     return 0
 
 

@@ -247,7 +247,7 @@ def check_trajectory(
                 at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
                 _fail(
                     f"row {r}: decoded text differs from the expected segments at character {at}: "
-                    f"got {got[max(0, at - 30):at + 30]!r}, expected {want[max(0, at - 30):at + 30]!r}"
+                    f"got {got[max(0, at - 30) : at + 30]!r}, expected {want[max(0, at - 30) : at + 30]!r}"
                 )
     return True
 
@@ -429,10 +429,10 @@ def trajectory_to_text(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_to
         if end <= seg.start and seg.end > seg.start:
             lines.append(f"... ({n - seg.start} more tokens)")
             break
-        text = tokenizer.decode(ids[seg.start:end], skip_special_tokens=False)
+        text = tokenizer.decode(ids[seg.start : end], skip_special_tokens=False)
         if seg.generated:
-            vs = sorted(set(ver[seg.start:seg.end]))
-            mean_lp = sum(lp[seg.start:seg.end]) / max(seg.end - seg.start, 1)
+            vs = sorted(set(ver[seg.start : seg.end]))
+            mean_lp = sum(lp[seg.start : seg.end]) / max(seg.end - seg.start, 1)
             head = f"[gen turn {seg.turn} | {seg.end - seg.start} tokens | versions {vs} | mean logprob {mean_lp:.3f}]"
             if "token_returns" in batch:
                 head = head[:-1] + f" | return {float(batch['token_returns'][i, seg.start]):.4f}]"
@@ -522,8 +522,10 @@ def show_trajectory(
 
         # Both forms in one output: a viewer that does not render HTML (a terminal, some notebook previews) shows
         # the text view instead of "<IPython.core.display.HTML object>".
-        bundle = {"text/html": trajectory_to_html(batch, i, tokenizer, max_tokens),
-                  "text/plain": trajectory_to_text(batch, i, tokenizer, max_tokens)}
+        bundle = {
+            "text/html": trajectory_to_html(batch, i, tokenizer, max_tokens),
+            "text/plain": trajectory_to_text(batch, i, tokenizer, max_tokens),
+        }
         display(bundle, raw=True)
     else:
         print(trajectory_to_text(batch, i, tokenizer, max_tokens))

@@ -170,14 +170,14 @@ def chat_turn_fragments(tokenizer, user_content: str, **template_kwargs) -> Chat
     at = t1.rfind(_SENTINEL)
     if at < 0:
         raise ValueError("the chat template dropped the assistant message's content; cannot find the turn boundary")
-    eot_text = t1[at + len(_SENTINEL):]
+    eot_text = t1[at + len(_SENTINEL) :]
     t2 = _render(tokenizer, base + [{"role": "user", "content": user_content}], True, **template_kwargs)
     if not t2.startswith(t1):
         raise ValueError(
             "the chat template re-renders earlier turns when a user message is added, so a fixed fragment cannot be "
             "pre-tokenized for it"
         )
-    user_text = t2[len(t1):]
+    user_text = t2[len(t1) :]
     enc = lambda s: _as_id_list(tokenizer(s, add_special_tokens=False)) if s else []  # noqa: E731
     return ChatTurnFragments(enc(eot_text), enc(user_text), eot_text, user_text)
 
@@ -301,8 +301,13 @@ class RLVRWorkflow(RolloutWorkflow):
         return float(await self.async_reward_fn(prompt, completion, resp.input_tokens, resp.output_tokens, **data))
 
     def request(self, input_ids: List[int], rid: Optional[str] = None, **metadata) -> ModelRequest:
-        return ModelRequest(rid=rid or uuid.uuid4().hex, input_ids=input_ids, gconfig=_single(self.gconfig),
-                            metadata=metadata, tokenizer=self.tokenizer)
+        return ModelRequest(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=input_ids,
+            gconfig=_single(self.gconfig),
+            metadata=metadata,
+            tokenizer=self.tokenizer,
+        )
 
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
@@ -310,8 +315,10 @@ class RLVRWorkflow(RolloutWorkflow):
         builder.add_output(resp)
         reward = await self.reward(resp, data)
         if self.verbose:
-            print(f"[RLVR] completion={self.decode(resp.output_tokens)!r}\n[RLVR] answer={data.get('answer')!r} "
-                  f"reward={reward}")
+            print(
+                f"[RLVR] completion={self.decode(resp.output_tokens)!r}\n[RLVR] answer={data.get('answer')!r} "
+                f"reward={reward}"
+            )
         return builder.to_tensors(reward)
 
 
@@ -339,8 +346,15 @@ class ReflectionWorkflow(RLVRWorkflow):
         system_prompt: Optional[str] = None,
         verbose: bool = False,
     ):
-        super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout=reward_timeout,
-                         system_prompt=system_prompt, verbose=verbose)
+        super().__init__(
+            reward_fn,
+            gconfig,
+            tokenizer,
+            enable_thinking,
+            reward_timeout=reward_timeout,
+            system_prompt=system_prompt,
+            verbose=verbose,
+        )
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = int(max_turns)
@@ -353,6 +367,7 @@ class ReflectionWorkflow(RLVRWorkflow):
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         rid = uuid.uuid4().hex
         reward = 0.0
+        resp: Optional[ModelResponse] = None
         for turn in range(self.max_turns):
             if turn > 0:
                 builder.add_observation(self.fragments.after_output(resp.output_tokens), kind="reflection")
@@ -425,9 +440,7 @@ class SearchAgentWorkflow(RolloutWorkflow):
         if not query:
             return "\n\n<information>\nsearch failed: empty query\n</information>"
         try:
-            docs = (
-                await call_search_tool([query], topk=self.topk, addr=self.rag_addr, timeout=self.search_timeout)
-            )[0]
+            docs = (await call_search_tool([query], topk=self.topk, addr=self.rag_addr, timeout=self.search_timeout))[0]
         except SearchToolError as e:
             logger.warning("search for %r failed: %s", query, e)
             return f"\n\n<information>\nsearch failed: {e}\n</information>"
@@ -450,8 +463,13 @@ class SearchAgentWorkflow(RolloutWorkflow):
         pending = ""
         while builder.num_turns < self.max_turns and len(builder) < self.max_tokens:
             g = self._request_gconfig(self.max_tokens - len(builder))
-            req = ModelRequest(rid=rid, input_ids=builder.context(), gconfig=g, metadata={"turn": builder.num_turns},
-                               tokenizer=self.tokenizer)
+            req = ModelRequest(
+                rid=rid,
+                input_ids=builder.context(),
+                gconfig=g,
+                metadata={"turn": builder.num_turns},
+                tokenizer=self.tokenizer,
+            )
             resp = await engine.agenerate(req)
             builder.add_output(resp)
             pending += self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
@@ -542,8 +560,15 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         verbose: bool = False,
         dump_dir: Optional[str] = None,
     ):
-        super().__init__(reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout=reward_timeout,
-                         system_prompt=system_prompt, verbose=verbose)
+        super().__init__(
+            reward_fn,
+            gconfig,
+            tokenizer,
+            enable_thinking,
+            reward_timeout=reward_timeout,
+            system_prompt=system_prompt,
+            verbose=verbose,
+        )
         if num_turns < 1:
             raise ValueError(f"num_turns must be >= 1, got {num_turns}")
         self.num_turns = int(num_turns)
@@ -566,6 +591,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         responses: List[ModelResponse] = []
         successes: List[float] = []
         correct = False
+        resp: Optional[ModelResponse] = None
         for turn in range(self.num_turns):
             if turn > 0:
                 builder.add_observation(self.feedback[correct].after_output(resp.output_tokens), kind="feedback")
@@ -585,8 +611,9 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         turns = next(k + 1 for k, s in enumerate(successes) if s > 0.5) if solved else len(successes)
         if self.dump_dir is not None:
             self._dump(engine, data, rid, responses, successes, turn_rewards, returns)
-        return builder.to_tensors(returns[0], token_returns=builder.per_turn_values(returns), turns=turns,
-                                  solved=float(solved))
+        return builder.to_tensors(
+            returns[0], token_returns=builder.per_turn_values(returns), turns=turns, solved=float(solved)
+        )
 
     def _dump(self, engine, data, rid, responses, successes, rewards, returns) -> None:
         """Append one JSON line per answer to `{dump_dir}/v{version}.jsonl` (see the class docstring)."""
@@ -599,9 +626,17 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
                 version = int(resp.output_versions[0])
             else:  # an empty answer has no token to read the version from
                 version = int(getattr(engine, "get_version", lambda: -1)())
-            record = dict(version=version, episode=rid, turn=k + 1, question=question,
-                          answer=self.decode(resp.output_tokens), success=successes[k], reward=rewards[k],
-                          ret=returns[k], gold=data.get("answer"))
+            record = dict(
+                version=version,
+                episode=rid,
+                turn=k + 1,
+                question=question,
+                answer=self.decode(resp.output_tokens),
+                success=successes[k],
+                reward=rewards[k],
+                ret=returns[k],
+                gold=data.get("answer"),
+            )
             lines.setdefault(version, []).append(json.dumps(record, default=str) + "\n")
         with self._dump_lock:
             os.makedirs(self.dump_dir, exist_ok=True)

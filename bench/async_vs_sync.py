@@ -45,14 +45,28 @@ def run(path: str, args, eta: int, async_training: bool, root: str) -> list[dict
     G = args.group_size
     g = GenerationHyperparameters(n_samples=G, max_new_tokens=args.max_new_tokens, temperature=1.0)
     config = TrainConfig(
-        experiment_name="bench-async", trial_name=f"{'async' if async_training else 'sync'}-eta{eta}",
-        fileroot=root, total_train_steps=args.steps, tokenizer_path=path, profile="cpu",
-        train_dataset=DatasetConfig(type="arith", batch_size=args.batch_size, seed=0), gconfig=g,
-        rollout=InferenceEngineConfig(consumer_batch_size=args.batch_size, max_head_offpolicyness=eta,
-                                      max_concurrent_rollouts=args.batch_size * (eta + 1)),
-        actor=PPOActorConfig(path=path, threads=args.threads, group_size=G, optimizer=OptimizerConfig(lr=args.lr),
-                             reward_norm=NormConfig(mean_level="group", std_level="group", group_size=G)),
-        embedded=EmbeddedServerConfig(model_path=path, threads=args.threads), backend="embedded",
+        experiment_name="bench-async",
+        trial_name=f"{'async' if async_training else 'sync'}-eta{eta}",
+        fileroot=root,
+        total_train_steps=args.steps,
+        tokenizer_path=path,
+        profile="cpu",
+        train_dataset=DatasetConfig(type="arith", batch_size=args.batch_size, seed=0),
+        gconfig=g,
+        rollout=InferenceEngineConfig(
+            consumer_batch_size=args.batch_size,
+            max_head_offpolicyness=eta,
+            max_concurrent_rollouts=args.batch_size * (eta + 1),
+        ),
+        actor=PPOActorConfig(
+            path=path,
+            threads=args.threads,
+            group_size=G,
+            optimizer=OptimizerConfig(lr=args.lr),
+            reward_norm=NormConfig(mean_level="group", std_level="group", group_size=G),
+        ),
+        embedded=EmbeddedServerConfig(model_path=path, threads=args.threads),
+        backend="embedded",
         async_training=async_training,
     )
     tok = load_tokenizer(path)
@@ -79,25 +93,35 @@ def main() -> int:
     if args.model == "tiny":
         from areal_lite.models import build_tiny_model
 
-        path = build_tiny_model(os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4"), seed=0,
-                                hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2)
+        path = build_tiny_model(
+            os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4"),
+            seed=0,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+        )
     else:
         from areal_lite.models import resolve_model_path
 
         path = resolve_model_path(args.model)
     root = tempfile.mkdtemp(prefix="areal-lite-bench-async-")
-    print(f"model {os.path.basename(path)}, {args.batch_size} prompts x {args.group_size} samples x "
-          f"{args.max_new_tokens} tokens, {args.steps} steps (first is warm-up), {args.threads} thread(s) per process")
+    print(
+        f"model {os.path.basename(path)}, {args.batch_size} prompts x {args.group_size} samples x "
+        f"{args.max_new_tokens} tokens, {args.steps} steps (first is warm-up), {args.threads} thread(s) per process"
+    )
 
     sync = run(path, args, 0, False, root)[1:]
     g = mean(s["time/generate"] for s in sync)
     t = mean(s["time/logp"] + s["time/update"] + s["time/weight_sync"] for s in sync)
     t_sync = mean(s["time/step"] for s in sync)
     ideal = (g + t) / max(g, t)
-    print(f"sync       : step {t_sync:6.2f} s   (generate g = {g:.2f} s, train t = {t:.2f} s: logp "
-          f"{mean(s['time/logp'] for s in sync):.2f} + update {mean(s['time/update'] for s in sync):.2f} + "
-          f"sync {mean(s['time/weight_sync'] for s in sync):.2f}); reward {sync[0]['reward']:.2f} -> "
-          f"{sync[-1]['reward']:.2f}")
+    print(
+        f"sync       : step {t_sync:6.2f} s   (generate g = {g:.2f} s, train t = {t:.2f} s: logp "
+        f"{mean(s['time/logp'] for s in sync):.2f} + update {mean(s['time/update'] for s in sync):.2f} + "
+        f"sync {mean(s['time/weight_sync'] for s in sync):.2f}); reward {sync[0]['reward']:.2f} -> "
+        f"{sync[-1]['reward']:.2f}"
+    )
     print(f"ideal overlap (g + t) / max(g, t) = {ideal:.2f}x")
     ok = True
     for eta in args.etas:
@@ -106,12 +130,14 @@ def main() -> int:
         achieved = t_sync / t_async
         frac = achieved / ideal
         ok &= frac >= 0.8
-        print(f"async eta={eta}: step {t_async:6.2f} s   speed-up {achieved:.2f}x = {frac:.0%} of ideal "
-              f"(waiting for data {mean(s['time/generate'] for s in stats):.2f} + logp "
-              f"{mean(s['time/logp'] for s in stats):.2f} + update {mean(s['time/update'] for s in stats):.2f} + "
-              f"sync {mean(s['time/weight_sync'] for s in stats):.2f}; max staleness "
-              f"{max(s['staleness_max'] for s in stats):.0f}); reward {stats[0]['reward']:.2f} -> "
-              f"{stats[-1]['reward']:.2f}")
+        print(
+            f"async eta={eta}: step {t_async:6.2f} s   speed-up {achieved:.2f}x = {frac:.0%} of ideal "
+            f"(waiting for data {mean(s['time/generate'] for s in stats):.2f} + logp "
+            f"{mean(s['time/logp'] for s in stats):.2f} + update {mean(s['time/update'] for s in stats):.2f} + "
+            f"sync {mean(s['time/weight_sync'] for s in stats):.2f}; max staleness "
+            f"{max(s['staleness_max'] for s in stats):.0f}); reward {stats[0]['reward']:.2f} -> "
+            f"{stats[-1]['reward']:.2f}"
+        )
     print(f"target: async >= 80% of the ideal overlap: {'PASS' if ok else 'BELOW TARGET'}")
     return 0
 

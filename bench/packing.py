@@ -103,8 +103,14 @@ def main() -> int:
     if args.model == "tiny":
         from areal_lite.models import build_tiny_model
 
-        path = build_tiny_model(os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4"), seed=0,
-                                hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2)
+        path = build_tiny_model(
+            os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4"),
+            seed=0,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+        )
     else:
         from areal_lite.models import resolve_model_path
 
@@ -118,9 +124,11 @@ def main() -> int:
         mb = batch["attention_mask"][s : s + args.rows_per_mb]
         padded_tokens += mb.shape[0] * int(mb.sum(-1).max())
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model {os.path.basename(path)} ({n_params:.1f} M params), {args.threads} threads; {args.rows} rows, "
-          f"{real} real tokens; padded micro-batches of {args.rows_per_mb} rows hold {padded_tokens} "
-          f"({1 - real / padded_tokens:.0%} padding); packed budget {args.budget} tokens")
+    print(
+        f"model {os.path.basename(path)} ({n_params:.1f} M params), {args.threads} threads; {args.rows} rows, "
+        f"{real} real tokens; padded micro-batches of {args.rows_per_mb} rows hold {padded_tokens} "
+        f"({1 - real / padded_tokens:.0%} padding); packed budget {args.budget} tokens"
+    )
 
     run_padded(model, ragged_batch(4, model.config.vocab_size, 64, seed=1), 4)  # warm-up
     times = {"padded": [], "packed": [], "policy": []}

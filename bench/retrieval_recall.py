@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/retrieval_recall.py [--k 5] [--n-qa 0] [--dense-countries 10]
 
-Two numbers: answer-recall (a top-k passage contains a gold answer as whole words, after SQuAD
-normalisation; the usual "top-k accuracy" of open-domain QA) and gold-passage recall (the passage
-the question was generated from is in the top-k; stricter, since other passages may hold the answer). BM25 runs over the whole corpus; dense runs over a subset, every passage
-of a few random countries (embedding all ~76k passages takes many minutes on a CPU), with BM25
-measured on the same subset beside it. Embeddings are cached, so a second run is fast.
+Two numbers: answer-recall (a top-k passage contains a gold answer as whole words, after SQuAD normalisation;
+the usual "top-k accuracy" of open-domain QA) and gold-passage recall (the passage the question was generated
+from is in the top-k; stricter, since other passages may hold the answer). BM25 runs over the whole corpus;
+dense runs over a subset, every passage of a few random countries (embedding all ~76k passages takes many
+minutes on a CPU), with BM25 measured on the same subset beside it. Embeddings are cached, so a second run is fast.
 
 The corpus and QA come from `areal_lite.data` (`build_factbook_corpus`, `build_factbook_qa`):
 passages "Country. Section - Field: text", questions on capitals, currencies, official languages

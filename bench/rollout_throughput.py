@@ -37,7 +37,9 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
         q = QUESTIONS[i % len(QUESTIONS)].format(a=7 * i + 3, b=11 * i + 5, c=COUNTRIES[i % len(COUNTRIES)])
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -123,7 +125,9 @@ def main() -> None:
     from areal_lite.config import EmbeddedServerConfig
     from areal_lite.launch import launch_server
 
-    cfg = EmbeddedServerConfig(model_path=path, threads=args.threads, max_running_requests=len(ids), log_level="warning")
+    cfg = EmbeddedServerConfig(
+        model_path=path, threads=args.threads, max_running_requests=len(ids), log_level="warning"
+    )
     conc, raw = [], []
     with launch_server(cfg, backend="embedded") as handle:
         handle.wait_ready(timeout=600)
@@ -132,7 +136,7 @@ def main() -> None:
         # The raw model lives in this process while the server idles (an idle server uses no CPU), so the two
         # can alternate: on a busy machine, paired runs are fairer than one long run of each.
         baseline = RawGenerate(path, ids, args.threads)
-        for r in range(args.repeats):
+        for _ in range(args.repeats):
             conc.append(report("concurrent", *run_concurrent(url, ids, args.max_new_tokens), f"(B={len(ids)}, server)"))
             raw.append(report("raw generate", *baseline.run(args.max_new_tokens), f"(B={len(ids)}, in-process)"))
         seq = report("one-by-one", *run_one_by_one(url, ids[: args.sequential_requests], args.max_new_tokens),
@@ -144,6 +148,7 @@ def main() -> None:
           f"{info['prefill_batches']} prefill batches; load average now {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"concurrent / one-by-one   = {conc_m / seq:5.2f}x  (target >= 5x)")
     print(f"concurrent / raw generate = {conc_m / raw_m:5.2f}   (target >= 0.80; median of {args.repeats} paired runs)")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -172,8 +172,12 @@ def ref_normalize(x, mask, cfg):
                 out[i, j] = float(xs[i, j]) - mu  # no scaling, and no eps (AReaL's rule)
                 continue
             # the spread of every pool entry around the mean subtracted from it (AReaL 1.0.4's Normalization)
-            devs = [(float(xs[r, c]) - mean_at(r, c)) ** 2
-                    for r in pool_rows(i, cfg.std_level) for c in range(xs.shape[1]) if ms[r, c]]
+            devs = [
+                (float(xs[r, c]) - mean_at(r, c)) ** 2
+                for r in pool_rows(i, cfg.std_level)
+                for c in range(xs.shape[1])
+                if ms[r, c]
+            ]
             d = len(devs) - 1 if cfg.std_unbiased else len(devs)
             sigma = math.sqrt(sum(devs) / d) if d > 0 else 0.0
             out[i, j] = (float(xs[i, j]) - mu) / (sigma + cfg.eps)
@@ -190,7 +194,9 @@ NORMS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", NORMS, ids=lambda c: f"{c.mean_level}-{c.std_level}-l1o{int(c.mean_leave1out)}-unb{int(c.std_unbiased)}")
+@pytest.mark.parametrize(
+    "cfg", NORMS, ids=lambda c: f"{c.mean_level}-{c.std_level}-l1o{int(c.mean_leave1out)}-unb{int(c.std_unbiased)}"
+)
 def test_normalize_matches_loops(cfg):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, generator=g, dtype=torch.float64)
@@ -227,8 +233,9 @@ def test_ppo_token_loss_clip_dual_clip_and_cap_by_hand():
     behav = torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0])  # last: w = e > cap 2
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0])
     m = torch.ones(5, dtype=torch.bool)
-    loss, info = ppo_token_loss(logp, prox, behav, adv, m, eps_clip=0.2, eps_clip_higher=0.28, c_clip=2.0,
-                                behav_imp_weight_cap=2.0)
+    loss, info = ppo_token_loss(
+        logp, prox, behav, adv, m, eps_clip=0.2, eps_clip_higher=0.28, c_clip=2.0, behav_imp_weight_cap=2.0
+    )
     # A>0, rho=1.5: max(-1.5, -1.28) = -1.28 (clip-higher bound 1.28)
     # A<0, rho=0.5: max(0.5, 0.8) = 0.8 (lower clip)
     # A<0, rho=3.0: max(3.0, 1.28) = 3.0 -> dual clip min(3, 2) = 2
@@ -250,8 +257,12 @@ def test_grpo_advantages_sum_future_kl_over_policy_tokens():
 
 def test_split_into_microbatches():
     lengths = [5, 9, 3, 7, 2, 8]
-    for spec in (MicroBatchSpec(n_mbs=1), MicroBatchSpec(n_mbs=3), MicroBatchSpec(max_tokens_per_mb=12),
-                 MicroBatchSpec(n_mbs=2, max_tokens_per_mb=10)):
+    for spec in (
+        MicroBatchSpec(n_mbs=1),
+        MicroBatchSpec(n_mbs=3),
+        MicroBatchSpec(max_tokens_per_mb=12),
+        MicroBatchSpec(n_mbs=2, max_tokens_per_mb=10),
+    ):
         mbs = split_into_microbatches(lengths, spec)
         assert sorted(i for mb in mbs for i in mb) == list(range(6))
         assert len(mbs) >= min(spec.n_mbs, 6)
@@ -332,12 +343,15 @@ def test_loss_and_grads_match_float64_reference(tiny_model_path, vocab, case):
     if case == "clip_higher_dual_cap":  # the data really exercises every branch
         assert stats["clip_frac"] > 0 and stats["dual_clip_frac"] > 0 and stats["behav_capped_frac"] > 0
     assert stats["skipped"] == 0 and stats["n_tokens"] == float(
-        (batch["loss_mask"].bool() & batch["attention_mask"]).sum())
+        (batch["loss_mask"].bool() & batch["attention_mask"]).sum()
+    )
     actor.destroy()
 
 
-@pytest.mark.parametrize("spec", [MicroBatchSpec(n_mbs=3), MicroBatchSpec(max_tokens_per_mb=24),
-                                  MicroBatchSpec(n_mbs=2, max_tokens_per_mb=16)])
+@pytest.mark.parametrize(
+    "spec",
+    [MicroBatchSpec(n_mbs=3), MicroBatchSpec(max_tokens_per_mb=24), MicroBatchSpec(n_mbs=2, max_tokens_per_mb=16)],
+)
 def test_microbatching_gives_the_same_gradient(tiny_model_path, vocab, spec):
     batch = make_batch(vocab, B=7, seed=21)
     grads = []
@@ -353,11 +367,17 @@ def test_microbatching_gives_the_same_gradient(tiny_model_path, vocab, spec):
 
 def test_ppo_minibatches_are_sequential_steps(tiny_model_path, vocab):
     batch = make_batch(vocab, B=6, seed=2)
-    a = PPOActor(actor_cfg(tiny_model_path, ppo_n_minibatches=2, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))).initialize()
+    a = PPOActor(
+        actor_cfg(
+            tiny_model_path, ppo_n_minibatches=2, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0)
+        )
+    ).initialize()
     fill_logprobs(a, batch)
     batch["advantages"] = torch.randn(batch["logprobs"].shape, dtype=torch.float64) * batch["loss_mask"]
     a.ppo_update(batch)
-    b = PPOActor(actor_cfg(tiny_model_path, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))).initialize()
+    b = PPOActor(
+        actor_cfg(tiny_model_path, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))
+    ).initialize()
     for rows in (slice(0, 3), slice(3, 6)):
         b.ppo_update({k: v[rows] for k, v in batch.items()})
     assert_close_dicts(params(a), params(b), atol=1e-13)
@@ -378,8 +398,10 @@ def test_gradient_checkpointing_same_gradient(tiny_model_path, vocab):
 def ref_advantages(batch, cfg, reward_norm=None, adv_norm=None, ref_logp=None):
     """GRPO advantages with explicit loops (float64)."""
     B, L = batch["input_ids"].shape
-    R = [min(max((float(r) + cfg.reward_bias) * cfg.reward_scaling, -cfg.reward_clip), cfg.reward_clip)
-         for r in batch["rewards"]]
+    R = [
+        min(max((float(r) + cfg.reward_bias) * cfg.reward_scaling, -cfg.reward_clip), cfg.reward_clip)
+        for r in batch["rewards"]
+    ]
     R = torch.tensor(R, dtype=torch.float64)
     if reward_norm is not None:
         R = ref_normalize(R, torch.ones(B), reward_norm)
@@ -406,8 +428,17 @@ def ref_advantages(batch, cfg, reward_norm=None, adv_norm=None, ref_logp=None):
 def test_compute_advantages_with_kl_and_norms(tiny_model_path, vocab, estimator):
     rn = NormConfig(mean_level="group", std_level="group", group_size=3, mean_leave1out=True)
     an = NormConfig(mean_level="batch", std_level="batch", group_size=3)
-    cfg = actor_cfg(tiny_model_path, kl_ctl=0.3, kl_estimator=estimator, reward_norm=rn, adv_norm=an,
-                    reward_bias=-0.5, reward_scaling=3.0, reward_clip=1.2, group_size=3)
+    cfg = actor_cfg(
+        tiny_model_path,
+        kl_ctl=0.3,
+        kl_estimator=estimator,
+        reward_norm=rn,
+        adv_norm=an,
+        reward_bias=-0.5,
+        reward_scaling=3.0,
+        reward_clip=1.2,
+        group_size=3,
+    )
     actor = PPOActor(cfg).initialize()
     batch = make_batch(vocab, B=6, seed=6)
     batch["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
@@ -472,8 +503,7 @@ def test_token_returns_normalised_per_turn(tiny_model_path, vocab):
 
 
 def test_nonfinite_gradient_skips_the_step(tiny_model_path, vocab):
-    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32",
-                               optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
     batch = make_batch(vocab, B=3, seed=3)
     fill_logprobs(actor, batch)
     actor.compute_advantages(batch)
@@ -490,7 +520,7 @@ def test_nonfinite_gradient_skips_the_step(tiny_model_path, vocab):
     assert actor.ppo_update(batch)["skipped"] == 0.0  # next step trains normally
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_lr_schedules(tiny_model_path):
     spec = FinetuneSpec(total_train_epochs=1, dataset_size=10, train_batch_size=1)  # 10 steps
     for kind, expect in [
@@ -638,8 +668,12 @@ def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_pat
     script.write_text(RECEIVER)
     addr = f"tcp://127.0.0.1:{find_free_port()}"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), addr, tiny_model_path, str(tmp_path / "got")], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), addr, tiny_model_path, str(tmp_path / "got")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         group = _init_custom_process_group("gloo", addr, world_size=2, rank=0, group_name="weights")
         actor._broadcast_params(group)
@@ -705,8 +739,19 @@ def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(script), tiny_model_path, str(tmp_path / "batch.pt"), str(out), "2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(script),
+            tiny_model_path,
+            str(tmp_path / "batch.pt"),
+            str(out),
+            "2",
+        ]
         if nproc == 1:
             cmd = [sys.executable, str(script), tiny_model_path, str(tmp_path / "batch.pt"), str(out), "2"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -760,8 +805,9 @@ def test_areals_list_of_trajectories_gives_the_same_step_as_one_batch(tiny_model
     out = a.compute_advantages(groups)
     assert out is groups and all("advantages" in g for g in groups)
     b.compute_advantages(joined)
-    torch.testing.assert_close(concat_padded_tensors([{"x": g["advantages"]} for g in groups])["x"],
-                               joined["advantages"])
+    torch.testing.assert_close(
+        concat_padded_tensors([{"x": g["advantages"]} for g in groups])["x"], joined["advantages"]
+    )
     a.ppo_update(groups)
     b.ppo_update(joined)
     for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):

@@ -32,8 +32,19 @@ INSTALL_HINT = "AReaL 1.0.4 is missing: `make test` installs it (requirements/ar
 # Methods a notebook cell calls on an instance, per class (checked like functions).
 METHODS = {
     "RemoteSGLangEngine": [
-        "__init__", "initialize", "destroy", "agenerate", "rollout_batch", "prepare_batch", "submit", "wait",
-        "pause", "resume", "set_version", "get_version", "update_weights_from_disk",
+        "__init__",
+        "initialize",
+        "destroy",
+        "agenerate",
+        "rollout_batch",
+        "prepare_batch",
+        "submit",
+        "wait",
+        "pause",
+        "resume",
+        "set_version",
+        "get_version",
+        "update_weights_from_disk",
     ],
     "AsyncRewardWrapper": ["__init__"],
     "RLVRWorkflow": ["__init__", "arun_episode"],
@@ -42,8 +53,17 @@ METHODS = {
     "WeightUpdateMeta": ["with_version"],
     "ModelRequest": ["copy"],
     "PPOActor": [
-        "initialize", "create_process_group", "connect_engine", "compute_logp", "compute_advantages", "ppo_update",
-        "step_lr_scheduler", "update_weights", "set_version", "get_version", "destroy",
+        "initialize",
+        "create_process_group",
+        "connect_engine",
+        "compute_logp",
+        "compute_advantages",
+        "ppo_update",
+        "step_lr_scheduler",
+        "update_weights",
+        "set_version",
+        "get_version",
+        "destroy",
     ],
 }
 # Dataclasses whose every AReaL field the kit has, with AReaL's default.
@@ -93,7 +113,7 @@ def _conforms(ours, theirs, where: str) -> list[str]:
             problems.append(f"{where}: {t.name} defaults to {po[i].default!r}, AReaL's to {t.default!r}")
     theirs_names = {p.name for p in pt}
     takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in pt)
-    for p in po[len(pt):]:
+    for p in po[len(pt) :]:
         if p.name in theirs_names or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         if p.default is p.empty and p.kind != p.KEYWORD_ONLY and not takes_kwargs:

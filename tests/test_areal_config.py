@@ -20,16 +20,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 # Values a run depends on: (kit attribute path, AReaL attribute path)
 SHARED = [
-    ("seed", "seed"), ("experiment_name", "experiment_name"), ("trial_name", "trial_name"),
-    ("gconfig.n_samples", "gconfig.n_samples"), ("gconfig.max_new_tokens", "gconfig.max_new_tokens"),
-    ("gconfig.temperature", "gconfig.temperature"), ("gconfig.top_k", "gconfig.top_k"),
-    ("gconfig.stop", "gconfig.stop"), ("train_dataset.batch_size", "train_dataset.batch_size"),
+    ("seed", "seed"),
+    ("experiment_name", "experiment_name"),
+    ("trial_name", "trial_name"),
+    ("gconfig.n_samples", "gconfig.n_samples"),
+    ("gconfig.max_new_tokens", "gconfig.max_new_tokens"),
+    ("gconfig.temperature", "gconfig.temperature"),
+    ("gconfig.top_k", "gconfig.top_k"),
+    ("gconfig.stop", "gconfig.stop"),
+    ("train_dataset.batch_size", "train_dataset.batch_size"),
     ("rollout.max_head_offpolicyness", "rollout.max_head_offpolicyness"),
     ("rollout.consumer_batch_size", "rollout.consumer_batch_size"),
-    ("actor.optimizer.lr", "actor.optimizer.lr"), ("actor.eps_clip", "actor.eps_clip"),
-    ("actor.kl_ctl", "actor.kl_ctl"), ("actor.use_decoupled_loss", "actor.use_decoupled_loss"),
-    ("actor.recompute_logprob", "actor.recompute_logprob"), ("actor.ppo_n_minibatches", "actor.ppo_n_minibatches"),
-    ("actor.dtype", "actor.dtype"), ("actor.temperature", "actor.temperature"),
+    ("actor.optimizer.lr", "actor.optimizer.lr"),
+    ("actor.eps_clip", "actor.eps_clip"),
+    ("actor.kl_ctl", "actor.kl_ctl"),
+    ("actor.use_decoupled_loss", "actor.use_decoupled_loss"),
+    ("actor.recompute_logprob", "actor.recompute_logprob"),
+    ("actor.ppo_n_minibatches", "actor.ppo_n_minibatches"),
+    ("actor.dtype", "actor.dtype"),
+    ("actor.temperature", "actor.temperature"),
 ]
 
 
@@ -42,7 +51,8 @@ def _get(obj, dotted):
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_every_yaml_loads_in_areal_with_the_kits_values(path, profile, tmp_path):
-    from areal.api.cli_args import GRPOConfig, load_expr_config as areal_load
+    from areal.api.cli_args import GRPOConfig
+    from areal.api.cli_args import load_expr_config as areal_load
 
     areal, kit_only = to_areal_config(path, profile=profile)
     out = tmp_path / "areal.yaml"
@@ -58,8 +68,19 @@ def test_every_yaml_loads_in_areal_with_the_kits_values(path, profile, tmp_path)
 
 def test_cli_writes_an_areal_yaml(tmp_path):
     out = tmp_path / "gsm8k_areal.yaml"
-    proc = subprocess.run([sys.executable, "-m", "areal_lite.areal_config", os.path.join(ROOT, "configs",
-                           "gsm8k_grpo.yaml"), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_lite.areal_config",
+            os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"),
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "kit-only keys left out:" in proc.stdout and "profile" in proc.stdout
     written = yaml.safe_load(out.read_text())
@@ -81,9 +102,16 @@ def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
         "        return await engine.agenerate(ModelRequest(input_ids=[1], gconfig=self.gconfig))\n"
     )
     config, _ = to_areal_config(os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"), profile="gpu")
-    paths = export_areal_experiment(str(tmp_path), "echo_areal", [imports, agent], workflow="EchoAgent",
-                                    workflow_kwargs="dict(tokenizer=tokenizer, gconfig=config.gconfig, greeting=HI)",
-                                    config=config, rows=[{"question": "q", "answer": "a"}], constants={"HI": "hello"})
+    paths = export_areal_experiment(
+        str(tmp_path),
+        "echo_areal",
+        [imports, agent],
+        workflow="EchoAgent",
+        workflow_kwargs="dict(tokenizer=tokenizer, gconfig=config.gconfig, greeting=HI)",
+        config=config,
+        rows=[{"question": "q", "answer": "a"}],
+        constants={"HI": "hello"},
+    )
     script = open(paths["script"]).read()
     assert "from areal.api.io_struct import ModelRequest" in script
     assert "from areal.api import RolloutWorkflow" in script
@@ -96,8 +124,13 @@ def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
         "assert issubclass(m.EchoAgent, RolloutWorkflow) and m.HI == 'hello'\n"
         "print(cfg.actor.path, len(open(sys.argv[3]).readlines()))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path), paths["config"], paths["data"]],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path), paths["config"], paths["data"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].split() == ["Qwen/Qwen2.5-1.5B-Instruct", "1"]  # AReaL logs above
 
@@ -135,11 +168,13 @@ def test_the_table_of_defaults_that_differ_from_areal_is_true_and_complete():
     from areal_lite.config import AREAL_DEFAULT_DIFFERENCES
 
     pairs = {}
-    for kit_cls, areal_cls, prefix in [(kit.PPOActorConfig, areal.PPOActorConfig, "actor."),
-                                       (kit.OptimizerConfig, areal.OptimizerConfig, "actor.optimizer."),
-                                       (kit.InferenceEngineConfig, areal.InferenceEngineConfig, "rollout."),
-                                       (kit.GenerationHyperparameters, areal.GenerationHyperparameters, "gconfig."),
-                                       (kit.NormConfig, areal.NormConfig, "actor.reward_norm.")]:
+    for kit_cls, areal_cls, prefix in [
+        (kit.PPOActorConfig, areal.PPOActorConfig, "actor."),
+        (kit.OptimizerConfig, areal.OptimizerConfig, "actor.optimizer."),
+        (kit.InferenceEngineConfig, areal.InferenceEngineConfig, "rollout."),
+        (kit.GenerationHyperparameters, areal.GenerationHyperparameters, "gconfig."),
+        (kit.NormConfig, areal.NormConfig, "actor.reward_norm."),
+    ]:
         _shared_scalar_defaults(kit_cls, areal_cls, prefix, pairs)
     differing = {key: theirs for key, (ours, theirs) in pairs.items() if ours != theirs}
     assert differing == {key: areal_value for key, (areal_value, _) in AREAL_DEFAULT_DIFFERENCES.items()}

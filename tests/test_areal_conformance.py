@@ -34,8 +34,11 @@ def areal_engine(embedded_server):
 
     register_with_areal()
     cfg = InferenceEngineConfig(
-        experiment_name="conformance", trial_name="areal", backend="sglang:d1",
-        max_concurrent_rollouts=8, consumer_batch_size=2,
+        experiment_name="conformance",
+        trial_name="areal",
+        backend="sglang:d1",
+        max_concurrent_rollouts=8,
+        consumer_batch_size=2,
         # AReaL's rollout_batch obeys the staleness bound: at a fixed version it would block forever after
         # (1 + max_head_offpolicyness) * consumer_batch_size episodes. The kit's does not (see areal_compat).
         max_head_offpolicyness=10_000,
@@ -63,8 +66,10 @@ def rag_url(tmp_path_factory):
     from areal_lite import launch_rag_server
 
     path = tmp_path_factory.mktemp("rag") / "corpus.jsonl"
-    docs = [{"id": str(i), "title": t, "contents": f"{c} is the capital of {t}."}
-            for i, (t, c) in enumerate([("France", "Paris"), ("Japan", "Tokyo"), ("Peru", "Lima")])]
+    docs = [
+        {"id": str(i), "title": t, "contents": f"{c} is the capital of {t}."}
+        for i, (t, c) in enumerate([("France", "Paris"), ("Japan", "Tokyo"), ("Peru", "Lima")])
+    ]
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     handle = launch_rag_server(str(path))
     handle.wait_ready(timeout=120)
@@ -78,8 +83,14 @@ def reward_len(prompt, completions, prompt_ids, completion_ids, **data):
     return float(len(completion_ids) % 3 == 0)
 
 
-ROWS = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "question": f"What is {i} + {i}?",
-         "answer": str(2 * i)} for i in range(3)]
+ROWS = [
+    {
+        "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+        "question": f"What is {i} + {i}?",
+        "answer": str(2 * i),
+    }
+    for i in range(3)
+]
 
 
 def greedy(**kw):
@@ -168,7 +179,8 @@ def test_workflow_class_with_kwargs_and_prepare_batch_on_both_engines(tok, areal
     kwargs = {"reward_fn": reward_len, "gconfig": greedy(), "tokenizer": tok}
     loader = StatefulDataLoader(ROWS, batch_size=2, collate_fn=lambda rows: rows)
     for engine in (areal_engine, kit_engine):
-        items = engine.prepare_batch(loader, workflow=RLVRWorkflow, workflow_kwargs=kwargs, group_size=G,
-                                     should_accept_fn=lambda traj: True)
+        items = engine.prepare_batch(
+            loader, workflow=RLVRWorkflow, workflow_kwargs=kwargs, group_size=G, should_accept_fn=lambda traj: True
+        )
         assert len(items) == 2
         check_both_sides(items)

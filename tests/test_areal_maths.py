@@ -26,9 +26,14 @@ def areal_normalize(x, cfg: NormConfig):
     from areal.utils.data import Normalization
 
     level = {"none": None}
-    areal_cfg = AReaLNormConfig(mean_level=level.get(cfg.mean_level, cfg.mean_level),
-                                std_level=level.get(cfg.std_level, cfg.std_level), mean_leave1out=cfg.mean_leave1out,
-                                std_unbiased=cfg.std_unbiased, eps=cfg.eps, group_size=cfg.group_size)
+    areal_cfg = AReaLNormConfig(
+        mean_level=level.get(cfg.mean_level, cfg.mean_level),
+        std_level=level.get(cfg.std_level, cfg.std_level),
+        mean_leave1out=cfg.mean_leave1out,
+        std_unbiased=cfg.std_unbiased,
+        eps=cfg.eps,
+        group_size=cfg.group_size,
+    )
     return Normalization(areal_cfg)(x.clone())
 
 
@@ -130,8 +135,9 @@ def test_kl_estimates_equal_areals_clamp_included(estimator):
     g = torch.Generator().manual_seed(7)
     logp = -torch.rand(64, generator=g) * 20  # differences up to 20 nats: the [-10, 10] clamp matters
     ref = -torch.rand(64, generator=g) * 20
-    torch.testing.assert_close(kl_estimate(logp, ref, estimator), KLEstimator(estimator)(logp, ref), atol=1e-6,
-                               rtol=1e-6)
+    torch.testing.assert_close(
+        kl_estimate(logp, ref, estimator), KLEstimator(estimator)(logp, ref), atol=1e-6, rtol=1e-6
+    )
 
 
 # ------------------------------------------------------------------------------------------------ advantages
@@ -146,13 +152,25 @@ def _advantages_both_sides(loss_mask, attention_mask, rewards):
     from areal_lite.config import PPOActorConfig
 
     B, L = loss_mask.shape
-    batch = dict(input_ids=torch.arange(B * L).view(B, L).int(), loss_mask=loss_mask.int(),
-                 attention_mask=attention_mask.bool(), logprobs=torch.zeros(B, L), rewards=rewards,
-                 versions=torch.zeros(B, L, dtype=torch.int32))
+    batch = dict(
+        input_ids=torch.arange(B * L).view(B, L).int(),
+        loss_mask=loss_mask.int(),
+        attention_mask=attention_mask.bool(),
+        logprobs=torch.zeros(B, L),
+        rewards=rewards,
+        versions=torch.zeros(B, L, dtype=torch.int32),
+    )
     norm = dict(mean_level="group", std_level="group", group_size=B)
-    theirs_cfg = AReaLPPOActorConfig(experiment_name="x", trial_name="y", path="unused", kl_ctl=0.0,
-                                     use_decoupled_loss=False, recompute_logprob=False,
-                                     reward_norm=AReaLNormConfig(**norm), adv_norm=None)
+    theirs_cfg = AReaLPPOActorConfig(
+        experiment_name="x",
+        trial_name="y",
+        path="unused",
+        kl_ctl=0.0,
+        use_decoupled_loss=False,
+        recompute_logprob=False,
+        reward_norm=AReaLNormConfig(**norm),
+        adv_norm=None,
+    )
     theirs = AReaLPPOActor(theirs_cfg, engine=None)._compute_advantages(dict(batch))["advantages"]
     ours_batch = dict(batch)
     PPOActor(PPOActorConfig(path="unused", reward_norm=NormConfig(**norm), group_size=B)).compute_advantages(ours_batch)
@@ -213,18 +231,30 @@ def _kit_actor(tiny_model_path):
     from areal_lite.io_struct import FinetuneSpec
 
     opt = OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=1e9)
-    actor = PPOActor(PPOActorConfig(path=tiny_model_path, dtype="float32", device="cpu", threads=1, optimizer=opt,
-                                    use_decoupled_loss=False, recompute_logprob=False))
+    actor = PPOActor(
+        PPOActorConfig(
+            path=tiny_model_path,
+            dtype="float32",
+            device="cpu",
+            threads=1,
+            optimizer=opt,
+            use_decoupled_loss=False,
+            recompute_logprob=False,
+        )
+    )
     return actor.initialize(None, FinetuneSpec(1, 8, 1))
 
 
 def _batch_for(actor, rows):
     g = torch.Generator().manual_seed(0)
     L = 12
-    batch = dict(input_ids=torch.randint(5, 200, (rows, L), generator=g).int(),
-                 loss_mask=torch.tensor([[0] * 4 + [1] * 8, [0] * 5 + [1] * 7][:rows], dtype=torch.int32),
-                 attention_mask=torch.ones(rows, L, dtype=torch.bool), versions=torch.zeros(rows, L, dtype=torch.int32),
-                 rewards=torch.tensor([1.0, 0.0][:rows]))
+    batch = dict(
+        input_ids=torch.randint(5, 200, (rows, L), generator=g).int(),
+        loss_mask=torch.tensor([[0] * 4 + [1] * 8, [0] * 5 + [1] * 7][:rows], dtype=torch.int32),
+        attention_mask=torch.ones(rows, L, dtype=torch.bool),
+        versions=torch.zeros(rows, L, dtype=torch.int32),
+        rewards=torch.tensor([1.0, 0.0][:rows]),
+    )
     # Behaviour log-probs = the model's own (a fresh synchronous step: ratio 1), on generated tokens only.
     batch["logprobs"] = (actor.compute_logp(batch).float() * batch["loss_mask"]).detach()
     return batch
@@ -238,9 +268,13 @@ def _run_areal(tiny_model_path, batch, tmp_path):
 
     path, out = tmp_path / "batch.pt", tmp_path / "areal.pt"
     torch.save(batch, path)
-    proc = subprocess.run([sys.executable, "-c", AREAL_ACTOR, tiny_model_path, str(path), str(find_free_port()),
-                           str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", AREAL_ACTOR, tiny_model_path, str(path), str(find_free_port()), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -276,9 +310,14 @@ def test_areals_cpu_actor_mixes_packed_sequences_and_the_kits_does_not(tiny_mode
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     ids = batch["input_ids"][1:2].long()
     alone = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    torch.testing.assert_close(batch["logprobs"][1, 1:][batch["loss_mask"][1, 1:].bool()],
-                               alone[batch["loss_mask"][1, 1:].bool()], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(theirs[0, 1:], batch["logprobs"].new_tensor(ours.compute_logp(batch)[0, 1:]),
-                               atol=1e-5, rtol=1e-5)  # the first row agrees
+    torch.testing.assert_close(
+        batch["logprobs"][1, 1:][batch["loss_mask"][1, 1:].bool()],
+        alone[batch["loss_mask"][1, 1:].bool()],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    torch.testing.assert_close(
+        theirs[0, 1:], batch["logprobs"].new_tensor(ours.compute_logp(batch)[0, 1:]), atol=1e-5, rtol=1e-5
+    )  # the first row agrees
     assert (theirs[1, 1:] - alone).abs().max() > 1e-2  # the second does not
     ours.destroy()

@@ -50,7 +50,11 @@ BAD_CASES = [
     ("rollout:\n  max_head_offpolicynes: 2\n", [], ["rollout.max_head_offpolicynes", "max_head_offpolicyness"]),
     ("trainset:\n  batch_size: 2\n", [], ["trainset", "unknown key for GRPOConfig"]),
     ("train_dataset:\n  batch_size: null\n", [], ["train_dataset.batch_size", "got null"]),
-    ("actor:\n  reward_norm:\n    mean_lvl: group\n", [], ["actor.reward_norm.mean_lvl", "actor.reward_norm.mean_level"]),
+    (
+        "actor:\n  reward_norm:\n    mean_lvl: group\n",
+        [],
+        ["actor.reward_norm.mean_lvl", "actor.reward_norm.mean_level"],
+    ),
     ("- a\n- b\n", [], ["exp.yaml", "top level must be a mapping"]),
     ("actor: [1, 2\n", [], ["exp.yaml", "not valid YAML"]),
     ("profiles:\n  cpux:\n    backend: embedded\n", [], ["profiles.cpux", "did you mean 'profiles.cpu'"]),
@@ -109,7 +113,8 @@ def test_overrides_and_types(tmp_path):
 def test_profiles_cpu_gpu_and_print(tmp_path, capsys):
     path = write(
         tmp_path,
-        "backend: sglang\nactor:\n  path: big\nprofiles:\n  cpu:\n    backend: embedded\n    actor:\n      path: small\n",
+        "backend: sglang\nactor:\n  path: big\n"
+        "profiles:\n  cpu:\n    backend: embedded\n    actor:\n      path: small\n",
     )
     cpu, _ = load_expr_config(["--config", path, "profile=cpu"], GRPOConfig)
     assert (cpu.backend, cpu.actor.path, cpu.profile) == ("embedded", "small", "cpu")

@@ -352,9 +352,7 @@ def test_server_killed_mid_rollout_raises_in_time(make_engine, tiny_model_path):
         eng = make_engine(victim.address, request_timeout=8.0, request_retries=3)
 
         async def scenario():
-            task = asyncio.ensure_future(
-                eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_greedy(4000)))
-            )
+            task = asyncio.ensure_future(eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_greedy(4000))))
             await asyncio.sleep(0.5)
             assert not task.done()
             os.kill(_server_pid(victim), signal.SIGKILL)
@@ -439,7 +437,9 @@ def test_rollout_batch_order_and_contract(make_engine, embedded_server):
 def test_should_accept_and_none_drop_episodes(make_engine, embedded_server):
     eng = make_engine(embedded_server.address, consumer_batch_size=6, max_concurrent_rollouts=6)
     rows = [{"i": i} for i in range(5)] + [{"i": 5, "reject": True}]
-    batch = concat_padded_tensors(eng.rollout_batch(rows, OneTurn(), should_accept_fn=lambda r: int(r["rewards"][0]) % 2 == 0))
+    batch = concat_padded_tensors(
+        eng.rollout_batch(rows, OneTurn(), should_accept_fn=lambda r: int(r["rewards"][0]) % 2 == 0)
+    )
     assert batch["rewards"].tolist() == [0.0, 2.0, 4.0]
     assert eng.stats()["rejected"] == 3 and eng.stats()["sync_accepted"] == 3
 
@@ -481,8 +481,9 @@ def test_wait_takes_episodes_in_submission_order_even_when_a_later_one_finishes_
                 await asyncio.sleep(1.5)  # rows 1 and 2 finish meanwhile
             return await super().arun_episode(engine, data)
 
-    eng = make_engine(embedded_server.address, consumer_batch_size=2, max_concurrent_rollouts=4,
-                      max_head_offpolicyness=1)
+    eng = make_engine(
+        embedded_server.address, consumer_batch_size=2, max_concurrent_rollouts=4, max_head_offpolicyness=1
+    )
     for row in ({"i": 0, "slow": True}, {"i": 1}, {"i": 2}):
         eng.submit(row, SlowFirst(max_new_tokens=3))
     deadline = time.monotonic() + 60
@@ -570,8 +571,11 @@ def test_workflow_forms_group_size_and_list_results(make_engine, embedded_server
     """An instance, a class + workflow_kwargs, or an import path; group_size=G gives G contiguous rows per row."""
     eng = make_engine(embedded_server.address, consumer_batch_size=2, max_concurrent_rollouts=8)
     rows = [{"i": i} for i in range(3)]
-    for workflow, kwargs in [(OneTurn(max_new_tokens=2), None), (OneTurn, {"max_new_tokens": 2}),
-                             (f"{__name__}.OneTurn", {"max_new_tokens": 2})]:
+    for workflow, kwargs in [
+        (OneTurn(max_new_tokens=2), None),
+        (OneTurn, {"max_new_tokens": 2}),
+        (f"{__name__}.OneTurn", {"max_new_tokens": 2}),
+    ]:
         items = eng.rollout_batch(rows, workflow=workflow, workflow_kwargs=kwargs, group_size=2)
         assert isinstance(items, list) and len(items) == 3
         assert [it["input_ids"].shape[0] for it in items] == [2, 2, 2]
@@ -589,11 +593,11 @@ def test_agenerate_accepts_areals_own_request_objects(make_engine, embedded_serv
 
     eng = make_engine(embedded_server.address)
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    req = AReaLModelRequest(input_ids=list(PROMPT), gconfig=AReaLGConfig(greedy=True, max_new_tokens=4),
-                            tokenizer=tok)
+    req = AReaLModelRequest(input_ids=list(PROMPT), gconfig=AReaLGConfig(greedy=True, max_new_tokens=4), tokenizer=tok)
     resp = asyncio.run(eng.agenerate(req))
     kit = _gen(eng, gconfig=_greedy(4))
     assert resp.output_tokens == kit.output_tokens and resp.tokenizer is tok
-    short = AReaLModelRequest(input_ids=list(PROMPT), gconfig=AReaLGConfig(greedy=True, max_new_tokens=50,
-                                                                          max_tokens=len(PROMPT) + 3))
+    short = AReaLModelRequest(
+        input_ids=list(PROMPT), gconfig=AReaLGConfig(greedy=True, max_new_tokens=50, max_tokens=len(PROMPT) + 3)
+    )
     assert asyncio.run(eng.agenerate(short)).output_len == 3  # max_tokens bounds prompt + output, as in AReaL

@@ -228,8 +228,12 @@ def test_search_loop_check_rejects_a_wrong_loop(search_ns, mistake):
 
 WRONG_AGENT = {
     0: {  # MyRLVRWorkflow
-        "trains on the prompt": [('"loss_mask": torch.tensor([[0] * n + [1] * len(out)]',
-                                  '"loss_mask": torch.tensor([[1] * n + [1] * len(out)]')],
+        "trains on the prompt": [
+            (
+                '"loss_mask": torch.tensor([[0] * n + [1] * len(out)]',
+                '"loss_mask": torch.tensor([[1] * n + [1] * len(out)]',
+            )
+        ],
         "tags the prompt with version 0": [("[[-1] * n + resp.output_versions]", "[[0] * n + resp.output_versions]")],
     },
     1: {  # MyReflectionWorkflow
@@ -238,27 +242,33 @@ WRONG_AGENT = {
         "forgets the discount": [("reward *= self.turn_discount ** turn", "reward *= 1.0")],
     },
     2: {  # MyGroupedWorkflow
-        "runs the episodes one after another": [(
-            "await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))",
-            "[await self.workflow.arun_episode(engine, data) for _ in range(self.group_size)]",
-        )],
+        "runs the episodes one after another": [
+            (
+                "await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))",
+                "[await self.workflow.arun_episode(engine, data) for _ in range(self.group_size)]",
+            )
+        ],
         "keeps one episode": [("return concat_padded_tensors(list(episodes))", "return episodes[0]")],
     },
     3: {  # my_grpo_advantages and my_ppo_loss
         # (a population std instead of the unbiased one is no mistake here: the batch normalisation cancels the factor)
         "the batch mean instead of the group's": [("(r - r.mean(1, keepdim=True))", "(r - r.mean())")],
-        "no batch normalisation": [("return torch.where(m, (adv - adv[m].mean()) / (adv[m].std() + eps), 0.0).float()",
-                                    "return adv.float()")],
+        "no batch normalisation": [
+            ("return torch.where(m, (adv - adv[m].mean()) / (adv[m].std() + eps), 0.0).float()", "return adv.float()")
+        ],
         "min instead of max": [("surrogate = torch.maximum(", "surrogate = torch.minimum(")],
-        "no behaviour weight": [("behaviour_weight = torch.exp(prox_logp - behav_logp).detach()",
-                                 "behaviour_weight = 1.0")],
+        "no behaviour weight": [
+            ("behaviour_weight = torch.exp(prox_logp - behav_logp).detach()", "behaviour_weight = 1.0")
+        ],
         "no clip": [("ratio.clamp(1 - eps_clip, 1 + eps_clip)", "ratio")],
     },
 }
 AGENT = "03_gsm8k_reflection"
 REPLIES = ["The answer is 7.", "The answer is 5."]  # a wrong first answer, a right second one (gold: 5)
-AGENT_ROWS = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
-              {"question": "What is 1 + 4?", "answer": "1 + 4 = 5\n#### 5"}]
+AGENT_ROWS = [
+    {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+    {"question": "What is 1 + 4?", "answer": "1 + 4 = 5\n#### 5"},
+]
 
 
 class ScriptedReplies:
@@ -272,16 +282,23 @@ class ScriptedReplies:
         text = REPLIES[self.calls % len(REPLIES)]
         self.calls += 1
         out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=out, output_logprobs=[-0.5] * len(out),
-                             output_versions=[0] * len(out))
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=out,
+            output_logprobs=[-0.5] * len(out),
+            output_versions=[0] * len(out),
+        )
 
 
 def _definitions(source: str, names: set[str]) -> str:
     """Only the top-level functions and assignments of a cell that define `names` (a cell may also start servers)."""
     keep = []
     for node in ast.parse(source).body:
-        defined = {node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else {
-            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+        defined = (
+            {node.name}
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+            else {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+        )
         if defined & names:
             keep.append(ast.unparse(node))
     return "\n\n".join(keep)
@@ -299,22 +316,32 @@ def agent_ns(smollm_path):
     tokenizer = load_tokenizer(smollm_path)
     ns = {
         "tokenizer": tokenizer,
-        "config": SimpleNamespace(gconfig=GenerationHyperparameters(n_samples=G, max_new_tokens=16),
-                                  actor=SimpleNamespace(eps_clip=0.2)),
+        "config": SimpleNamespace(
+            gconfig=GenerationHyperparameters(n_samples=G, max_new_tokens=16), actor=SimpleNamespace(eps_clip=0.2)
+        ),
         "rows": AGENT_ROWS,
         "data": iter([AGENT_ROWS] * 100),
         "engine": ScriptedReplies(tokenizer),
-        "actor": PPOActor(PPOActorConfig(group_size=G, reward_norm=NormConfig("group", "group"),
-                                         adv_norm=NormConfig("batch", "batch"))),
+        "actor": PPOActor(
+            PPOActorConfig(
+                group_size=G, reward_norm=NormConfig("group", "group"), adv_norm=NormConfig("batch", "batch")
+            )
+        ),
         # section 3's grouped batch: two groups of two rows, 3 prompt tokens then 4 generated
-        "batch": {"input_ids": torch.arange(28, dtype=torch.int32).view(4, 7) + 10,
-                  "attention_mask": torch.ones(4, 7, dtype=torch.bool),
-                  "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * 4, dtype=torch.int32),
-                  "logprobs": -torch.rand(4, 7, generator=torch.Generator().manual_seed(1)),
-                  "rewards": torch.zeros(4)},
+        "batch": {
+            "input_ids": torch.arange(28, dtype=torch.int32).view(4, 7) + 10,
+            "attention_mask": torch.ones(4, 7, dtype=torch.bool),
+            "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * 4, dtype=torch.int32),
+            "logprobs": -torch.rand(4, 7, generator=torch.Generator().manual_seed(1)),
+            "rewards": torch.zeros(4),
+        },
     }
-    setup = [imports(cells[0]), _definitions(next(c for c in cells if "def chat_ids" in c), {"chat_ids"}),
-             next(c for c in cells if c.startswith("REFLECTION")), next(c for c in cells if "class Recorder" in c)]
+    setup = [
+        imports(cells[0]),
+        _definitions(next(c for c in cells if "def chat_ids" in c), {"chat_ids"}),
+        next(c for c in cells if c.startswith("REFLECTION")),
+        next(c for c in cells if "class Recorder" in c),
+    ]
     run(ns, *setup)
     return ns
 

@@ -35,8 +35,9 @@ def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, 
     batch = make_batch(vocab, B=6, seed=3)
     cpu = PPOActor(PPOActorConfig(path=tiny_model_path, device="cpu", dtype="float32", threads=1)).initialize()
     want = cpu.compute_logp(batch)
-    actor = PPOActor(PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16",
-                                    optimizer=OptimizerConfig(lr=1e-3))).initialize()
+    actor = PPOActor(
+        PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-3))
+    ).initialize()
     assert next(actor.model.parameters()).is_cuda and next(actor.model.parameters()).dtype == torch.bfloat16
     got = actor.compute_logp(batch)
     assert got.device == batch["input_ids"].device  # results come back where the batch lives
@@ -69,8 +70,11 @@ def test_embedded_server_on_cuda_logprobs_equal_forward_pass(tiny_model_path):
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, device="cuda"), backend="embedded")
     try:
         handle.wait_ready(timeout=300)
-        body = {"input_ids": PROMPTS, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 10, "temperature": 0.7, "ignore_eos": True}}
+        body = {
+            "input_ids": PROMPTS,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0.7, "ignore_eos": True},
+        }
         for prompt, out in zip(PROMPTS, generate(handle.address, body)):
             got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
             want = forward_logprobs(model, prompt, out["output_ids"], 0.7)
@@ -87,17 +91,21 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
 
     addr = f"tcp://127.0.0.1:{find_free_port()}"
     script = tmp_path / "receiver.py"
-    script.write_text(RECEIVER.replace('"gloo"', '"nccl"').replace(
-        "model = AutoModelForCausalLM.from_pretrained(path)",
-        "torch.cuda.set_device(1); model = AutoModelForCausalLM.from_pretrained(path).cuda()"))
+    script.write_text(
+        RECEIVER.replace('"gloo"', '"nccl"').replace(
+            "model = AutoModelForCausalLM.from_pretrained(path)",
+            "torch.cuda.set_device(1); model = AutoModelForCausalLM.from_pretrained(path).cuda()",
+        )
+    )
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "received"
     actor = PPOActor(PPOActorConfig(path=tiny_model_path, device="cuda:0")).initialize()
     with torch.no_grad():
         for p in actor.model.parameters():
             p.add_(0.01)  # weights the receiver does not have yet
-    proc = subprocess.Popen([sys.executable, str(script), addr, tiny_model_path, str(out)], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), addr, tiny_model_path, str(out)], env=env, stderr=subprocess.PIPE, text=True
+    )
     try:
         group = _init_custom_process_group("nccl", addr, world_size=2, rank=0, group_name="weights")
         actor._broadcast_params(group)
@@ -122,8 +130,19 @@ def test_fsdp2_on_two_gpus_equals_one_gpu(tiny_model_path, vocab, tmp_path):
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(script), tiny_model_path, str(tmp_path / "batch.pt"), str(out), "2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(script),
+            tiny_model_path,
+            str(tmp_path / "batch.pt"),
+            str(out),
+            "2",
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[nproc] = torch.load(out)

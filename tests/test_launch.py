@@ -100,7 +100,9 @@ print("ENV-OK")
 
 
 def test_server_addrs_env_follows_live_servers(tiny_model_path):
-    out = subprocess.run([sys.executable, "-c", ENV_SCRIPT, tiny_model_path], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", ENV_SCRIPT, tiny_model_path], capture_output=True, text=True, timeout=120
+    )
     assert "ENV-OK" in out.stdout, out.stdout + out.stderr
 
 

@@ -24,8 +24,15 @@ EN = sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "*.ipynb")))
 ZH = sorted(glob.glob(os.path.join(ROOT, "notebooks", "zh", "*.ipynb")))
 ALL = EN + ZH
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
-EXPECTED = ["01_setup", "02_rewards_and_tools", "03_gsm8k_reflection", "04_search_agent",
-            "05_multiturn_feedback", "06_async_vs_sync", "07_to_areal"]
+EXPECTED = [
+    "01_setup",
+    "02_rewards_and_tools",
+    "03_gsm8k_reflection",
+    "04_search_agent",
+    "05_multiturn_feedback",
+    "06_async_vs_sync",
+    "07_to_areal",
+]
 
 
 def code_cells(path):
@@ -116,8 +123,9 @@ def test_notebooks_match_their_sources():
 
 
 def test_exercises_not_stale():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_exercises.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "make_exercises.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     exercises = glob.glob(os.path.join(ROOT, "notebooks", "exercises", "*", "*.ipynb"))
     assert len(exercises) >= 2
@@ -128,7 +136,8 @@ def test_exercises_not_stale():
 
 
 @pytest.mark.parametrize(
-    "path", ALL + sorted(glob.glob(os.path.join(ROOT, "notebooks", "exercises", "*", "*.ipynb"))),
+    "path",
+    ALL + sorted(glob.glob(os.path.join(ROOT, "notebooks", "exercises", "*", "*.ipynb"))),
     ids=lambda p: os.path.relpath(p, ROOT),
 )
 def test_relative_paths_resolve(path):
@@ -172,7 +181,7 @@ def test_areal_lite_names_and_keywords_exist(path):
     tree = _notebook_tree(path)
     imported = _imported_names(tree)
     assert imported, "notebook imports nothing from areal_lite"
-    for local, dotted in imported.items():
+    for dotted in imported.values():
         try:
             _resolve(dotted)
         except (ImportError, AttributeError) as e:
@@ -236,14 +245,25 @@ def test_finalize_keeps_readable_outputs_and_the_final_state_of_progress_bars():
     tool = _build_tool()
     nb = _tiny_notebook(tool, ["for _ in trange(3): pass", "fig", "engine.initialize()"])
     bar, label, counts = "m-bar", "m-label", "m-counts"
-    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {
-        "m-box": {"state": {"children": [f"IPY_MODEL_{label}", f"IPY_MODEL_{bar}", f"IPY_MODEL_{counts}"]}},
-        label: {"state": {"value": "train: 100%"}},
-        bar: {"state": {"value": 3, "max": 3}},
-        counts: {"state": {"value": "\u20073/3\u2007[00:04&lt;00:00]"}},
-    }}}
-    nb.cells[1].outputs = [nbformat.v4.new_output("display_data", data={
-        "application/vnd.jupyter.widget-view+json": {"model_id": "m-box"}, "text/plain": "train:   0%| | 0/3"})]
+    nb.metadata["widgets"] = {
+        "application/vnd.jupyter.widget-state+json": {
+            "state": {
+                "m-box": {"state": {"children": [f"IPY_MODEL_{label}", f"IPY_MODEL_{bar}", f"IPY_MODEL_{counts}"]}},
+                label: {"state": {"value": "train: 100%"}},
+                bar: {"state": {"value": 3, "max": 3}},
+                counts: {"state": {"value": "\u20073/3\u2007[00:04&lt;00:00]"}},
+            }
+        }
+    }
+    nb.cells[1].outputs = [
+        nbformat.v4.new_output(
+            "display_data",
+            data={
+                "application/vnd.jupyter.widget-view+json": {"model_id": "m-box"},
+                "text/plain": "train:   0%| | 0/3",
+            },
+        )
+    ]
     nb.cells[2].outputs = [
         nbformat.v4.new_output("display_data", data={"image/png": "iVBOR", "text/plain": "<Figure>"}),
         nbformat.v4.new_output("stream", name="stdout", text=f"saved to {ROOT}/runs/x\n"),

@@ -16,7 +16,7 @@ def test_every_export_resolves():
 
 def test_unknown_name_is_an_attribute_error():
     try:
-        areal_lite.no_such_thing
+        _ = areal_lite.no_such_thing
     except AttributeError as e:
         assert "no_such_thing" in str(e)
     else:
@@ -32,7 +32,9 @@ def test_import_is_light():
 
 def test_export_named_like_its_module_is_the_function():
     """`from areal_lite import train` is the function even after `areal_lite.train` (the module) was imported."""
-    code = ("import sys\nfrom areal_lite import TrainConfig\nfrom areal_lite import train\n"
-            "print(callable(train) and train is sys.modules['areal_lite.train'].train)")
+    code = (
+        "import sys\nfrom areal_lite import TrainConfig\nfrom areal_lite import train\n"
+        "print(callable(train) and train is sys.modules['areal_lite.train'].train)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"

@@ -23,17 +23,19 @@ def fake_stats(n=8, async_=False):
     rows = []
     for i in range(n):
         g, u = 1.0 + 0.1 * i, 0.5
-        rows.append({
-            "step": i,
-            "reward": i / n,
-            "response_length": 20 - i,
-            "time/generate": g,
-            "time/logp": 0.1,
-            "time/update": u,
-            "time/weight_sync": 0.05,
-            "time/step": (max(g, u) if async_ else g + u) + 0.15,
-            **({"eval_accuracy": 0.3 + i / 20} if i % 4 == 0 else {}),
-        })
+        rows.append(
+            {
+                "step": i,
+                "reward": i / n,
+                "response_length": 20 - i,
+                "time/generate": g,
+                "time/logp": 0.1,
+                "time/update": u,
+                "time/weight_sync": 0.05,
+                "time/step": (max(g, u) if async_ else g + u) + 0.15,
+                **({"eval_accuracy": 0.3 + i / 20} if i % 4 == 0 else {}),
+            }
+        )
     return rows
 
 

@@ -511,8 +511,12 @@ def test_a_script_without_main_guard_runs_its_setup_once(tmp_path):
 
     script = tmp_path / "experiment.py"
     script.write_text(UNGUARDED_SCRIPT)
-    run = {mode: subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300,
-                                cwd=tmp_path) for mode in ("raw", "kit")}
+    run = {
+        mode: subprocess.run(
+            [sys.executable, str(script), mode], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
+        for mode in ("raw", "kit")
+    }
     # The hazard is real: with a plain forkserver pool the setup runs again in the workers (here the re-run script
     # even tries to start its own pool from inside a worker, which multiprocessing refuses).
     assert run["raw"].stdout.count("SETUP RAN") > 1 or "bootstrapping phase" in run["raw"].stderr

@@ -31,7 +31,9 @@ PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 10
 def call(addr: str, path: str, body=None, method: str | None = None, raw: bytes | None = None, timeout: float = 60):
     """(status, parsed JSON or text) of one HTTP request; 4xx/5xx are returned, not raised."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(f"http://{addr}{path}", data=data, method=method or ("GET" if data is None else "POST"))
+    req = urllib.request.Request(
+        f"http://{addr}{path}", data=data, method=method or ("GET" if data is None else "POST")
+    )
     req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -132,7 +134,13 @@ def test_generate_shapes(server, tiny):
     assert [r["meta_info"]["id"] for r in batch] == ["x_0", "x_1"]
 
     # per-prompt sampling params
-    per = generate(server, {"input_ids": PROMPTS[:2], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3, "ignore_eos": True}]})
+    per = generate(
+        server,
+        {
+            "input_ids": PROMPTS[:2],
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 3, "ignore_eos": True}],
+        },
+    )
     assert per[0]["meta_info"]["completion_tokens"] == 1 and per[1]["meta_info"]["completion_tokens"] == 3
 
     # text prompts are tokenized by the server
@@ -142,7 +150,10 @@ def test_generate_shapes(server, tiny):
     assert isinstance(generate(server, {"text": [text, "Hi"], "sampling_params": {"max_new_tokens": 1}}), list)
 
     # n > 1: one response per sample, in order, with distinct ids
-    many = generate(server, {"input_ids": PROMPTS[1], "rid": "g", "sampling_params": {"n": 4, "max_new_tokens": 6, "ignore_eos": True}})
+    many = generate(
+        server,
+        {"input_ids": PROMPTS[1], "rid": "g", "sampling_params": {"n": 4, "max_new_tokens": 6, "ignore_eos": True}},
+    )
     assert [r["meta_info"]["id"] for r in many] == ["g_0", "g_1", "g_2", "g_3"]
     assert len({tuple(r["output_ids"]) for r in many}) > 1  # sampled at T=1 from a 4k vocabulary
 
@@ -154,8 +165,11 @@ def test_generate_shapes(server, tiny):
 def test_logprobs_equal_forward_pass(server, tiny):
     model, _ = tiny
     for temperature in (0.0, 0.7, 1.3):
-        body = {"input_ids": PROMPTS, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 10, "temperature": temperature, "ignore_eos": True}}
+        body = {
+            "input_ids": PROMPTS,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": temperature, "ignore_eos": True},
+        }
         for prompt, out in zip(PROMPTS, generate(server, body)):
             got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
             # SGLang: logprobs of the temperature-scaled distribution; greedy -> the raw distribution
@@ -173,7 +187,10 @@ def test_greedy_deterministic_and_same_batched_or_alone(server):
     # ... and concurrent requests of different lengths that join and leave the running batch at different steps
     lengths = [16, 5, 11, 16]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(generate, server, greedy(p, n, sp={"ignore_eos": True})) for p, n in zip(PROMPTS * 2, lengths * 2)]
+        futs = [
+            pool.submit(generate, server, greedy(p, n, sp={"ignore_eos": True}))
+            for p, n in zip(PROMPTS * 2, lengths * 2)
+        ]
         outs = [f.result()["output_ids"] for f in futs]
     for i, out in enumerate(outs):
         assert out == alone[i % 4][: lengths[i % 4]]
@@ -183,8 +200,14 @@ def test_concurrent_requests_share_decode_steps(server):
     before = call(server, "/server_info")[1]
     n_req, n_tok = 8, 24
     with concurrent.futures.ThreadPoolExecutor(n_req) as pool:
-        futs = [pool.submit(generate, server, {"input_ids": PROMPTS[i % 4] + [i], "sampling_params": {"max_new_tokens": n_tok, "ignore_eos": True}})
-                for i in range(n_req)]
+        futs = [
+            pool.submit(
+                generate,
+                server,
+                {"input_ids": PROMPTS[i % 4] + [i], "sampling_params": {"max_new_tokens": n_tok, "ignore_eos": True}},
+            )
+            for i in range(n_req)
+        ]
         assert all(f.result()["meta_info"]["completion_tokens"] == n_tok for f in futs)
     after = call(server, "/server_info")[1]
     steps = after["decode_steps"] - before["decode_steps"]
@@ -236,7 +259,10 @@ def test_skip_special_tokens_affects_text_only(server, tiny):
     special = tok.convert_tokens_to_ids("<|im_start|>")
     # a greedy continuation of a prompt made of the special token tends to repeat it; whatever comes out,
     # the two settings must agree on ids and differ only in how the text renders special tokens
-    body = lambda skip: {"input_ids": [special] * 3, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "skip_special_tokens": skip}}
+    body = lambda skip: {
+        "input_ids": [special] * 3,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "skip_special_tokens": skip},
+    }
     a, b = generate(server, body(True)), generate(server, body(False))
     assert a["output_ids"] == b["output_ids"]
     assert a["text"] == tok.decode(a["output_ids"], skip_special_tokens=True)
@@ -244,12 +270,29 @@ def test_skip_special_tokens_affects_text_only(server, tiny):
 
 
 BAD_BODIES = [
-    b"{not json", b"[1, 2", b"\xff\xfe", b"null", b"[]", b"42", b'"text"',
-    {}, {"sampling_params": {"max_new_tokens": 4}},
+    b"{not json",
+    b"[1, 2",
+    b"\xff\xfe",
+    b"null",
+    b"[]",
+    b"42",
+    b'"text"',
+    {},
+    {"sampling_params": {"max_new_tokens": 4}},
     {"text": "hi", "input_ids": [1, 2]},
-    {"input_ids": []}, {"input_ids": [[]]}, {"input_ids": [[1, 2], []]}, {"text": ""}, {"text": 5}, {"text": ["a", 3]},
-    {"input_ids": "1 2 3"}, {"input_ids": [1, "2"]}, {"input_ids": [1.0, 2.0]}, {"input_ids": [True, 2]},
-    {"input_ids": [-1]}, {"input_ids": [10**9]}, {"input_ids": [[1], [2, 10**9]]},
+    {"input_ids": []},
+    {"input_ids": [[]]},
+    {"input_ids": [[1, 2], []]},
+    {"text": ""},
+    {"text": 5},
+    {"text": ["a", 3]},
+    {"input_ids": "1 2 3"},
+    {"input_ids": [1, "2"]},
+    {"input_ids": [1.0, 2.0]},
+    {"input_ids": [True, 2]},
+    {"input_ids": [-1]},
+    {"input_ids": [10**9]},
+    {"input_ids": [[1], [2, 10**9]]},
     {"input_ids": [1], "sampling_params": {"max_new_tokens": 16.0}},
     {"input_ids": [1], "sampling_params": {"max_new_tokens": True}},
     {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}},
@@ -324,7 +367,12 @@ def test_flush_cache(server):
 
 
 def _long(ids, n=3000, **kw):
-    return {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}, **kw}
+    return {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0},
+        **kw,
+    }
 
 
 def _wait_running(addr, count=1, timeout=30):
@@ -378,7 +426,15 @@ def test_abort_request_by_rid_and_all(private_server):
         ra = a.result(timeout=30)
         assert ra["meta_info"]["finish_reason"]["type"] == "abort" and ra["meta_info"]["completion_tokens"] < 3000
         assert b.result(timeout=30)["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
-        c = pool.submit(generate, addr, {"input_ids": [[1, 2], [3, 4]], "rid": "grp", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})
+        c = pool.submit(
+            generate,
+            addr,
+            {
+                "input_ids": [[1, 2], [3, 4]],
+                "rid": "grp",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            },
+        )
         _wait_running(addr, 2)
         assert call(addr, "/abort_request", {"abort_all": True})[0] == 200
         assert [r["meta_info"]["finish_reason"]["type"] for r in c.result(timeout=30)] == ["abort", "abort"]
@@ -407,8 +463,11 @@ def test_update_weights_from_disk(private_server, tiny, tmp_path):
 
     # a perturbed copy of the model (tied lm_head saved once, as save_pretrained does)
     gen = torch.Generator().manual_seed(3)
-    state = {k: (v + 0.5 * torch.randn(v.shape, generator=gen) if v.dtype.is_floating_point else v).contiguous()
-             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {
+        k: (v + 0.5 * torch.randn(v.shape, generator=gen) if v.dtype.is_floating_point else v).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
     new_dir = tmp_path / "v7"
     new_dir.mkdir()
     save_file(state, str(new_dir / "model.safetensors"))
@@ -441,7 +500,10 @@ def test_update_weights_from_disk(private_server, tiny, tmp_path):
         _wait_running(addr)
         orig_dir = tmp_path / "orig"
         orig_dir.mkdir()
-        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(orig_dir / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+            str(orig_dir / "model.safetensors"),
+        )
         status, out = call(addr, "/update_weights_from_disk", {"model_path": str(orig_dir)})  # no version: 7 -> 8
         assert status == 200 and out["success"], out
         r = running.result(timeout=60)
@@ -459,8 +521,12 @@ def test_parse_generate_body_units():
     is_batch, specs, _ = parse_generate_body({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5}}, **kw)
     assert not is_batch and specs[0].params.max_new_tokens == 5 and specs[0].rid
     is_batch, specs, _ = parse_generate_body({"text": ["ab", "c"], "return_logprob": [True, False]}, **kw)
-    assert is_batch and [len(s.input_ids) for s in specs] == [2, 1] and [s.return_logprob for s in specs] == [True, False]
-    sp = parse_generate_body({"input_ids": [1], "sampling_params": {"top_k": 1 << 30, "stop": "x", "temperature": 0}}, **kw)[1][0].params
+    assert (
+        is_batch and [len(s.input_ids) for s in specs] == [2, 1] and [s.return_logprob for s in specs] == [True, False]
+    )
+    sp = parse_generate_body(
+        {"input_ids": [1], "sampling_params": {"top_k": 1 << 30, "stop": "x", "temperature": 0}}, **kw
+    )[1][0].params
     assert sp.top_k == -1 and sp.stop == ["x"] and sp.greedy
     # unset max_new_tokens: 128, shortened to what fits (SGLang); a set one must fit
     assert parse_generate_body({"input_ids": [1] * 10}, **kw)[1][0].params.max_new_tokens == 54
@@ -478,8 +544,12 @@ def test_sample_tokens_units():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     gen = torch.Generator().manual_seed(0)
-    seqs = [_seq(SamplingParams(temperature=0.0)), _seq(SamplingParams(temperature=0.5, top_k=1)),
-            _seq(SamplingParams(temperature=2.0)), _seq(SamplingParams(temperature=0.0, min_new_tokens=2), stop_ids=[int(logits[3].argmax())])]
+    seqs = [
+        _seq(SamplingParams(temperature=0.0)),
+        _seq(SamplingParams(temperature=0.5, top_k=1)),
+        _seq(SamplingParams(temperature=2.0)),
+        _seq(SamplingParams(temperature=0.0, min_new_tokens=2), stop_ids=[int(logits[3].argmax())]),
+    ]
     tokens, lps = sample_tokens(logits.clone(), seqs, gen)
     assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()  # top_k=1 is greedy
     assert tokens[3] != logits[3].argmax()  # the stop id is masked until min_new_tokens
@@ -503,15 +573,25 @@ def test_running_batch_matches_separate_runs(tiny):
         ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
         mask = torch.tensor([[False] * (L - len(p)) + [True] * len(p) for p in prompts])
         cache = DynamicCache()
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(1) - 1).clamp(min=0),
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.long().cumsum(1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+        )
         nxt = out.logits[:, -1].argmax(-1)
         return cache, mask, nxt, torch.tensor([len(p) for p in prompts])
 
     def step(b):
         mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], 1)
-        out = model(input_ids=b.next_ids[:, None], attention_mask=mask, position_ids=b.pos[:, None],
-                    past_key_values=b.cache, use_cache=True)
+        out = model(
+            input_ids=b.next_ids[:, None],
+            attention_mask=mask,
+            position_ids=b.pos[:, None],
+            past_key_values=b.cache,
+            use_cache=True,
+        )
         b.mask, b.pos = mask, b.pos + 1
         b.next_ids = out.logits[:, -1].argmax(-1)
         for s, t in zip(b.seqs, b.next_ids.tolist()):
@@ -523,7 +603,7 @@ def test_running_batch_matches_separate_runs(tiny):
             ids = list(p)
             for _ in range(9):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            solo[i] = ids[len(p):]
+            solo[i] = ids[len(p) :]
         b = RunningBatch()
         seqs = [_seq(SamplingParams()) for _ in PROMPTS]
         cache, mask, nxt, pos = prefill([PROMPTS[0], PROMPTS[1]])

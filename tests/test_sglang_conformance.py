@@ -83,7 +83,8 @@ for argv in json.load(sys.stdin):
     try:
         with contextlib.redirect_stderr(err):
             ns = parser.parse_args(argv)
-        results.append({"ok": True, "args": {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None)))}})
+        plain = (str, int, float, bool, type(None))
+        results.append({"ok": True, "args": {k: v for k, v in vars(ns).items() if isinstance(v, plain)}})
     except SystemExit as e:
         results.append({"ok": False, "code": e.code, "stderr": err.getvalue()[-400:]})
 print("RESULTS " + json.dumps(results))
@@ -98,7 +99,7 @@ def parse_with_sglang(argvs: list[list[str]]) -> list[dict]:
     )  # fmt: skip
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")), None)
     assert line is not None, f"SGLang's parser could not be loaded ({INSTALL_HINT}):\n{proc.stderr[-3000:]}"
-    return json.loads(line[len("RESULTS "):])
+    return json.loads(line[len("RESULTS ") :])
 
 
 def all_bools_true() -> SGLangConfig:
@@ -144,7 +145,7 @@ def parsed():
                                    dist_init_addr="127.0.0.1:40000") for c in configs]  # fmt: skip
     bad = bad_argvs()
     results = parse_with_sglang([cmd[3:] for cmd in cmds] + bad)
-    return configs, cmds, results[: len(cmds)], results[len(cmds):]
+    return configs, cmds, results[: len(cmds)], results[len(cmds) :]
 
 
 def test_build_cmd_is_accepted_by_sglang_parser(parsed):
@@ -206,8 +207,11 @@ def get(addr, path):
 
 
 def test_sampling_params_from_config_fit_the_contract(api):
-    for g in [GenerationHyperparameters(), GenerationHyperparameters(greedy=True, stop=["</answer>"], stop_token_ids=[2]),
-              GenerationHyperparameters(temperature=0.7, top_p=0.9, top_k=20, min_new_tokens=2, ignore_eos=True)]:
+    for g in [
+        GenerationHyperparameters(),
+        GenerationHyperparameters(greedy=True, stop=["</answer>"], stop_token_ids=[2]),
+        GenerationHyperparameters(temperature=0.7, top_p=0.9, top_k=20, min_new_tokens=2, ignore_eos=True),
+    ]:
         sp = g.to_sampling_params()
         decoded = api.SamplingParams.from_json_value(sp)
         assert decoded.max_new_tokens == g.max_new_tokens and decoded.n == 1
@@ -216,13 +220,31 @@ def test_sampling_params_from_config_fit_the_contract(api):
 def test_requests_and_responses_fit_the_contract(api, embedded_server):
     addr = embedded_server.address
     requests = [
-        {"input_ids": [11, 12, 13], "rid": "c-1", "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0,
-         "stream": False, "sampling_params": GenerationHyperparameters(max_new_tokens=6, greedy=True).to_sampling_params()},
-        {"input_ids": [[1, 2], [3, 4, 5]], "rid": ["c-2", "c-3"], "return_logprob": [True, False],
-         "sampling_params": [{"max_new_tokens": 3, "temperature": 0.0}, {"max_new_tokens": 2, "stop": "x"}]},
-        {"text": "What is 1 + 1?", "sampling_params": {"max_new_tokens": 4, "stop": ["\n"], "stop_token_ids": [5], "n": 2}},
-        {"input_ids": [7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, "return_logprob": True,
-         "return_text_in_logprobs": True},
+        {
+            "input_ids": [11, 12, 13],
+            "rid": "c-1",
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "top_logprobs_num": 0,
+            "stream": False,
+            "sampling_params": GenerationHyperparameters(max_new_tokens=6, greedy=True).to_sampling_params(),
+        },
+        {
+            "input_ids": [[1, 2], [3, 4, 5]],
+            "rid": ["c-2", "c-3"],
+            "return_logprob": [True, False],
+            "sampling_params": [{"max_new_tokens": 3, "temperature": 0.0}, {"max_new_tokens": 2, "stop": "x"}],
+        },
+        {
+            "text": "What is 1 + 1?",
+            "sampling_params": {"max_new_tokens": 4, "stop": ["\n"], "stop_token_ids": [5], "n": 2},
+        },
+        {
+            "input_ids": [7, 8],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+        },
     ]
     seen_types = set()
     for body in requests:
@@ -241,8 +263,17 @@ def test_requests_and_responses_fit_the_contract(api, embedded_server):
 
     # an aborted request (abort by rid on the shared server touches nobody else)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(post, addr, "/generate", {"input_ids": [9, 9], "rid": "c-abort", "return_logprob": True,
-                                                    "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})
+        fut = pool.submit(
+            post,
+            addr,
+            "/generate",
+            {
+                "input_ids": [9, 9],
+                "rid": "c-abort",
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            },
+        )
         deadline = time.time() + 30
         while get(addr, "/server_info")["num_running"] == 0 and time.time() < deadline:
             time.sleep(0.02)

@@ -37,16 +37,30 @@ G = 4
 
 def make_config(tmp_path, tiny_model_path, **kw) -> TrainConfig:
     g = GenerationHyperparameters(n_samples=G, max_new_tokens=8, temperature=1.0)
-    actor = PPOActorConfig(path=tiny_model_path, threads=1, group_size=G,
-                           optimizer=OptimizerConfig(lr=kw.pop("lr", 3e-2)),
-                           reward_norm=NormConfig(mean_level="group", std_level="group", group_size=G))
+    actor = PPOActorConfig(
+        path=tiny_model_path,
+        threads=1,
+        group_size=G,
+        optimizer=OptimizerConfig(lr=kw.pop("lr", 3e-2)),
+        reward_norm=NormConfig(mean_level="group", std_level="group", group_size=G),
+    )
     return TrainConfig(
-        experiment_name="e2e", trial_name=kw.pop("trial", "t0"), fileroot=str(tmp_path / "runs"),
-        total_train_steps=kw.pop("steps", 4), tokenizer_path=tiny_model_path,
-        train_dataset=DatasetConfig(type="arith", batch_size=4, seed=3), gconfig=g,
-        rollout=InferenceEngineConfig(consumer_batch_size=4, max_concurrent_rollouts=kw.pop("max_concurrent", None),
-                                      max_head_offpolicyness=kw.pop("eta", 0)),
-        actor=actor, embedded=EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded", **kw,
+        experiment_name="e2e",
+        trial_name=kw.pop("trial", "t0"),
+        fileroot=str(tmp_path / "runs"),
+        total_train_steps=kw.pop("steps", 4),
+        tokenizer_path=tiny_model_path,
+        train_dataset=DatasetConfig(type="arith", batch_size=4, seed=3),
+        gconfig=g,
+        rollout=InferenceEngineConfig(
+            consumer_batch_size=4,
+            max_concurrent_rollouts=kw.pop("max_concurrent", None),
+            max_head_offpolicyness=kw.pop("eta", 0),
+        ),
+        actor=actor,
+        embedded=EmbeddedServerConfig(model_path=tiny_model_path, threads=1),
+        backend="embedded",
+        **kw,
     )
 
 
@@ -70,8 +84,12 @@ def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, token
     config = make_config(tmp_path, tiny_model_path, steps=12)
     run_dir = tmp_path / "runs" / "e2e" / "t0"
     listed = []
-    stats = train(config, workflow=token_workflow(tokenizer, config), progress=False,
-                  on_step=lambda step, _: listed.append(sorted(os.listdir(run_dir / "weights"))))
+    stats = train(
+        config,
+        workflow=token_workflow(tokenizer, config),
+        progress=False,
+        on_step=lambda step, _: listed.append(sorted(os.listdir(run_dir / "weights"))),
+    )
     rewards = [s["reward"] for s in stats]
     assert len(stats) == 12 and [s["step"] for s in stats] == list(range(12))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -120,8 +138,11 @@ def test_resume_continues_at_same_step_and_data_position(tmp_path, tiny_model_pa
 
 
 async def _greedy(addr, ids, n=12):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+    }
     async with aiohttp.ClientSession() as s:
         async with s.post(f"http://{addr}/generate", json=body) as r:
             assert r.status == 200
@@ -148,8 +169,13 @@ def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer
             if step == 2:
                 shutil.copytree(weights / "weight_update_v3", final_dir)
 
-        stats = train(config, workflow=token_workflow(tokenizer, config), server_addrs=[handle.address],
-                      progress=False, on_step=keep_final)
+        stats = train(
+            config,
+            workflow=token_workflow(tokenizer, config),
+            server_addrs=[handle.address],
+            progress=False,
+            on_step=keep_final,
+        )
         after, lp_after, version = asyncio.run(_greedy(handle.address, ids))
         assert version == "3" and stats[-1]["version"] == 3
         assert after != before or max(abs(a - b) for a, b in zip(lp_after, lp_before)) > 1e-2
@@ -169,10 +195,22 @@ def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer
 def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_path, capsys):
     """`python -m areal_lite.train --config configs/arith_grpo_demo.yaml ...` (in-process), then --resume."""
     demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
-    args = ["--config", demo, f"actor.path={tiny_model_path}", f"tokenizer_path={tiny_model_path}",
-            f"fileroot={tmp_path / 'runs'}", "total_train_steps=2", "gconfig.max_new_tokens=6",
-            "eval_gconfig.max_new_tokens=6", "evaluator.size=4", "saver.freq_steps=1", "actor.threads=1",
-            "embedded.threads=1", "gconfig.n_samples=2", "train_dataset.batch_size=2"]
+    args = [
+        "--config",
+        demo,
+        f"actor.path={tiny_model_path}",
+        f"tokenizer_path={tiny_model_path}",
+        f"fileroot={tmp_path / 'runs'}",
+        "total_train_steps=2",
+        "gconfig.max_new_tokens=6",
+        "eval_gconfig.max_new_tokens=6",
+        "evaluator.size=4",
+        "saver.freq_steps=1",
+        "actor.threads=1",
+        "embedded.threads=1",
+        "gconfig.n_samples=2",
+        "train_dataset.batch_size=2",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "greedy accuracy" in out and "2 steps logged" in out

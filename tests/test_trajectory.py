@@ -10,11 +10,10 @@ import re
 
 import pytest
 import torch
-
-from areal_lite.io_struct import ModelResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_lite.io_struct import ModelResponse
 from areal_lite.trajectory import (
     TrajectoryBuilder,
     TrajectoryError,
@@ -213,7 +212,10 @@ def _good():
         (lambda b: b.update(rewards=torch.zeros(3)), "expected \\[2\\]"),
         (lambda b: b.update(rewards=torch.tensor([float("nan"), 0.0])), "non-finite"),
         (lambda b: b["logprobs"].__setitem__((1, 0), -0.3), "row 1 position 0"),
-        (lambda b: b["versions"].__setitem__((0, 1), 0), "versions must be -1 on prompt and observation tokens; row 0 position 1"),
+        (
+            lambda b: b["versions"].__setitem__((0, 1), 0),
+            "versions must be -1 on prompt and observation tokens; row 0 position 1",
+        ),
         (lambda b: b["versions"].__setitem__((1, 4), -1), "versions must be >= 0 on generated tokens; row 1 pos"),
         (lambda b: b["logprobs"].__setitem__((0, 3), 0.7), "finite and <= 0; row 0 position 3"),
         (lambda b: b["loss_mask"].__setitem__((0, 6), 1), "outside attention_mask at row 0 position 6"),
@@ -300,10 +302,9 @@ def _viewer_batch(tok):
 def test_segments_derived_from_loss_mask_match_builder(tiny_tokenizer):
     b, batch = _viewer_batch(tiny_tokenizer)
     derived = trajectory_segments(batch, 0)
-    assert [(s.kind if s.kind == "output" or s.kind == "prompt" else "observation", s.start, s.end, s.turn)
-            for s in derived] == [
-        (s.kind if s.kind in ("output", "prompt") else "observation", s.start, s.end, s.turn) for s in b.segments
-    ]
+    assert [
+        (s.kind if s.kind == "output" or s.kind == "prompt" else "observation", s.start, s.end, s.turn) for s in derived
+    ] == [(s.kind if s.kind in ("output", "prompt") else "observation", s.start, s.end, s.turn) for s in b.segments]
 
 
 def test_html_view_colours_titles_and_escapes(tiny_tokenizer):
@@ -321,7 +322,7 @@ def test_html_view_colours_titles_and_escapes(tiny_tokenizer):
     assert "<search>" not in page and "&lt;search&gt;" in page
     # max_tokens truncates
     short = trajectory_to_html(batch, 0, tiny_tokenizer, max_tokens=3)
-    assert "more tokens" in short and short.count("<span style=\"background") < page.count("<span style=\"background")
+    assert "more tokens" in short and short.count('<span style="background') < page.count('<span style="background')
 
 
 def test_text_view_and_show_fallback(tiny_tokenizer, capsys):
@@ -367,8 +368,9 @@ def test_areal_built_batches_pass_and_match_ours():
 
 
 def test_padding_is_ignored_but_real_tokens_are_checked():
-    batch = concat_padded_tensors([_row(outs=((8, 9),), obs=()).to_tensors(1.0),
-                                   _row(outs=((8, 9), (11, 12)), obs=((10,),)).to_tensors(0.0)])
+    batch = concat_padded_tensors(
+        [_row(outs=((8, 9),), obs=()).to_tensors(1.0), _row(outs=((8, 9), (11, 12)), obs=((10,),)).to_tensors(0.0)]
+    )
     batch["versions"][0, 6] = 123  # padding: anything goes
     batch["logprobs"][0, 6] = 5.0
     assert check_trajectory(batch)

@@ -63,8 +63,17 @@ def crashing_reward(prompt, completions, prompt_ids, completion_ids, **data):
 def recording_reward(prompt, completions, prompt_ids, completion_ids, answer, log, **data):
     """Writes what it was given to the file `log` (a data field), so a test can check the call."""
     with open(log, "w") as f:
-        json.dump({"prompt": prompt, "completions": completions, "prompt_ids": list(prompt_ids),
-                   "completion_ids": list(completion_ids), "answer": answer, "other": sorted(data)}, f)
+        json.dump(
+            {
+                "prompt": prompt,
+                "completions": completions,
+                "prompt_ids": list(prompt_ids),
+                "completion_ids": list(completion_ids),
+                "answer": answer,
+                "other": sorted(data),
+            },
+            f,
+        )
     return 0.5
 
 
@@ -146,7 +155,7 @@ def _render(tok, messages, gen=False):
 def _outputs(batch, row=0):
     """Token lists of the generated segments of a row, in order."""
     ids = batch["input_ids"][row].tolist()
-    return [ids[s.start:s.end] for s in trajectory_segments(batch, row) if s.generated]
+    return [ids[s.start : s.end] for s in trajectory_segments(batch, row) if s.generated]
 
 
 def _assert_chat_conversation(tok, batch, row, messages, user_turns):
@@ -163,7 +172,7 @@ def _assert_chat_conversation(tok, batch, row, messages, user_turns):
     decoded = tok.decode(batch["input_ids"][row, :n].tolist(), skip_special_tokens=False)
     assert full.startswith(decoded), f"\n{decoded!r}\n!=\n{full!r}"
     # Only the last output's end-of-turn may be missing ("\n" after EOS, or all of it after a length stop).
-    assert full[len(decoded):] in ("\n", "<|im_end|>\n")
+    assert full[len(decoded) :] in ("\n", "<|im_end|>\n")
     return outs
 
 
@@ -210,8 +219,11 @@ def test_chat_turn_fragments_keep_chatml_exact(tok):
     assert frag.user_turn_text == f"<|im_start|>user\n{REFLECTION_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
     prompt = chat_prompt_ids(tok, _msgs())
     answer = tok("It is 6.", add_special_tokens=False)["input_ids"]
-    expected = _render(tok, _msgs() + [{"role": "assistant", "content": "It is 6."},
-                                       {"role": "user", "content": REFLECTION_PROMPT}], gen=True)
+    expected = _render(
+        tok,
+        _msgs() + [{"role": "assistant", "content": "It is 6."}, {"role": "user", "content": REFLECTION_PROMPT}],
+        gen=True,
+    )
     # Stopped on EOS (the output ends with <|im_end|>) and cut by length (no EOS): both give the template's text.
     for out in (answer + [tok.eos_token_id], answer):
         assert tok.decode(prompt + out + frag.after_output(out)) == expected
@@ -220,7 +232,7 @@ def test_chat_turn_fragments_keep_chatml_exact(tok):
     s1 = tok.apply_chat_template([{"role": "assistant", "content": "x"}], tokenize=True)["input_ids"]
     two = [{"role": "assistant", "content": "x"}, {"role": "user", "content": REFLECTION_PROMPT}]
     s2 = tok.apply_chat_template(two, tokenize=True, add_generation_prompt=True)["input_ids"]
-    seed_fragment = s2[len(s1):]
+    seed_fragment = s2[len(s1) :]
     assert tok.decode(prompt + answer + [tok.eos_token_id] + seed_fragment) != expected
 
 
@@ -382,7 +394,7 @@ def test_reflection_runs_all_turns_when_wrong(tok, engine, rewards):
     segs = trajectory_segments(out, 0)
     ids = out["input_ids"][0].tolist()
     for s in segs[2:-1:2]:
-        assert ids[s.start:s.end][-len(wf.fragments.user_turn):] == wf.fragments.user_turn
+        assert ids[s.start : s.end][-len(wf.fragments.user_turn) :] == wf.fragments.user_turn
 
 
 def test_reflection_discounts_late_success(tok, engine, rewards, tmp_path):
@@ -421,7 +433,7 @@ def test_multi_turn_feedback_turn_level_returns(tok, engine, rewards, tmp_path):
     assert out["rewards"].item() == pytest.approx(-1.25)
     tr, lm = out["token_returns"][0], out["loss_mask"][0]
     assert tr.dtype == torch.float32 and tr.shape == out["input_ids"][0].shape
-    got = [tr[s.start:s.end].unique().tolist() for s in trajectory_segments(out, 0) if s.generated]
+    got = [tr[s.start : s.end].unique().tolist() for s in trajectory_segments(out, 0) if s.generated]
     assert got == [[-1.25], [-0.5], [1.0]]
     assert (tr[lm == 0] == 0).all()
 
@@ -429,8 +441,9 @@ def test_multi_turn_feedback_turn_level_returns(tok, engine, rewards, tmp_path):
 def test_multi_turn_feedback_seed_mode_runs_all_turns(tok, engine, rewards):
     from areal_lite.workflow import FEEDBACK_CORRECT
 
-    wf = MultiTurnFeedbackWorkflow(rewards["one"], _gconfig(), tok, num_turns=2, turn_discount=0.9,
-                                   stop_on_correct=False)
+    wf = MultiTurnFeedbackWorkflow(
+        rewards["one"], _gconfig(), tok, num_turns=2, turn_discount=0.9, stop_on_correct=False
+    )
     out = asyncio.run(wf.arun_episode(engine, {"messages": _msgs(), "answer": "5"}))
     check_trajectory(out)
     _assert_chat_conversation(tok, out, 0, _msgs(), [FEEDBACK_CORRECT])
@@ -452,10 +465,13 @@ def test_grouped_multi_turn_through_rollout_batch(tok, engine, rewards):
 
 
 def test_search_agent_tool_path_with_real_rag(tok, rag_server):
-    policy = ScriptedPolicy(tok, [
-        " I should look it up.</think>\n<search> capital of France </search>",
-        "\n<think>The passage says Paris.</think>\n<answer> Paris </answer>",
-    ])
+    policy = ScriptedPolicy(
+        tok,
+        [
+            " I should look it up.</think>\n<search> capital of France </search>",
+            "\n<think>The passage says Paris.</think>\n<answer> Paris </answer>",
+        ],
+    )
     wf = SearchAgentWorkflow(tok, _gconfig(max_new_tokens=64), rag_addr=rag_server.address, topk=2)
     data = {"question": "What is the capital of France?", "answer": ["Paris", "Paris, France"]}
     out = asyncio.run(wf.arun_episode(policy, data))
@@ -464,18 +480,24 @@ def test_search_agent_tool_path_with_real_rag(tok, rag_server):
     r0, r1 = policy.requests
     outs = _outputs(out)
     obs = [s for s in trajectory_segments(out, 0) if s.kind == "observation"][0]
-    obs_ids = out["input_ids"][0, obs.start:obs.end].tolist()
+    obs_ids = out["input_ids"][0, obs.start : obs.end].tolist()
     assert r1.input_ids == r0.input_ids + outs[0] + obs_ids
     assert out["input_ids"][0].tolist() == r1.input_ids + outs[1]
     assert "</search>" in r0.gconfig.stop and "</answer>" in r0.gconfig.stop and r0.gconfig.n_samples == 1
     info = tok.decode(obs_ids)
     assert info.startswith("\n\n<information>") and "Paris is the capital of France." in info
-    check_trajectory(out, tok, [[
-        PROMPT_TEMPLATE.format(question=data["question"]),
-        " I should look it up.</think>\n<search> capital of France </search>",
-        info,
-        "\n<think>The passage says Paris.</think>\n<answer> Paris </answer>",
-    ]])
+    check_trajectory(
+        out,
+        tok,
+        [
+            [
+                PROMPT_TEMPLATE.format(question=data["question"]),
+                " I should look it up.</think>\n<search> capital of France </search>",
+                info,
+                "\n<think>The passage says Paris.</think>\n<answer> Paris </answer>",
+            ]
+        ],
+    )
 
 
 def test_search_agent_rag_down_gives_error_observation(tok):
@@ -487,7 +509,7 @@ def test_search_agent_rag_down_gives_error_observation(tok):
     out = asyncio.run(wf.arun_episode(policy, {"question": "Capital of Peru?", "answer": ["Lima"]}))
     check_trajectory(out)
     obs = [s for s in trajectory_segments(out, 0) if s.kind == "observation"][0]
-    text = tok.decode(out["input_ids"][0, obs.start:obs.end].tolist())
+    text = tok.decode(out["input_ids"][0, obs.start : obs.end].tolist())
     assert "<information>\nsearch failed: cannot connect" in text and text.endswith("</information>")
     assert out["rewards"].tolist() == [1.0]  # the episode went on and answered
 
@@ -504,14 +526,16 @@ def test_search_agent_slow_rag_times_out_into_observation(tok):
         assert time.monotonic() - t0 < 10
     check_trajectory(out)
     assert "search failed:" in tok.decode(out["input_ids"][0].tolist()) and "did not answer" in tok.decode(
-        out["input_ids"][0].tolist())
+        out["input_ids"][0].tolist()
+    )
     assert out["rewards"].tolist() == [0.0]
 
 
 def test_search_agent_respects_max_tokens_and_max_turns(tok, rag_server):
     policy = ScriptedPolicy(tok, ["<search> capital of Japan </search>"])  # searches forever
-    wf = SearchAgentWorkflow(tok, _gconfig(max_new_tokens=32), rag_addr=rag_server.address, max_turns=50,
-                             max_tokens=400)
+    wf = SearchAgentWorkflow(
+        tok, _gconfig(max_new_tokens=32), rag_addr=rag_server.address, max_turns=50, max_tokens=400
+    )
     out = asyncio.run(wf.arun_episode(policy, {"question": "q?", "answer": ["Tokyo"]}))
     check_trajectory(out)
     assert out["input_ids"].shape[1] <= 400 and out["rewards"].tolist() == [0.0]
@@ -545,20 +569,27 @@ def test_search_agent_reward_modes(tok):
 
 
 def test_search_agent_on_real_engine(tok, engine, rag_server):
-    inner = SearchAgentWorkflow(tok, _gconfig(n_samples=2, max_new_tokens=16), rag_addr=rag_server.address,
-                                max_turns=3, max_tokens=400)
+    inner = SearchAgentWorkflow(
+        tok, _gconfig(n_samples=2, max_new_tokens=16), rag_addr=rag_server.address, max_turns=3, max_tokens=400
+    )
     wf = GroupedWorkflow(inner)
-    data = [{"question": "What is the capital of Japan?", "answer": ["Tokyo"]},
-            {"question": "What is the capital of Kenya?", "answer": ["Nairobi"]}]
+    data = [
+        {"question": "What is the capital of Japan?", "answer": ["Tokyo"]},
+        {"question": "What is the capital of Kenya?", "answer": ["Nairobi"]},
+    ]
     batch = concat_padded_tensors(engine.rollout_batch(data, workflow=wf))
     assert batch["input_ids"].shape[0] == 4 and batch["input_ids"].shape[1] <= 400
     check_trajectory(batch)
     for r in range(4):
         n = int(batch["attention_mask"][r].sum())
         assert tok.decode(batch["input_ids"][r, :n].tolist()).startswith(
-            PROMPT_TEMPLATE.format(question=data[r // 2]["question"]))
-    direct = asyncio.run(inner.__class__(tok, _gconfig(max_new_tokens=16), rag_addr=rag_server.address,
-                                         max_turns=2).arun_episode(engine, data[0]))
+            PROMPT_TEMPLATE.format(question=data[r // 2]["question"])
+        )
+    direct = asyncio.run(
+        inner.__class__(tok, _gconfig(max_new_tokens=16), rag_addr=rag_server.address, max_turns=2).arun_episode(
+            engine, data[0]
+        )
+    )
     check_trajectory(direct)
 
 
@@ -585,16 +616,18 @@ def test_double_append_would_be_caught(tok, engine):
 
 def test_reflection_on_smollm_closes_turns_exactly(smollm_server, smollm_path, rewards):
     """A real chat model stops on <|im_end|>: the next turn must add only "\\n", matching the chat template."""
-    from areal_lite.engine import RemoteSGLangEngine
     from transformers import AutoTokenizer
+
+    from areal_lite.engine import RemoteSGLangEngine
 
     tok = AutoTokenizer.from_pretrained(smollm_path)
     eng = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=100))
     eng.initialize(addr=smollm_server.address)
     try:
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        wf = ReflectionWorkflow(rewards["zero"], GenerationHyperparameters(max_new_tokens=32, greedy=True), tok,
-                                max_turns=2)
+        wf = ReflectionWorkflow(
+            rewards["zero"], GenerationHyperparameters(max_new_tokens=32, greedy=True), tok, max_turns=2
+        )
         batch = concat_padded_tensors(eng.rollout_batch([{"messages": messages, "answer": "x"}], workflow=wf))
     finally:
         eng.destroy()

@@ -65,8 +65,15 @@ def parse_source(path: str) -> list[dict]:
             unknown = set(opts) - {"check", "headline"}
             if unknown:
                 raise SystemExit(f"{path}:{line_no}: unknown code cell option(s) {sorted(unknown)}")
-            cells.append({"kind": "code", "source": text, "check": "check" in opts, "headline": "headline" in opts,
-                          "line": line_no})
+            cells.append(
+                {
+                    "kind": "code",
+                    "source": text,
+                    "check": "check" in opts,
+                    "headline": "headline" in opts,
+                    "line": line_no,
+                }
+            )
         else:
             raise SystemExit(f"{path}:{line_no}: unknown cell kind {kind!r}")
 
@@ -271,8 +278,9 @@ def _keep_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="only notebooks whose name contains one of these")
-    ap.add_argument("--execute", action="store_true",
-                    help="execute the English notebook and commit its outputs to both languages")
+    ap.add_argument(
+        "--execute", action="store_true", help="execute the English notebook and commit its outputs to both languages"
+    )
     args = ap.parse_args(argv)
     for path in build(args.names, args.execute):
         print("wrote", os.path.relpath(path, ROOT))
