@@ -1131,7 +1131,7 @@ def _nccl_specs(meta: WeightUpdateMeta) -> dict:
             "shapes": [list(s) for s in shapes],
         }
     raise NotImplementedError(
-        "NCCL weight update needs the parameter names, dtypes and shapes: set meta.names/meta.dtypes/meta.shapes "
-        "(or meta.nccl_param_specs) from the actor before update_weights(). The NCCL route is GPU-only; on CPU use "
+        "NCCL weight update needs the parameter names, dtypes and shapes: call actor.prepare_nccl_meta(meta) "
+        "(it sets meta.names/meta.dtypes/meta.shapes) before update_weights(). The NCCL route is GPU-only; on CPU use "
         "WeightUpdateMeta.from_disk(path)."
     )
