@@ -664,21 +664,32 @@ def _get_dotted(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def reconcile_temperature(actor: Any, gconfig: Any) -> None:
+    """The one temperature rule: the trainer recomputes log-probs at the temperature the servers sampled at.
+
+    Servers report log-probs of the temperature-scaled distribution (as SGLang does), so any other temperature in
+    the trainer makes every importance ratio wrong. The temperature is given once, as `gconfig.temperature`:
+    `actor.temperature` left at its default 1.0 follows it; a different explicit value is a ConfigError. Greedy
+    decoding (or temperature 0) samples no distribution, so the actor keeps its own value.
+    """
+    if gconfig.greedy or gconfig.temperature == 0.0 or actor.temperature == gconfig.temperature:
+        return
+    if actor.temperature == 1.0:
+        actor.temperature = gconfig.temperature
+        return
+    raise ConfigError(
+        f"actor.temperature={actor.temperature} differs from gconfig.temperature={gconfig.temperature}: "
+        "behaviour and recomputed log-probs would disagree; leave actor.temperature at 1.0 (it follows "
+        "gconfig.temperature) or set both to the same value"
+    )
+
+
 def _fill_derived(config: Any) -> None:
     """Fill the fields that default to another field, so the group size and model path are given once."""
     actor = getattr(config, "actor", None)
     gconfig = getattr(config, "gconfig", None)
-    if actor is not None and gconfig is not None and not gconfig.greedy:
-        # Servers report log-probs of the temperature-scaled distribution (as SGLang does), so the trainer must
-        # recompute them at the same temperature or every importance ratio is off. Given once: gconfig.temperature.
-        if actor.temperature == 1.0 and gconfig.temperature not in (0.0, 1.0):
-            actor.temperature = gconfig.temperature
-        elif actor.temperature != gconfig.temperature and gconfig.temperature != 0.0:
-            raise ConfigError(
-                f"actor.temperature={actor.temperature} differs from gconfig.temperature={gconfig.temperature}: "
-                "behaviour and recomputed log-probs would disagree; leave actor.temperature at 1.0 (it follows "
-                "gconfig.temperature) or set both to the same value"
-            )
+    if actor is not None and gconfig is not None:
+        reconcile_temperature(actor, gconfig)
     if actor is not None:
         if not getattr(config, "tokenizer_path", "x"):
             config.tokenizer_path = actor.path

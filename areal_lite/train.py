@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .config import GRPOConfig, InferenceEngineConfig, load_expr_config
+from .config import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
 from .io_struct import FinetuneSpec, WeightUpdateMeta
 from .trajectory import concat_padded_tensors
 
@@ -317,14 +317,7 @@ def train(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     _threads(config)
-    if config.actor.temperature != config.gconfig.temperature and not config.gconfig.greedy:
-        if config.actor.temperature == 1.0:  # left at its default: log-probs must use the sampling temperature
-            config.actor.temperature = config.gconfig.temperature
-        else:
-            print(
-                f"train: warning: actor.temperature={config.actor.temperature} differs from "
-                f"gconfig.temperature={config.gconfig.temperature}; behaviour and proximal log-probs disagree"
-            )
+    reconcile_temperature(config.actor, config.gconfig)  # a config built in Python skipped the loader
     run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
     ckpt_root = os.path.join(run_dir, "checkpoints")
     weights = config.weight_update_dir or os.path.join(run_dir, "weights")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from areal_lite.config import (
+    ConfigError,
     DatasetConfig,
     EmbeddedServerConfig,
     GenerationHyperparameters,
@@ -69,6 +70,16 @@ def tokenizer(tiny_model_path):
     from areal_lite.models import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
+
+
+def test_train_applies_the_loaders_temperature_rule(tmp_path, tiny_model_path):
+    """A config built in Python gets the same rule as one loaded from YAML: follow, or refuse before launching."""
+    config = make_config(tmp_path, tiny_model_path)
+    config.gconfig.temperature = 0.7
+    config.actor.temperature = 0.5
+    with pytest.raises(ConfigError, match="actor.temperature=0.5 differs from gconfig.temperature=0.7"):
+        train(config)
+    assert not os.path.exists(os.path.join(config.fileroot, "e2e")), "nothing may be written before the check"
 
 
 def token_workflow(tokenizer, config):
