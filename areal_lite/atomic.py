@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from typing import Callable
 
-__all__ = ["atomic_dir", "atomic_file", "recover_dir"]
+__all__ = ["atomic_dir", "atomic_file", "recover_dir", "recover_dirs"]
 
 
 def _aside_pattern(final: str) -> str:
@@ -37,6 +37,16 @@ def recover_dir(final: str) -> None:
         os.rename(asides.pop(), final)  # the newest aside copy is the last complete one
     for stale in asides:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def recover_dirs(parent: str) -> None:
+    """`recover_dir` for every folder of `parent` that a crashed writer left renamed aside (before listing it)."""
+    if not os.path.isdir(parent):
+        return
+    for name in os.listdir(parent):
+        if name.startswith(".old-"):
+            # mkdtemp's random suffix has no "-", so the last "-" ends the original name.
+            recover_dir(os.path.join(parent, name[len(".old-") :].rsplit("-", 1)[0]))
 
 
 def atomic_dir(final: str, fill: Callable[[str], None]) -> str:

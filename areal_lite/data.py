@@ -28,12 +28,12 @@ import json
 import os
 import random
 import re
-import tempfile
 import unicodedata
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from areal_lite.atomic import atomic_file
 from areal_lite.models import cache_root
 
 DATA_VERSION = 2
@@ -78,16 +78,13 @@ def _write_jsonl_atomic(path: str, rows: Iterable[dict]) -> str:
     with FileLock(path + ".lock"):
         if os.path.exists(path):
             return path  # another process finished it while we waited
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl", dir=parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+
+        def fill(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+        atomic_file(path, fill, suffix=".jsonl")
     return path
 
 

@@ -7,8 +7,9 @@ Design decisions:
   server, SGLang -- loads it with `from_pretrained(path)` and no GGUF arguments.
 - The conversion is cached under `<cache root>/models/<name>`; the cache root is `$AREAL_LITE_CACHE` if set, else
   `platformdirs.user_cache_dir("areal-lite")`. A folder counts as built only when its completion marker exists.
-  Builders write into a temporary sibling folder and rename it into place while holding a file lock, so a crash
-  never leaves a half-written model behind and two processes (notebook + server) asking at once get one result.
+  Builders write into a temporary sibling folder swapped into place (`atomic.atomic_dir`) while holding a file
+  lock, so a crash never leaves a half-written model behind and two processes (notebook + server) asking at once
+  get one result.
 - `save_pretrained` refuses while the GGUF quantizer is attached, so we build a fresh model from the config with
   `quantization_config` removed, move the de-quantised weights in, and save that.
 - SmolLM2's GGUF tokenizer pads with `<|im_end|>` (= EOS). We pad with `<|endoftext|>` instead: the embedding row
@@ -30,11 +31,11 @@ import glob
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
+
+from .atomic import atomic_dir
 
 MARKER = ".areal_lite_complete.json"
 # Bump when the converted layout changes, so stale caches are rebuilt.
@@ -123,28 +124,20 @@ def build_atomically(
                 return dst  # another process built it while we waited
             if not owned:
                 raise ValueError(f"{dst} already holds a different build ({info}); choose another path or delete it")
-            shutil.rmtree(dst)
         elif os.path.isdir(dst) and os.listdir(dst):
             if not owned:
                 raise ValueError(
                     f"{dst} exists, is not empty and is not a complete areal-lite build; refusing to overwrite"
                 )
-            shutil.rmtree(dst)
         elif os.path.exists(dst) and not os.path.isdir(dst):
             raise ValueError(f"{dst} exists and is not a directory")
-        # We hold the lock, so temp folders left next to dst are from crashed builds.
-        for stale in glob.glob(os.path.join(parent, f".tmp-{base}-*")):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=parent)
-        try:
+
+        def fill(tmp: str) -> None:
             build(tmp)
             _write_marker(tmp, marker)  # last file written: its presence means "complete"
-            if os.path.isdir(dst):
-                os.rmdir(dst)  # empty (checked above); rename cannot replace a directory on every OS
-            os.replace(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        # The old (stale) build stays in place until the new one is complete, so a crash keeps a usable model.
+        atomic_dir(dst, fill)
     return dst
 
 

@@ -52,6 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .atomic import atomic_dir, recover_dirs
 from .config import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
 from .io_struct import FinetuneSpec, WeightUpdateMeta
 from .trajectory import concat_padded_tensors
@@ -238,6 +239,7 @@ class StatsLogger:
 def _latest_checkpoint(ckpt_root: str) -> Optional[str]:
     if not os.path.isdir(ckpt_root):
         return None
+    recover_dirs(ckpt_root)  # a crash while re-saving a step left its previous copy renamed aside
     done = [
         d
         for d in os.listdir(ckpt_root)
@@ -247,18 +249,14 @@ def _latest_checkpoint(ckpt_root: str) -> Optional[str]:
 
 
 def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int) -> str:
-    """actor + dataloader position + step, in a temp folder renamed to step_<step> (complete or absent)."""
-    final = os.path.join(ckpt_root, f"step_{step:06d}")
-    tmp = os.path.join(ckpt_root, f".tmp-step_{step:06d}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    actor.save(os.path.join(tmp, "actor"))
-    torch.save(
-        {"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()},
-        os.path.join(tmp, "trainer_state.pt"),
-    )
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    """actor + dataloader position + step, in folder step_<step>, written whole or not at all (`atomic_dir`)."""
+
+    def fill(tmp: str) -> None:
+        actor.save(os.path.join(tmp, "actor"))
+        state = {"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+
+    final = atomic_dir(os.path.join(ckpt_root, f"step_{step:06d}"), fill)  # a re-saved step keeps its old copy
     steps = sorted(int(d[5:]) for d in os.listdir(ckpt_root) if d.startswith("step_"))
     for old in steps[: max(0, len(steps) - max(1, keep_last))]:
         shutil.rmtree(os.path.join(ckpt_root, f"step_{old:06d}"), ignore_errors=True)
