@@ -12,10 +12,10 @@ Design decisions:
   finite problem space), never by the seed, so any train seed and any test seed stay disjoint.
 - Generated files live under `<cache root>/data` (same root as the models: `$AREAL_LITE_CACHE` or the platform
   cache dir). They are written to a temp file and renamed under a file lock: existence means complete.
-- `make_dataloader` returns a `StatefulDataLoader` whose batches are lists of row dicts (a named, picklable
-  collate function instead of the seeds' lambda) and whose shuffle uses its own seeded generator, so
-  `state_dict()`/`load_state_dict()` resumes at the same position. `cycle_dataloader` replaces the seeds'
-  `itertools.cycle(dataloader)`, which caches the first epoch and replays it without reshuffling.
+- `make_dataloader` returns a `StatefulDataLoader` whose batches are lists of row dicts (a named, picklable collate
+  function, since a lambda cannot cross to a worker process or into a checkpoint) and whose shuffle uses its own
+  seeded generator, so `state_dict()`/`load_state_dict()` resumes at the same position. `cycle_dataloader` is used
+  instead of `itertools.cycle(dataloader)`, which caches the first epoch and replays it without reshuffling.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ Design decisions
 - It runs synchronously: on two cores generation and training take turns, so each process may use both cores
   (`embedded.threads=2`, `actor.threads=2`). The asynchronous variant (`async_training=true`, one thread each)
   is compared in `bench/async_vs_sync.py`.
-- Most of the gain is the model learning to answer inside the 24-token budget (the base model often explains at
-  length and is cut off before the number): a real RL effect, measured on problems it never trained on.
+- Most of the gain is the model learning to answer inside the 16-token budget (`gconfig.max_new_tokens` in the
+  config; the base model often explains at length and is cut off before the number): a real RL effect, measured on
+  problems it never trained on.
 """
 
 from __future__ import annotations

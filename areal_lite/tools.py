@@ -8,7 +8,7 @@ Design decisions:
   An empty pair gives `""`, not None: "the model asked for nothing" differs from "it asked nothing".
 - Parsers are total: any string (or None) in, str/None out; they never raise (property-tested).
 - `parse_boxed` scans braces by hand because regexes cannot match nested `{}`; `reward.py` reuses it.
-- `format_search_results` reproduces the seed notebook's block exactly
+- `format_search_results` writes the block the search prompt promises the model
   (`<p title="...">` paragraphs inside `<information>`), reading `wikipedia_title`/`contents`, falling
   back to `title`/`text`, and unwrapping the `{"document": ..., "score": ...}` shape.
 - `call_search_tool` opens one aiohttp session per call unless given one, so it works from any
@@ -71,7 +71,7 @@ def parse_answer(text: str | None) -> str | None:
 
 
 def parse_access_url(text: str | None) -> str | None:
-    """The url of the last complete `<access>...</access>` (the seed's stop list has `</access>`)."""
+    """The url of the last complete `<access>...</access>` (generation stops at `</access>`, so the tag is closed)."""
     return parse_tag(text, "access")
 
 
@@ -133,7 +133,7 @@ def _doc_fields(item) -> tuple[str, str]:
 
 
 def format_search_results(docs) -> str:
-    """The `<information>` block appended to the trajectory after a search (seed 000's format)."""
+    """The `<information>` block appended to the trajectory after a search: one `<p title="...">` per passage."""
     paragraphs = []
     for item in docs or []:
         title, contents = _doc_fields(item)

@@ -16,7 +16,8 @@ The contract (what every workflow returns and the actor consumes):
 
 Design decisions:
 - `TrajectoryBuilder` is the only place a workflow appends tokens. Every append extends all per-token lists
-  together, so `input_ids` can never outgrow `logprobs`/`loss_mask` (seed 000 appended its output twice). It also
+  together, so `input_ids` can never outgrow `logprobs`/`loss_mask` (appending an output twice, once as context and once
+  as output, is the classic way to misalign them). It also
   refuses a response generated from a context other than the one it holds.
 - Padding carries no meaning: every consumer (checker, actor, viewer) looks only where `attention_mask` is True.
   `check_trajectory` accepts int32 or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.

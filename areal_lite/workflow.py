@@ -72,8 +72,8 @@ logger = logging.getLogger(__name__)
 
 TensorDict = Dict[str, torch.Tensor]
 
-# Seed 000's prompt for the search agent (typo fixed, its unused web-page clause dropped); it ends inside the
-# assistant's first `<think>`.
+# The search agent's prompt, in the Search-R1 / ASearcher style: it names the tags the parsers look for and ends
+# inside the assistant's first `<think>`, so the first generated token already continues a thought.
 PROMPT_TEMPLATE = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant answers it. The "
     "Assistant analyzes the given question and information in the mind, retains important relevant information, "
@@ -383,7 +383,7 @@ class ReflectionWorkflow(RLVRWorkflow):
 
 
 class SearchAgentWorkflow(RolloutWorkflow):
-    """Seed 000's search agent: think, `<search>` the RAG server, read `<information>`, then `<answer>`.
+    """A search agent: think, `<search>` the RAG server, read `<information>`, then `<answer>`.
 
     Each turn generates until `</search>`, `</answer>` or EOS. A search query is sent to the RAG server
     (`POST /retrieve`) and its passages are appended as an `<information>` block (loss 0). An answer ends the episode
