@@ -74,7 +74,7 @@ def test_builder_keeps_all_lists_aligned_and_dtypes():
 
 
 def test_builder_rejects_response_from_another_context():
-    # Seed 000's double append makes the context sent to the server differ from the trajectory; the builder
+    # Appending an output twice makes the context sent to the server differ from the trajectory; the builder
     # refuses such a response instead of silently misaligning tensors.
     b = TrajectoryBuilder().add_prompt([1, 2, 3])
     doubled = [1, 2, 3, 4, 4]
@@ -233,8 +233,8 @@ def test_check_trajectory_catches_each_violation(mutate, match):
         check_trajectory(batch)
 
 
-def test_check_trajectory_catches_seed000_double_append():
-    # Seed 000: `input_ids += resp.output_tokens` twice, logprobs/loss_mask once -> lengths disagree.
+def test_check_trajectory_catches_a_double_append():
+    # `input_ids += resp.output_tokens` twice, logprobs/loss_mask once -> lengths disagree.
     prompt, out = [1, 2, 3], [7, 8]
     input_ids = prompt + out + out
     logprobs = [0.0] * 3 + [-0.1, -0.2]

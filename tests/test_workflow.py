@@ -199,7 +199,8 @@ class ScriptedPolicy:
 
 
 def test_chat_prompt_ids_ends_with_generation_prompt(tok):
-    # Seed 002 called apply_chat_template(..., apply_chat_template=True, tokenize=True): no generation prompt.
+    # A common slip: apply_chat_template(..., tokenize=True) without add_generation_prompt=True, so the model
+    # would start by writing the assistant header itself.
     raw = tok.apply_chat_template(_msgs(), tokenize=True, add_generation_prompt=True)
     assert not isinstance(raw, list)  # transformers 5 returns a BatchEncoding: we must normalise it
     ids = chat_prompt_ids(tok, _msgs())
@@ -227,7 +228,7 @@ def test_chat_turn_fragments_keep_chatml_exact(tok):
     # Stopped on EOS (the output ends with <|im_end|>) and cut by length (no EOS): both give the template's text.
     for out in (answer + [tok.eos_token_id], answer):
         assert tok.decode(prompt + out + frag.after_output(out)) == expected
-    # Seed 002's fragment (token diff of [assistant] vs [assistant, user]) starts after "<|im_end|>\n", so
+    # The naive fragment (token diff of [assistant] vs [assistant, user]) starts after "<|im_end|>\n", so
     # output + EOS + fragment loses the newline: the model would be trained on a context it never sees at test time.
     s1 = tok.apply_chat_template([{"role": "assistant", "content": "x"}], tokenize=True)["input_ids"]
     two = [{"role": "assistant", "content": "x"}, {"role": "user", "content": REFLECTION_PROMPT}]
@@ -281,7 +282,7 @@ def test_rlvr_direct_episode(tok, engine, rewards):
     wf = RLVRWorkflow(rewards["one"], _gconfig(), tok)
     data = {"messages": _msgs(), "answer": "5"}
     out = asyncio.run(wf.arun_episode(engine, data))
-    assert "rewards" in out and "reward" not in out  # seed 002's first workflow returned `reward`
+    assert "rewards" in out and "reward" not in out  # AReaL's key is `rewards`; `reward` would be ignored
     assert out["rewards"].tolist() == [1.0]
     assert out["input_ids"].shape[0] == 1
     prompt_text = _render(tok, _msgs(), gen=True)
@@ -305,7 +306,7 @@ def test_rlvr_through_rollout_batch_with_real_reward(tok, engine):
 
 
 def test_reward_timeout_is_used_and_rollout_survives(tok, engine):
-    # Seed 002 defined REWARD_TIMEOUT_SECONDS and never used it; a hanging reward blocked the rollout.
+    # A reward timeout that is defined but not applied lets one hanging reward block the whole rollout.
     wf = RLVRWorkflow(slow_reward, _gconfig(), tok, reward_timeout=3.0)
     assert wf.async_reward_fn.timeout_seconds == 3.0
     try:
@@ -476,7 +477,7 @@ def test_search_agent_tool_path_with_real_rag(tok, rag_server):
     data = {"question": "What is the capital of France?", "answer": ["Paris", "Paris, France"]}
     out = asyncio.run(wf.arun_episode(policy, data))
     assert out["rewards"].tolist() == [1.0]
-    # Seed 000 appended each output twice; here every request continues exactly the trajectory so far.
+    # Every request continues exactly the trajectory so far (no output appended twice).
     r0, r1 = policy.requests
     outs = _outputs(out)
     obs = [s for s in trajectory_segments(out, 0) if s.kind == "observation"][0]
@@ -556,7 +557,7 @@ def test_search_agent_tag_split_across_generations(tok, rag_server):
 
 
 def test_search_agent_reward_modes(tok):
-    # "set" (seed 000: token sets) vs "multiset" (SQuAD): a repeated word scores differently.
+    # "set" (token sets) vs "multiset" (SQuAD): a repeated word scores differently.
     data = {"question": "q?", "answer": ["new york"]}
     got = {}
     for mode in ("set", "multiset"):
