@@ -289,6 +289,97 @@ def _threads(config: Any) -> None:
 # ------------------------------------------------------------------------------------------------ the loop
 
 
+@dataclasses.dataclass
+class _RunData:
+    """What a run reads before it starts: tokenizer, the training loader, held-out rows and the step budget."""
+
+    tokenizer: Any
+    dataloader: Any
+    valid_rows: List[dict]
+    ft_spec: FinetuneSpec
+    total: int
+
+
+def _load_run_data(config: Any) -> _RunData:
+    from .data import load_dataset_from_config, make_dataloader
+    from .models import load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer_path or config.actor.path)
+    ds = config.train_dataset
+    train_set = load_dataset_from_config(ds)
+    dataloader = make_dataloader(train_set, ds.batch_size, shuffle=ds.shuffle, seed=ds.seed, drop_last=ds.drop_last)
+    valid_rows: List[dict] = []
+    if config.valid_dataset is not None:
+        valid = load_dataset_from_config(config.valid_dataset)
+        valid_rows = [valid[i] for i in range(min(len(valid), config.evaluator.size))]
+    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_set), ds.batch_size)
+    total = ft_spec.total_train_steps
+    if config.total_train_steps is not None:
+        # An explicit step count wins (the loader cycles over epochs); the LR schedule spans exactly those steps.
+        total = int(config.total_train_steps)
+        ft_spec = FinetuneSpec(1, total * ds.batch_size, ds.batch_size)
+    return _RunData(tokenizer, dataloader, valid_rows, ft_spec, total)
+
+
+def _start_weights(resume: bool, ckpt_root: str, launched: bool, actor, engine, dataloader, meta) -> int:
+    """Restore the latest checkpoint (`resume`) or adopt running servers; returns the first step to run."""
+    ckpt = _latest_checkpoint(ckpt_root) if resume else None
+    if resume and ckpt is None:
+        print(f"train: --resume but no checkpoint under {ckpt_root}; starting from step 0")
+    if ckpt is not None:
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        actor.load(os.path.join(ckpt, "actor"))
+        dataloader.load_state_dict(state["dataloader"])
+        random.setstate(state["python_rng"])
+        start = int(state["step"])
+        # The servers start from the base weights: give them the checkpoint's (as version `start`).
+        actor.set_version(start - 1)
+        engine.set_version(start - 1)
+        _sync_weights(actor, engine, meta, start)
+        print(f"train: resumed from {ckpt} at step {start}")
+        return start
+    if not launched:
+        # Servers we did not start may hold other weights (an earlier run): give them ours, as version 0.
+        actor.set_version(-1)
+        engine.set_version(-1)
+        _sync_weights(actor, engine, meta, 0)
+    return 0
+
+
+def _grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dataloader, data_iter, workflow):
+    """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync. Returns its stats."""
+    t_step = time.perf_counter()
+    if config.async_training:
+        batch = concat_padded_tensors(engine.prepare_batch(dataloader, workflow))
+        fingerprint = None
+    else:
+        rows = next(data_iter)
+        fingerprint = _fingerprint(rows)
+        batch = concat_padded_tensors(engine.rollout_batch(rows, workflow))
+    t_gen = time.perf_counter() - t_step
+    stats: Dict[str, Any] = {"step": step, **batch_stats(batch, actor.get_version())}
+
+    t = time.perf_counter()
+    if config.actor.use_decoupled_loss:  # without it, PPO's old policy is the behaviour policy
+        batch["prox_logp"] = actor.compute_logp(batch)
+    t_logp = time.perf_counter() - t
+    t = time.perf_counter()
+    adv = actor.compute_advantages(batch)
+    train_stats = actor.ppo_update(batch)
+    actor.step_lr_scheduler()
+    t_update = time.perf_counter() - t
+    t = time.perf_counter()
+    _sync_weights(actor, engine, meta, step + 1)
+    t_sync = time.perf_counter() - t
+
+    stats.update({k: v for k, v in train_stats.items() if k != "update_time"})
+    stats["kl_reward"] = adv["kl_reward"]
+    stats["version"] = actor.get_version()
+    stats["data_fingerprint"] = fingerprint
+    stats.update({"time/generate": t_gen, "time/logp": t_logp, "time/update": t_update, "time/weight_sync": t_sync})
+    return stats, t_step
+
+
 def train(
     config: Any,
     resume: bool = False,
@@ -306,11 +397,10 @@ def train(
     from tqdm.auto import tqdm
 
     from .actor import PPOActor
-    from .data import cycle_dataloader, load_dataset_from_config, make_dataloader
+    from .data import cycle_dataloader
     from .engine import RemoteSGLangEngine
     from .launch import launch_server
-    from .models import load_tokenizer
-    from .plot import plot_rewards, save_png
+    from .workflow import RLVRWorkflow
 
     random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -318,114 +408,38 @@ def train(
     reconcile_temperature(config.actor, config.gconfig)  # a config built in Python skipped the loader
     run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
     ckpt_root = os.path.join(run_dir, "checkpoints")
-    weights = config.weight_update_dir or os.path.join(run_dir, "weights")
-    meta = WeightUpdateMeta.from_disk(weights)
-
-    tokenizer = load_tokenizer(config.tokenizer_path or config.actor.path)
-    ds = config.train_dataset
-    train_set = load_dataset_from_config(ds)
-    dataloader = make_dataloader(train_set, ds.batch_size, shuffle=ds.shuffle, seed=ds.seed, drop_last=ds.drop_last)
-    valid_rows: List[dict] = []
-    if config.valid_dataset is not None:
-        valid = load_dataset_from_config(config.valid_dataset)
-        valid_rows = [valid[i] for i in range(min(len(valid), config.evaluator.size))]
-    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_set), ds.batch_size)
-    total = ft_spec.total_train_steps
-    if config.total_train_steps is not None:
-        # An explicit step count wins (the loader cycles over epochs); the LR schedule spans exactly those steps.
-        total = int(config.total_train_steps)
-        ft_spec = FinetuneSpec(1, total * ds.batch_size, ds.batch_size)
-
-    from .workflow import RLVRWorkflow
-
+    meta = WeightUpdateMeta.from_disk(config.weight_update_dir or os.path.join(run_dir, "weights"))
+    data = _load_run_data(config)
+    total = data.total
     reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
-    workflow = workflow or build_workflow(config, tokenizer, reward_fn)
+    workflow = workflow or build_workflow(config, data.tokenizer, reward_fn)
     # One evaluation workflow for the whole run: its reward worker pool starts once.
+    system_prompt = getattr(config, "system_prompt", None)
     eval_workflow = RLVRWorkflow(
-        reward_fn, config.eval_gconfig.new(n_samples=1), tokenizer, system_prompt=getattr(config, "system_prompt", None)
+        reward_fn, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
     )
     handle = engine = actor = logger = None
-    history: List[Dict[str, Any]] = []
     try:
         if server_addrs is None:
             handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run_dir, "logs"))
-            handle.wait_ready(timeout=config.rollout.setup_timeout)
-            server_addrs = [handle.address]
+            server_addrs = [handle.wait_ready(timeout=config.rollout.setup_timeout).address]
         server_addrs = list(server_addrs)
         engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
-        actor = PPOActor(config.actor, ref_config=config.ref).initialize(None, ft_spec)
-
-        start = 0
-        ckpt = _latest_checkpoint(ckpt_root) if resume else None
-        if resume and ckpt is None:
-            print(f"train: --resume but no checkpoint under {ckpt_root}; starting from step 0")
-        if ckpt is not None:
-            state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-            actor.load(os.path.join(ckpt, "actor"))
-            dataloader.load_state_dict(state["dataloader"])
-            random.setstate(state["python_rng"])
-            start = int(state["step"])
-            # The servers start from the base weights: give them the checkpoint's (as version `start`).
-            actor.set_version(start - 1)
-            engine.set_version(start - 1)
-            _sync_weights(actor, engine, meta, start)
-            print(f"train: resumed from {ckpt} at step {start}")
-        elif handle is None:
-            # Servers we did not start may hold other weights (an earlier run): give them ours, as version 0.
-            actor.set_version(-1)
-            engine.set_version(-1)
-            _sync_weights(actor, engine, meta, 0)
+        actor = PPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
+        start = _start_weights(resume, ckpt_root, handle is not None, actor, engine, data.dataloader, meta)
         logger = StatsLogger(config, run_dir, start)
-        history = logger.history
 
         def run_eval(step: int) -> Dict[str, float]:
-            if not valid_rows:
-                return {}
-            t = time.perf_counter()
-            out = evaluate(server_addrs, valid_rows, eval_workflow, config.rollout)
-            out["time/eval"] = time.perf_counter() - t
-            if progress:
-                print(f"train: step {step}: greedy accuracy {out['eval_accuracy']:.3f} on {len(valid_rows)} held-out")
-            return out
+            return _held_out_eval(config, server_addrs, data.valid_rows, eval_workflow, step, progress)
 
         pending_eval = run_eval(start) if start == 0 else {}
-        data_iter = cycle_dataloader(dataloader)
+        data_iter = cycle_dataloader(data.dataloader)
         bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
         for step in bar:
-            t_step = time.perf_counter()
-            if config.async_training:
-                batch = concat_padded_tensors(engine.prepare_batch(dataloader, workflow))
-                fingerprint = None
-            else:
-                rows = next(data_iter)
-                fingerprint = _fingerprint(rows)
-                batch = concat_padded_tensors(engine.rollout_batch(rows, workflow))
-            t_gen = time.perf_counter() - t_step
-            stats: Dict[str, Any] = {"step": step, **batch_stats(batch, actor.get_version())}
-
-            t = time.perf_counter()
-            if config.actor.use_decoupled_loss:  # without it, PPO's old policy is the behaviour policy
-                batch["prox_logp"] = actor.compute_logp(batch)
-            t_logp = time.perf_counter() - t
-            t = time.perf_counter()
-            adv = actor.compute_advantages(batch)
-            train_stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
-            t_update = time.perf_counter() - t
-            t = time.perf_counter()
-            _sync_weights(actor, engine, meta, step + 1)
-            t_sync = time.perf_counter() - t
-
-            stats.update({k: v for k, v in train_stats.items() if k != "update_time"})
-            stats["kl_reward"] = adv["kl_reward"]
-            stats["version"] = actor.get_version()
-            stats["data_fingerprint"] = fingerprint
-            stats.update(
-                {"time/generate": t_gen, "time/logp": t_logp, "time/update": t_update, "time/weight_sync": t_sync}
-            )
+            stats, t_step = _grpo_step(config, step, engine, actor, meta, data.dataloader, data_iter, workflow)
             done = step + 1
             if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
-                save_checkpoint(ckpt_root, done, actor, dataloader, config.saver.keep_last)
+                save_checkpoint(ckpt_root, done, actor, data.dataloader, config.saver.keep_last)
             freq = config.evaluator.freq_steps
             if step == start and pending_eval:
                 stats.update({k: v for k, v in pending_eval.items() if k != "eval_accuracy"})
@@ -438,13 +452,9 @@ def train(
             if on_step is not None:
                 on_step(step, stats)
         if config.saver.freq_steps and total > start:
-            save_checkpoint(ckpt_root, total, actor, dataloader, config.saver.keep_last)
-        if history:
-            save_png(
-                plot_rewards(history, title=f"{config.experiment_name} reward"),
-                os.path.join(run_dir, "reward_curve.png"),
-            )
-        return history
+            save_checkpoint(ckpt_root, total, actor, data.dataloader, config.saver.keep_last)
+        _save_curve(config, logger.history, run_dir)
+        return logger.history
     finally:
         if logger is not None:
             logger.close()
@@ -454,6 +464,26 @@ def train(
             actor.destroy()
         if handle is not None:
             handle.stop()
+
+
+def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, step: int, progress: bool):
+    """Greedy accuracy on the held-out rows (nothing when there are none), with its wall time."""
+    if not rows:
+        return {}
+    t = time.perf_counter()
+    out = evaluate(addrs, rows, workflow, config.rollout)
+    out["time/eval"] = time.perf_counter() - t
+    if progress:
+        print(f"train: step {step}: greedy accuracy {out['eval_accuracy']:.3f} on {len(rows)} held-out")
+    return out
+
+
+def _save_curve(config: Any, history: List[Dict[str, Any]], run_dir: str) -> None:
+    from .plot import plot_rewards, save_png
+
+    if history:
+        title = f"{config.experiment_name} reward"
+        save_png(plot_rewards(history, title=title), os.path.join(run_dir, "reward_curve.png"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

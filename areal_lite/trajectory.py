@@ -139,17 +139,8 @@ def _first_bad(mask: torch.Tensor):
     return int(idx[0, 0]), int(idx[0, 1])
 
 
-def check_trajectory(
-    batch: Dict[str, torch.Tensor],
-    tokenizer=None,
-    expected_texts: Optional[Sequence[Sequence[str]]] = None,
-    allow_all_prompt: bool = False,
-) -> bool:
-    """Assert the tensor contract on `batch`; return True or raise `TrajectoryError` naming row and position.
-
-    With `tokenizer` and `expected_texts` (one list of segment strings per row: prompt, outputs, observations in
-    order), the decoded real tokens of each row must equal the concatenation of its segments.
-    """
+def _check_shapes(batch: Dict[str, torch.Tensor]) -> None:
+    """Required keys are there, are tensors, and agree on [B, L] (token keys) or [B] (per-row keys)."""
     if not isinstance(batch, dict):
         _fail(f"a batch is a dict of tensors, got {type(batch).__name__}")
     required = TOKEN_KEYS + ("rewards",)
@@ -176,6 +167,10 @@ def check_trajectory(
         if batch[k].dim() != 2:
             _fail(f"{k!r} must be [B, L], got shape {tuple(batch[k].shape)}")
 
+
+def _check_dtypes(batch: Dict[str, torch.Tensor]) -> None:
+    """Dtypes AReaL's trainer accepts; finite rewards."""
+    ids = batch["input_ids"]
     att, lm, lp, ver, rew = (batch[k] for k in ("attention_mask", "loss_mask", "logprobs", "versions", "rewards"))
     if ids.dtype not in _INT_DTYPES:
         _fail(f"input_ids dtype is {ids.dtype}, expected torch.int32 (AReaL's) or torch.long")
@@ -192,6 +187,11 @@ def check_trajectory(
     if not torch.isfinite(rew).all():
         _fail(f"rewards has non-finite values at rows {(~torch.isfinite(rew)).nonzero().flatten().tolist()}")
 
+
+def _check_values(batch: Dict[str, torch.Tensor], allow_all_prompt: bool) -> None:
+    """Masks are 0/1 and right-padded; prompt/observation tokens carry logprob 0 and version -1."""
+    ids, att, lm, lp, ver = (batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions"))
+    B, L = ids.shape
     lm_int = lm.long()
     if ((lm_int != 0) & (lm_int != 1)).any():
         r, t = _first_bad((lm_int != 0) & (lm_int != 1))
@@ -235,21 +235,43 @@ def check_trajectory(
         if empty:
             _fail(f"rows {empty} have no generated token (loss_mask all 0); pass allow_all_prompt=True if intended")
 
+
+def _check_texts(batch: Dict[str, torch.Tensor], tokenizer, expected_texts) -> None:
+    """The decoded real tokens of each row equal the concatenation of its expected segments."""
+    ids, att = batch["input_ids"], batch["attention_mask"]
+    B = ids.shape[0]
+    if tokenizer is None:
+        _fail("expected_texts needs a tokenizer to decode input_ids")
+    if len(expected_texts) != B:
+        _fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
+    for r in range(B):
+        n = int(att[r].sum())
+        got = tokenizer.decode(ids[r, :n].tolist(), skip_special_tokens=False)
+        want = "".join(expected_texts[r])
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            _fail(
+                f"row {r}: decoded text differs from the expected segments at character {at}: "
+                f"got {got[max(0, at - 30) : at + 30]!r}, expected {want[max(0, at - 30) : at + 30]!r}"
+            )
+
+
+def check_trajectory(
+    batch: Dict[str, torch.Tensor],
+    tokenizer=None,
+    expected_texts: Optional[Sequence[Sequence[str]]] = None,
+    allow_all_prompt: bool = False,
+) -> bool:
+    """Assert the tensor contract on `batch`; return True or raise `TrajectoryError` naming row and position.
+
+    With `tokenizer` and `expected_texts` (one list of segment strings per row: prompt, outputs, observations in
+    order), the decoded real tokens of each row must equal the concatenation of its segments.
+    """
+    _check_shapes(batch)
+    _check_dtypes(batch)
+    _check_values(batch, allow_all_prompt)
     if expected_texts is not None:
-        if tokenizer is None:
-            _fail("expected_texts needs a tokenizer to decode input_ids")
-        if len(expected_texts) != B:
-            _fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
-        for r in range(B):
-            n = int(att[r].sum())
-            got = tokenizer.decode(ids[r, :n].tolist(), skip_special_tokens=False)
-            want = "".join(expected_texts[r])
-            if got != want:
-                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                _fail(
-                    f"row {r}: decoded text differs from the expected segments at character {at}: "
-                    f"got {got[max(0, at - 30) : at + 30]!r}, expected {want[max(0, at - 30) : at + 30]!r}"
-                )
+        _check_texts(batch, tokenizer, expected_texts)
     return True
 
 
