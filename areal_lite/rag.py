@@ -5,7 +5,8 @@
 Design decisions:
 - Corpus = JSONL, one passage a row: `id`, `title`, `wikipedia_title`, `contents` (missing ids/titles
   are filled in; a row without `contents`/`text` is an error naming the line). Rows are returned
-  as stored, as ASearcher does, so the seed's `doc["wikipedia_title"]`/`doc["contents"]` work.
+  as stored, as ASearcher's server does, so agent code that reads `doc["wikipedia_title"]` and
+  `doc["contents"]` works against either server.
 - BM25 (`bm25s`, English stopwords, Snowball stemming via PyStemmer) is the default: it indexes
   the ~76k-passage factbook corpus in ~3 s and answers a query in ~15 ms on a CPU. Stemming is
   what lets "official language" find "Languages: ... (official)"; without PyStemmer it still runs,
@@ -17,40 +18,39 @@ Design decisions:
   corpus takes minutes: `--max-dense-docs N` serves only the first N rows. Embeddings are cached
   as .npy under `--index-cache` keyed by a hash of the served passages + model, so a restart is free.
 - The server is aiohttp on 127.0.0.1 by default. Retrieval is CPU work and runs on one worker
-  thread, so `/health` answers while a large batch is scored. Every error is JSON `{"error": msg}`
-  with a 4xx status (405 for a wrong method, 404 for an unknown route, 413 for a body over 1 MiB),
-  and the server stays up. Unknown request keys are refused: a typo like `top_k` would otherwise
-  silently give 3 results.
+  thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.jsonhttp`,
+  as the inference server's do: JSON `{"error": msg}` with a 4xx status (405 for a wrong method,
+  404 for an unknown route, 413 for a body over 1 MiB), and the server stays up. Unknown request
+  keys are refused: a typo like `top_k` would otherwise silently give 3 results.
 - `/access` maps a url to a "page": a corpus id, a doc's `url`, or a title (`.../wiki/Some_Title`
   works too) gives all passages with that title joined in corpus order; anything else is null.
-- `launch_rag_server` runs the server as a subprocess on a free loopback port, logs to a file whose
-  tail is put into the error if the process dies, stops it at exit, and the child exits by itself
-  if its parent dies (no orphans after a notebook kernel restart).
+- `launch_rag_server` runs the server as a child process on a free loopback port through
+  `areal_lite.procs`, like the inference servers: a log file whose tail is put into the error if
+  the process dies, stopped at exit, and no orphan after a notebook kernel restart (the child gets
+  SIGTERM when its parent dies on Linux, and also watches its parent itself: `--exit-with-parent`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import concurrent.futures
 import hashlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-import weakref
 from pathlib import Path
 
 import numpy as np
 from aiohttp import web
+
+from areal_lite.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
+from areal_lite.procs import ServerProcess, exit_with_parent, find_free_port, spawn
 
 __all__ = [
     "load_corpus",
@@ -293,82 +293,54 @@ def build_index(
 
 
 # ----------------------------------------------------------------------------- HTTP
-class _BadRequest(Exception):
-    pass
+_ROUTES_HELP = 'routes: GET /health, POST /retrieve {"queries": [...], "topk": 3}, POST /access {"urls": [...]}'
 
 
 def _check_keys(body, allowed: set[str]) -> None:
     if not isinstance(body, dict):
-        raise _BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        raise BadRequest(f"the request body must be a JSON object, got {describe(body)}")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise _BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
 
 
 def _check_str_list(body: dict, key: str, limit: int) -> list[str]:
     if key not in body:
-        raise _BadRequest(f"missing required field '{key}' (a list of strings)")
+        raise BadRequest(f"missing required field '{key}' (a list of strings)")
     value = body[key]
     if not isinstance(value, list):
-        raise _BadRequest(f"'{key}' must be a list of strings, got {type(value).__name__}")
+        raise BadRequest(f"'{key}' must be a list of strings, got {describe(value)}")
     if not value:
-        raise _BadRequest(f"'{key}' is empty; send at least one")
+        raise BadRequest(f"'{key}' is empty; send at least one")
     if len(value) > limit:
-        raise _BadRequest(f"too many {key}: {len(value)} > {limit}; split the request")
+        raise BadRequest(f"too many {key}: {len(value)} > {limit}; split the request")
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            raise _BadRequest(f"'{key}[{i}]' must be a string, got {type(item).__name__}")
+            raise BadRequest(f"'{key}[{i}]' must be a string, got {describe(item)}")
         if not item.strip():
-            raise _BadRequest(f"'{key}[{i}]' is empty")
+            raise BadRequest(f"'{key}[{i}]' is empty")
     return value
 
 
+async def _read_body(request: web.Request, example: str):
+    """The JSON body; an empty one is refused with an example of what to send."""
+    body = await read_json(request)
+    if body is None:
+        raise BadRequest(f"the request body is empty; send a JSON object such as {example}")
+    return body
+
+
 def parse_retrieve_request(body) -> tuple[list[str], int, bool]:
-    """Validate a /retrieve body; raises _BadRequest with a message meant for the client."""
+    """Validate a /retrieve body; raises BadRequest with a message meant for the client."""
     _check_keys(body, RETRIEVE_KEYS)
     queries = _check_str_list(body, "queries", MAX_QUERIES)
     topk = body.get("topk", 3)
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
-        raise _BadRequest(f"'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r}")
+        raise BadRequest(f"'topk' must be an integer in [1, {MAX_TOPK}], got {describe(topk)}")
     return_scores = body.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise _BadRequest(f"'return_scores' must be true or false, got {return_scores!r}")
+        raise BadRequest(f"'return_scores' must be true or false, got {describe(return_scores)}")
     return queries, topk, return_scores
-
-
-async def _read_json(request: web.Request):
-    raw = await request.read()  # raises 413 past client_max_size
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise _BadRequest("request body is not UTF-8") from None
-    except ValueError as e:
-        raise _BadRequest(f"request body is not valid JSON: {e}") from None
-
-
-_ROUTES_HELP = "routes: GET /health, POST /retrieve, POST /access"
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except _BadRequest as e:
-        return web.json_response({"error": str(e)}, status=400)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        if e.status == 404:
-            msg = f"no route {request.path}; {_ROUTES_HELP}"
-        elif e.status == 405:
-            msg = f"method {request.method} not allowed on {request.path}; {_ROUTES_HELP}"
-        else:
-            msg = e.text or e.reason
-        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return web.json_response({"error": msg}, status=e.status, headers=headers)
-    except Exception as e:  # a bug must not take the server down; say what happened
-        logger.exception("error while handling %s %s", request.method, request.path)
-        return web.json_response({"error": f"internal error: {type(e).__name__}: {e}"}, status=500)
 
 
 def build_app(
@@ -390,13 +362,14 @@ def build_app(
         return web.json_response(info)
 
     async def retrieve(request):
-        queries, topk, return_scores = parse_retrieve_request(await _read_json(request))
+        body = await _read_body(request, '{"queries": ["capital of Peru"], "topk": 3}')
+        queries, topk, return_scores = parse_retrieve_request(body)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(pool, index.retrieve, queries, topk, return_scores)
         return web.json_response({"result": result})
 
     async def access(request):
-        body = await _read_json(request)
+        body = await _read_body(request, '{"urls": ["Peru"]}')
         _check_keys(body, ACCESS_KEYS)
         urls = _check_str_list(body, "urls", MAX_URLS)
         return web.json_response({"result": index.access(urls)})
@@ -404,7 +377,8 @@ def build_app(
     async def close_pool(app):
         pool.shutdown(wait=False)
 
-    app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
+    middleware = json_errors_middleware(_ROUTES_HELP, logger)
+    app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
     app["index"] = index
     app.router.add_get("/health", health)
     app.router.add_post("/retrieve", retrieve)
@@ -414,22 +388,6 @@ def build_app(
 
 
 # ----------------------------------------------------------------------------- CLI
-def _exit_with_parent(parent_pid: int):
-    """aiohttp startup hook: stop the server when the process that launched it is gone."""
-
-    async def watch(app):
-        async def loop():
-            while True:
-                await asyncio.sleep(1.0)
-                if os.getppid() != parent_pid:
-                    logger.warning("parent process %d is gone; exiting", parent_pid)
-                    os._exit(0)
-
-        app["parent_watch"] = asyncio.get_running_loop().create_task(loop())
-
-    return watch
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m areal_lite.rag", description="Local RAG server (ASearcher wire format)."
@@ -446,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.exit_with_parent:
+        exit_with_parent(args.exit_with_parent, log=logger)  # from the start: building a dense index takes minutes
     if args.threads > 0:
         import torch
 
@@ -459,89 +419,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logger.info("%s index over %d passages ready in %.1f s", args.retriever, index.num_docs, time.time() - t0)
     app = build_app(index)
-    if args.exit_with_parent:
-        app.on_startup.append(_exit_with_parent(args.exit_with_parent))
     web.run_app(app, host=args.host, port=args.port, print=lambda msg: logger.info("%s", msg.strip()), access_log=None)
 
 
 # ----------------------------------------------------------------------------- launcher
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-_LIVE_SERVERS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all():
-    for handle in list(_LIVE_SERVERS):
-        handle.stop()
-
-
-class RAGServerHandle:
-    """A running `python -m areal_lite.rag` subprocess. `.address` is "host:port"."""
+class RAGServerHandle(ServerProcess):
+    """A running `python -m areal_lite.rag` child process (see `procs.ServerProcess`). `.address` is "host:port";
+    `with launch_rag_server(...) as srv:` waits until it is ready and stops it at the end."""
 
     def __init__(self, process: subprocess.Popen, host: str, port: int, log_path: str):
-        self.process = process
-        self.host, self.port = host, port
-        self.address = f"{host}:{port}"
-        self.log_path = log_path
-        _LIVE_SERVERS.add(self)
+        super().__init__(process, host, port, log_path, label="RAG server")
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.proc
 
     def log_tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return "(no log)"
+        """The last `n` lines of the server's log."""
+        return self.tail(n)
 
-    def is_alive(self) -> bool:
-        return self.process.poll() is None
-
-    def wait_ready(self, timeout: float = 120.0) -> "RAGServerHandle":
-        """Block until GET /health answers 200; raise with the log tail if the process dies or times out."""
-        deadline = time.monotonic() + timeout
-        url = f"http://{self.address}/health"
-        while time.monotonic() < deadline:
-            if not self.is_alive():
-                raise RuntimeError(
-                    f"RAG server exited with code {self.process.returncode} before it was ready; "
-                    f"last log lines ({self.log_path}):\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(
-            f"RAG server at {self.address} not ready after {timeout:g} s; last log lines:\n{self.log_tail()}"
-        )
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Terminate the server (kill if it lingers). Idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        _LIVE_SERVERS.discard(self)
-
-    def __enter__(self):
+    def __enter__(self) -> "RAGServerHandle":
         return self.wait_ready()
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def __repr__(self):
-        state = "running" if self.is_alive() else f"exited({self.process.returncode})"
-        return f"RAGServerHandle(address={self.address!r}, {state}, log={self.log_path!r})"
 
 
 def launch_rag_server(
@@ -556,7 +454,7 @@ def launch_rag_server(
     """Start the RAG server in a subprocess (free port by default). Use `with ... as srv:` or `.wait_ready()`."""
     if not os.path.exists(corpus):
         raise FileNotFoundError(f"corpus file not found: {corpus}")
-    port = port or _free_port(host)
+    port = port or find_free_port(host)
     cmd = [
         sys.executable,
         "-m",
@@ -587,9 +485,8 @@ def launch_rag_server(
     if threads > 0:
         env["OMP_NUM_THREADS"] = str(threads)
     fd, log_path = tempfile.mkstemp(prefix=f"areal-lite-rag-{port}-", suffix=".log")
-    with os.fdopen(fd, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    return RAGServerHandle(process, host, port, log_path)
+    os.close(fd)
+    return RAGServerHandle(spawn(cmd, log_path, env), host, port, log_path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,338 @@
+"""Child server processes: free ports, starting a child that dies with its parent, and a handle to wait for it,
+read its log and stop it. The inference servers (`launch.ServerHandle`) and the retrieval server
+(`rag.RAGServerHandle`) are both built on this module.
+
+    port = find_free_port()
+    proc = spawn([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], "/tmp/files.log")
+    with ServerProcess(proc, "127.0.0.1", port, "/tmp/files.log", label="file server", health_path="/") as srv:
+        srv.wait_ready(timeout=30)       # polls GET http://127.0.0.1:PORT/; on failure the error quotes the log
+        ...                              # leaving the block stops the process
+
+Design decisions
+- A server is a plain child process started from an argv list (never a shell string), with stdout and stderr
+  appended to one log file. Errors quote the last lines of that file, so a failed start explains itself in the
+  notebook instead of saying only "connection refused".
+- No orphans, in layers, because a notebook kernel can be restarted or crash at any time:
+  (1) Linux: the child asks the kernel for SIGTERM when its parent dies (`prctl(PR_SET_PDEATHSIG)`), which covers
+  a SIGKILLed or crashed parent, where no Python code runs. The kernel sends that signal when the *thread* that
+  forked the child exits, so forks requested from other threads are done by one long-lived spawner thread (a
+  server started from a short-lived worker thread would otherwise die with that thread).
+  (2) `atexit` stops every server still running at interpreter exit. (3) A weakref finalizer stops a server
+  whose handle is garbage-collected. (4) A child server can call `exit_with_parent(pid)` to poll for its parent
+  itself: the fallback where prctl does not exist.
+- Each child leads its own session (process group). `stop()` signals the whole group, so it also reaches the
+  child's own children (SGLang runs scheduler processes), and Ctrl-C or a notebook interrupt sent to the parent's
+  group does not kill the server. `stop()` is idempotent: SIGTERM, wait, then SIGKILL.
+- `wait_ready()` polls a health URL until it answers 200. If the child exits first it raises `ServerLaunchError`;
+  if time runs out it stops the child (a server that never got ready only holds its port) and raises
+  `ServerTimeoutError`, which is both a `ServerLaunchError` and a `TimeoutError`.
+- Free ports are picked by the OS (bind to port 0). The port is free when chosen and is bound by the child a
+  moment later; on a shared machine another process can take it in between, which then shows as a child that
+  exits with "address already in use" in its log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+
+__all__ = [
+    "ServerLaunchError",
+    "ServerTimeoutError",
+    "ServerProcess",
+    "find_free_port",
+    "find_free_ports",
+    "spawn",
+    "exit_with_parent",
+]
+
+logger = logging.getLogger("areal_lite.procs")
+
+
+class ServerLaunchError(RuntimeError):
+    """The server process died or did not become healthy in time; the message ends with its last log lines."""
+
+
+class ServerTimeoutError(ServerLaunchError, TimeoutError):
+    """The server did not become healthy within the timeout (and was stopped)."""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ports
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
+    return find_free_ports(1, host)[0]
+
+
+def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (all sockets are held open until every port is chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# starting children that die with their parent
+
+
+def _parent_death_preexec() -> Optional[Callable[[], None]]:
+    """preexec_fn for Popen: SIGTERM this child when the forking thread/process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, in the parent: no dlopen after fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    PR_SET_PDEATHSIG = 1
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+class _Spawner:
+    """Runs Popen on one long-lived thread when called from any thread but the main one (see the module
+    docstring: the parent-death signal is tied to the forking thread)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
+        if threading.current_thread() is threading.main_thread():
+            return subprocess.Popen(*args, **kwargs)
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="areal-lite-spawner", daemon=True)
+                self._thread.start()
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((args, kwargs, box))
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        while True:
+            args, kwargs, box = self._jobs.get()
+            try:
+                box.put((True, subprocess.Popen(*args, **kwargs)))
+            except BaseException as e:  # hand the error back to the caller's thread
+                box.put((False, e))
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn(cmd: Sequence[str], log_path: str, env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
+    """Start `cmd` (an argv list) as a child server: stdout and stderr appended to `log_path`, stdin from
+    /dev/null, in its own process group, and (on Linux) sent SIGTERM if this process dies."""
+    with open(log_path, "ab") as log:  # the child holds its own copy of the descriptor
+        return _SPAWNER.popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env),
+            start_new_session=True,  # own process group: stop() reaches the child's children; Ctrl-C does not
+            preexec_fn=_parent_death_preexec(),
+        )  # fmt: skip
+
+
+def exit_with_parent(parent_pid: int, interval: float = 1.0, log: Optional[logging.Logger] = None) -> threading.Thread:
+    """Call in a child server: exit the process once `parent_pid` is no longer its parent.
+
+    A daemon thread checks every `interval` seconds; when the parent dies the child is re-parented, so
+    `os.getppid()` changes. This is the no-orphan fallback where prctl does not exist, and it also runs while the
+    child is still loading (before any event loop starts)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent_pid:
+                (log or logger).warning("parent process %d is gone; exiting", parent_pid)
+                os._exit(0)  # no cleanup: nobody is left to talk to, and a hung shutdown would be an orphan
+
+    thread = threading.Thread(target=watch, name="areal-lite-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# stopping
+
+
+def _terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM the child's process group, wait, then SIGKILL. Safe to call more than once."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError, OSError):
+            proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                proc.kill()
+            proc.wait(timeout=timeout)
+    else:
+        # The leader is gone; its group (e.g. SGLang's scheduler processes) may not be.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
+def _finalize(
+    proc: subprocess.Popen, log_file: Any, on_stop: Optional[Callable[[int], None]], timeout: float = 5.0
+) -> None:
+    """Stop the child and run the owner's `on_stop(pid)`. Takes no handle, so a finalizer can call it."""
+    _terminate(proc, timeout=timeout)
+    if on_stop is not None:
+        on_stop(proc.pid)
+    if log_file is not None:
+        try:
+            log_file.close()
+        except Exception:
+            pass
+
+
+_LIVE: "weakref.WeakValueDictionary[int, ServerProcess]" = weakref.WeakValueDictionary()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for handle in list(_LIVE.values()):
+        try:
+            handle.stop(timeout=5.0)
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the handle
+
+_H = TypeVar("_H", bound="ServerProcess")
+
+
+class ServerProcess:
+    """A child server process: address, log, readiness check, stop. Also a context manager (exit stops it).
+
+    `on_stop(pid)` runs once when the server is stopped, by `stop()`, at exit or when the handle is collected; it
+    must not refer to the handle (that would keep it alive). `log_file`, if given, is closed at the same time.
+    """
+
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: str, *,
+                 cmd: Optional[Sequence[str]] = None, label: str = "server", health_path: str = "/health",
+                 on_stop: Optional[Callable[[int], None]] = None, log_file: Any = None):  # fmt: skip
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.cmd = [str(a) for a in (cmd if cmd is not None else proc.args)]
+        self.label = label
+        self.health_path = health_path
+        self._on_stop = on_stop
+        self._log_file = log_file
+        self._finalizer = weakref.finalize(self, _finalize, proc, log_file, on_stop)
+        _LIVE[proc.pid] = self
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        """The last `n` lines of the server's log."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=n))
+        except OSError as e:
+            return f"(cannot read {self.log_path}: {e})"
+
+    def _failure(self, why: str, error: type = ServerLaunchError) -> ServerLaunchError:
+        return error(
+            f"{self.label} at {self.address} {why}.\ncommand: {' '.join(self.cmd)}\nlog: {self.log_path}\n"
+            f"--- last log lines ---\n{self.tail(30)}"
+        )
+
+    def wait_ready(self: _H, timeout: float = 120.0, poll_interval: float = 0.25) -> _H:
+        """Block until GET `health_path` answers 200. Raises ServerLaunchError (with the log's tail) if the process
+        exits, ServerTimeoutError if `timeout` seconds pass; in the latter case the server is stopped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise self._failure(f"exited with code {code} before becoming ready")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2.0) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass  # not listening yet, or 503 while loading
+            if time.monotonic() >= deadline:
+                err = self._failure(f"did not become ready within {timeout:g}s (stopped it)", ServerTimeoutError)
+                self.stop()
+                raise err
+            time.sleep(poll_interval)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the server (SIGTERM to its group, wait, SIGKILL) and run `on_stop`. Idempotent."""
+        if self._finalizer.detach() is not None:  # first call only; later calls (and GC) do nothing
+            if _LIVE.get(self.pid) is self:
+                del _LIVE[self.pid]
+            _finalize(self.proc, self._log_file, self._on_stop, timeout)
+
+    def __enter__(self: _H) -> _H:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _repr_fields(self) -> str:
+        """Extra `name=value, ` pairs a subclass shows first in its repr."""
+        return ""
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else f"exited({self.proc.returncode})"
+        return (
+            f"{type(self).__name__}({self._repr_fields()}address={self.address!r}, pid={self.pid}, {state}, "
+            f"log={self.log_path!r})"
+        )

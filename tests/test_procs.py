@@ -1,0 +1,187 @@
+"""Tests of areal_lite.procs with real tiny child processes on 127.0.0.1: readiness, errors that quote the log,
+stop (with escalation and the child's own children), and no orphans when the parent dies."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from areal_lite.procs import (
+    _LIVE,
+    ServerLaunchError,
+    ServerProcess,
+    ServerTimeoutError,
+    find_free_port,
+    find_free_ports,
+    spawn,
+)
+
+PY = sys.executable
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def start(tmp_path, code: str, label: str = "test server") -> ServerProcess:
+    """A ServerProcess around `python -c code`, started with procs.spawn, on a free port that nothing serves."""
+    log = str(tmp_path / f"{label.replace(' ', '-')}.log")
+    return ServerProcess(spawn([PY, "-c", code], log), "127.0.0.1", find_free_port(), log, label=label)
+
+
+def test_find_free_ports():
+    port = find_free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    assert len(set(find_free_ports(4))) == 4
+
+
+def test_wait_ready_then_stop(tmp_path):
+    port = find_free_port()
+    log = str(tmp_path / "http.log")
+    cmd = [PY, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(tmp_path), str(port)]
+    srv = ServerProcess(spawn(cmd, log), "127.0.0.1", port, log, label="file server", health_path="/")
+    with srv:
+        assert srv.wait_ready(timeout=30) is srv
+        assert srv.is_alive() and srv.address == f"127.0.0.1:{port}" and srv.url == f"http://127.0.0.1:{port}"
+        assert srv.cmd == cmd and _LIVE[srv.pid] is srv
+        assert "running" in repr(srv) and f"pid={srv.pid}" in repr(srv)
+        assert "GET / " in srv.tail()  # http.server logs each request to stderr, which goes to the log
+        assert psutil.Process(srv.pid).ppid() == os.getpid()
+        assert os.getpgid(srv.pid) == srv.pid  # its own process group: stop() signals the group
+    assert not alive(srv.pid) and srv.pid not in _LIVE
+    assert "exited" in repr(srv)
+    srv.stop()  # idempotent
+
+
+def test_child_that_exits_early_names_its_log_tail(tmp_path):
+    srv = start(tmp_path, "import sys; print('cannot load weights from /nowhere', flush=True); sys.exit(3)")
+    with pytest.raises(ServerLaunchError) as err:
+        srv.wait_ready(timeout=30)
+    msg = str(err.value)
+    assert "test server at 127.0.0.1:" in msg and "exited with code 3" in msg
+    assert "last log lines" in msg and "cannot load weights from /nowhere" in msg and srv.log_path in msg
+    assert not isinstance(err.value, TimeoutError)
+    srv.stop()
+
+
+def test_timeout_stops_the_child(tmp_path):
+    srv = start(tmp_path, "import time; print('loading forever', flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    with pytest.raises(ServerTimeoutError) as err:
+        srv.wait_ready(timeout=0.5, poll_interval=0.05)
+    assert time.monotonic() - t0 < 15
+    assert isinstance(err.value, TimeoutError) and isinstance(err.value, ServerLaunchError)
+    assert "did not become ready within 0.5s" in str(err.value)
+    assert not srv.is_alive()
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(tmp_path):
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('armed', flush=True); time.sleep(60)"
+    )
+    srv = start(tmp_path, code)
+    assert wait_until(lambda: "armed" in srv.tail()), srv.tail()
+    srv.stop(timeout=0.3)
+    assert srv.proc.returncode == -signal.SIGKILL
+
+
+def test_stop_reaches_the_childs_own_children(tmp_path):
+    code = (
+        "import subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('GRANDCHILD', g.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    srv = start(tmp_path, code)
+    assert wait_until(lambda: "GRANDCHILD" in srv.tail()), srv.tail()
+    grandchild = int(srv.tail().split("GRANDCHILD")[1].split()[0])
+    assert alive(grandchild)
+    srv.stop()
+    assert wait_until(lambda: not alive(grandchild), 5)
+
+
+def test_collected_handle_stops_its_child_and_runs_on_stop_once(tmp_path):
+    stopped = []
+    log = str(tmp_path / "gc.log")
+    srv = ServerProcess(
+        spawn([PY, "-c", "import time; time.sleep(60)"], log), "127.0.0.1", 1, log, on_stop=stopped.append
+    )
+    pid = srv.pid
+    del srv
+    gc.collect()
+    assert stopped == [pid] and not alive(pid)
+
+
+def test_spawn_from_a_short_lived_thread_survives_the_thread(tmp_path):
+    box = {}
+    t = threading.Thread(target=lambda: box.update(srv=start(tmp_path, "import time; time.sleep(60)")))
+    t.start()
+    t.join()
+    srv = box["srv"]
+    try:
+        # the parent-death signal follows the forking thread; the spawner thread outlives this one
+        assert not wait_until(lambda: not srv.is_alive(), timeout=0.5), srv.tail()
+    finally:
+        srv.stop()
+
+
+# An intermediate parent: starts a sleeping child one of three ways, says the child's pid, then waits to be killed
+# (or, for "exit", exits normally). Each way exercises one no-orphan layer alone.
+PARENT = r"""
+import subprocess, sys, time
+from areal_lite.procs import ServerProcess, spawn
+how, log = sys.argv[1], sys.argv[2]
+if how == "spawn":  # prctl on Linux
+    proc = spawn([sys.executable, "-c", "import time; time.sleep(60)"], log)
+elif how == "watch":  # a plain child that watches its parent itself; it says when it watches
+    code = ("import os, time; from areal_lite.procs import exit_with_parent; exit_with_parent(os.getppid(), 0.1); "
+            "print('WATCHING', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+else:  # a plain child: only this process's atexit hook and finalizers can stop it
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('STARTED', flush=True); time.sleep(60)"])
+handle = ServerProcess(proc, "127.0.0.1", 1, log)
+print("CHILD", proc.pid, flush=True)
+if how == "exit":
+    sys.exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["spawn", "watch", "exit"])
+def test_child_dies_with_its_parent(tmp_path, how):
+    parent = subprocess.Popen([PY, "-c", PARENT, how, str(tmp_path / "child.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [parent.stdout.readline() for _ in range(1 if how == "spawn" else 2)]
+        child = int(next(line for line in lines if line.startswith("CHILD")).split()[1])
+        if how == "exit":
+            parent.wait(timeout=15)
+        else:
+            assert alive(child)
+            parent.send_signal(signal.SIGKILL)  # no atexit, no finalizers run in the parent
+            parent.wait(timeout=10)
+        assert wait_until(lambda: not alive(child), 5), f"child {child} outlived its parent ({how})"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
