@@ -220,15 +220,39 @@ class SGLangConfig:
 @dataclass
 class EmbeddedServerConfig:
     """Arguments of `python -m areal_lite.serve`, the small SGLang-compatible server for CPU (and CUDA without
-    SGLang)."""
+    SGLang).
+
+    The server's options are defined here and nowhere else: the server builds its command-line parser from these
+    fields (flag `--max-running-requests` for field `max_running_requests`, help from the field's metadata), and
+    `cli_args()` turns a config back into those flags, so an option added here is settable from a YAML config, the
+    launcher and the command line at once. Host, port and the sampling seed belong to one launch, not to the
+    config: the launcher passes them itself."""
 
     model_path: str = _f("", "model folder or alias; empty means the actor's path")
     dtype: str = _f("float32", "weights dtype", choices=("float32", "bfloat16", "float16"))
-    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
+    device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto")
     max_running_requests: int = _f(32, "requests decoded together in one batch")
+    max_prefill_tokens: int = _f(8192, "padded prompt tokens per prefill batch")
     threads: int = _f(1, "torch threads of the server process (1 when a trainer shares the CPU)")
     context_length: Optional[int] = _f(None, "maximum prompt + output tokens; None means the model's")
+    return_original_logprob: bool = _f(False, "logprobs without temperature (as SGLANG_RETURN_ORIGINAL_LOGPROB=1)")
+    decode_log_interval: int = _f(40, "log decode throughput every N decode steps (0: never)")
     log_level: str = _f("info", "server log level", choices=("debug", "info", "warning", "error"))
+
+    def cli_args(self) -> List[str]:
+        """This config as `python -m areal_lite.serve` flags: `--flag value` per field, booleans as `--flag` or
+        `--no-flag`. A field that is None or "" is left out, so the server's default (the same field's) applies."""
+        args: List[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or value == "":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else f"--no-{flag[2:]}")
+            else:
+                args += [flag, str(value)]
+        return args
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -212,3 +212,16 @@ def test_weight_update_dir_defaults_to_ram_when_available(tmp_path):
     assert config.weight_update_dir.endswith(f"e/t/weights-{os.getpid()}")
     explicit, _ = load_expr_config([f"weight_update_dir={tmp_path}"], GRPOConfig, verbose=False)
     assert explicit.weight_update_dir == str(tmp_path)
+
+
+def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
+    """The options the embedded server takes are EmbeddedServerConfig's fields, so YAML and overrides reach them and
+    `cli_args()` carries them to the server's command line."""
+    path = write(tmp_path, "embedded:\n  max_prefill_tokens: 512\n  return_original_logprob: true\n")
+    config, _ = load_expr_config(["--config", path, "embedded.decode_log_interval=0"], GRPOConfig, verbose=False)
+    emb = config.embedded
+    assert (emb.max_prefill_tokens, emb.return_original_logprob, emb.decode_log_interval) == (512, True, 0)
+    args = emb.cli_args()
+    assert args[args.index("--max-prefill-tokens") + 1] == "512" and "--return-original-logprob" in args
+    assert args[args.index("--decode-log-interval") + 1] == "0"
+    assert "--context-length" not in args  # None: the server's default (the model's length) applies

@@ -4,6 +4,7 @@ of the batching and sampling pieces against plain forward passes."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import time
 import urllib.error
@@ -12,14 +13,18 @@ import urllib.request
 import pytest
 import torch
 
+from areal_lite.config import EmbeddedServerConfig
 from areal_lite.serve import (
     BadRequest,
+    GenerationState,
     RunningBatch,
     SamplingParams,
-    Sequence,
+    build_parser,
+    parse_args,
     parse_generate_body,
     sample_tokens,
 )
+from areal_lite.serve.batch import prefill_groups
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
 
@@ -249,9 +254,9 @@ def test_stop_strings_stop_ids_and_length(server, tiny):
     assert out["meta_info"]["completion_tokens"] >= 3 and ids[0] not in out["output_ids"][:3]
 
     # EOS: the ChatML end token is a stop id (a random model rarely samples it, so check the set itself)
-    from areal_lite.serve import _eos_ids
+    from areal_lite.serve import eos_ids
 
-    assert tok.convert_tokens_to_ids("<|im_end|>") in _eos_ids(tiny[0], tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos_ids(tiny[0], tok)
 
 
 def test_skip_special_tokens_affects_text_only(server, tiny):
@@ -340,15 +345,23 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
         assert 400 <= status < 500, (body, status, out)
         assert isinstance(out, dict) and isinstance(out.get("error"), str) and out["error"], (body, out)
         assert call(server, "/health")[0] == 200
-    assert call(server, "/no_such_route")[0] == 404
-    assert call(server, "/generate", method="GET")[0] == 405
+    status, out = call(server, "/no_such_route")
+    assert status == 404 and "/generate" in out["error"]  # the answer lists the routes that exist
+    status, out = call(server, "/generate", method="GET")
+    assert status == 405 and "POST /generate" in out["error"]
     assert call(server, "/health", body={}, method="POST")[0] == 405
     for path in ("/pause_generation", "/abort_request", "/update_weights_from_disk"):
-        assert call(server, path, raw=b"[1]")[0] == 400
-        assert call(server, path, raw=b"{oops")[0] == 400
-    assert call(server, "/pause_generation", {"mode": "sideways"})[0] == 400
-    assert call(server, "/abort_request", {"rid": 5})[0] == 400
-    assert call(server, "/update_weights_from_disk", {"model_path": 3})[0] == 400
+        status, out = call(server, path, raw=b"[1]")
+        assert status == 400 and "must be a JSON object" in out["error"]
+        status, out = call(server, path, raw=b"{oops")
+        assert status == 400 and "not valid JSON" in out["error"]
+    for path, body, words in [
+        ("/pause_generation", {"mode": "sideways"}, "mode: expected 'abort'"),
+        ("/abort_request", {"rid": 5}, "rid: expected a string"),
+        ("/update_weights_from_disk", {"model_path": 3}, "model_path: expected a non-empty string"),
+    ]:
+        status, out = call(server, path, body)
+        assert status == 400 and words in out["error"], (path, out)
     for path in ("/init_weights_update_group", "/update_weights_from_distributed"):
         status, out = call(server, path, {})
         assert status == 400 and "not supported by the embedded server" in out["error"]
@@ -536,8 +549,8 @@ def test_parse_generate_body_units():
         parse_generate_body({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, **kw)
 
 
-def _seq(params: SamplingParams, output=(), stop_ids=()) -> Sequence:
-    return Sequence("r", "r", [1], params, True, frozenset(stop_ids), output=list(output))
+def _seq(params: SamplingParams, output=(), stop_ids=(), prompt=(1,)) -> GenerationState:
+    return GenerationState("r", "r", list(prompt), params, True, frozenset(stop_ids), output=list(output))
 
 
 def test_sample_tokens_units():
@@ -623,3 +636,49 @@ def test_running_batch_matches_separate_runs(tiny):
         assert seqs[0].output == solo[0][:9] and seqs[1].output == solo[1][:9]
         assert len(seqs[2].output) == 4 and seqs[2].output == solo[2][:4]  # 1 from prefill + 3 steps, then left
         assert len(seqs[3].output) == 7 and seqs[3].output == solo[3][:7]
+
+
+def test_prefill_groups_bound_padded_tokens():
+    rows = [_seq(SamplingParams(), prompt=[1] * n) for n in (3, 3, 5, 1, 9, 2)]
+    groups = prefill_groups(rows, max_tokens=10)
+    assert [r for g in groups for r in g] == rows  # order kept, nothing lost
+    assert [[len(r.prompt) for r in g] for g in groups] == [[3, 3], [5, 1], [9], [2]]
+    assert all(len(g) * max(len(r.prompt) for r in g) <= 10 for g in groups)
+    assert prefill_groups([_seq(SamplingParams(), prompt=[1] * 50)], max_tokens=10)[0][0].prompt == [1] * 50
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line: defined once, in EmbeddedServerConfig
+
+LAUNCH_OPTIONS = {"host", "port", "random_seed"}  # per launch, not per config: the launcher passes them itself
+
+
+def test_server_options_are_the_config_fields():
+    fields = {f.name for f in dataclasses.fields(EmbeddedServerConfig)}
+    dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert dests == fields | LAUNCH_OPTIONS, dests ^ (fields | LAUNCH_OPTIONS)
+    help_text = build_parser().format_help()
+    for f in dataclasses.fields(EmbeddedServerConfig):
+        assert f.metadata["help"], f"EmbeddedServerConfig.{f.name} needs a one-line help"
+        assert "--" + f.name.replace("_", "-") in help_text
+
+
+def test_config_round_trips_through_the_server_command_line(monkeypatch):
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    default = EmbeddedServerConfig(model_path="some/model")
+    changed = EmbeddedServerConfig(
+        model_path="other/model", dtype="bfloat16", device="cpu", max_running_requests=3, max_prefill_tokens=77,
+        threads=2, context_length=512, return_original_logprob=True, decode_log_interval=0, log_level="debug",
+    )  # fmt: skip
+    same = [f.name for f in dataclasses.fields(changed) if getattr(changed, f.name) == getattr(default, f.name)]
+    assert not same, f"give these new fields a non-default value in this test: {same}"
+    for cfg in (default, changed):
+        args = vars(parse_args(cfg.cli_args()))
+        assert {k: args[k] for k in dataclasses.asdict(cfg)} == dataclasses.asdict(cfg)
+    # launch options keep their defaults unless passed
+    args = parse_args([*default.cli_args(), "--host", "0.0.0.0", "--port", "1234", "--random-seed", "7"])
+    assert (args.host, args.port, args.random_seed) == ("0.0.0.0", 1234, 7)
+    with pytest.raises(SystemExit):  # the server cannot start without a model
+        parse_args(EmbeddedServerConfig().cli_args())
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # SGLang's switch is honoured too
+    assert parse_args(default.cli_args()).return_original_logprob is True

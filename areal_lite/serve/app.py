@@ -1,0 +1,246 @@
+"""The HTTP side of the server: aiohttp routes with SGLang's paths, request and response shapes.
+
+Design decisions
+- Handlers are thin: read the body (`areal_lite.jsonhttp`), validate it (`protocol`), hand the work to the
+  `Scheduler` and wait on its future, render the answer (`protocol`). They run on the event loop and never touch
+  the model, so a long decode never blocks a health check or a pause.
+- One error contract for every route, shared with the kit's other server (`jsonhttp.json_errors_middleware`): a bad
+  body gets 400 `{"error": "..."}`, an unknown route 404 and a wrong method 405 (both listing the routes), a route
+  hit while the model is still loading 503, and a bug 500; the server keeps serving in every case.
+- The server binds before the model loads (`/health` answers 503 until it is ready), so a launcher can tell
+  "still loading" from "crashed". `ServerState.scheduler` is None until then.
+- A client that disconnects cancels its handler (aiohttp's `handler_cancellation`), which aborts its rows: no
+  decode steps are spent on an answer nobody will read.
+- rids in flight are unique: a second request reusing one is refused with 400 instead of making `/abort_request`
+  ambiguous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+from typing import Any, Optional
+
+from aiohttp import web
+
+from areal_lite.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
+from areal_lite.serve.batch import GenerationState
+from areal_lite.serve.protocol import (
+    DEFAULT_WEIGHT_VERSION,
+    PromptSpec,
+    SamplingParams,
+    parse_abort_body,
+    parse_generate_body,
+    parse_pause_body,
+    parse_update_weights_body,
+    render_generate_response,
+)
+from areal_lite.serve.scheduler import Scheduler
+
+log = logging.getLogger("areal_lite.serve")
+
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a batch of long prompts as JSON token ids is large; aiohttp's default is 1 MiB
+
+
+class ServerState:
+    """What the HTTP handlers share: the scheduler once the model is loaded, and the rids in flight."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.scheduler: Optional[Scheduler] = None
+        self.tokenizer: Any = None
+        self.model_path = args.model_path
+        self.inflight: set[str] = set()
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app[STATE]
+
+
+def _scheduler_or_503(request: web.Request) -> Scheduler:
+    scheduler = _state(request).scheduler
+    if scheduler is None:
+        raise web.HTTPServiceUnavailable(text="model is loading")
+    return scheduler
+
+
+async def run_states(state: ServerState, states: list[GenerationState]) -> None:
+    """Hand rows to the scheduler and wait until all are finished. A client that disconnects aborts them."""
+    scheduler = state.scheduler
+    assert scheduler is not None
+    loop = asyncio.get_running_loop()
+    futures = []
+    for s in states:
+        fut = loop.create_future()
+        futures.append(fut)
+
+        def done(row: GenerationState, fut=fut) -> None:  # runs on the scheduler thread
+            def resolve() -> None:
+                if not fut.done():
+                    fut.set_result(row)
+
+            try:
+                loop.call_soon_threadsafe(resolve)
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
+
+        s.on_done = done
+        state.inflight.add(s.rid)
+    try:
+        scheduler.submit(states)
+        await asyncio.gather(*futures)
+    except asyncio.CancelledError:
+        for s in states:
+            if s.finish is None:
+                scheduler.abort(rid=s.rid)
+        raise
+    finally:
+        for s in states:
+            state.inflight.discard(s.rid)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# handlers
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if _state(request).scheduler is not None else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    state = _state(request)
+    scheduler = state.scheduler
+    if scheduler is None:
+        return web.Response(status=503)
+    if len(scheduler.batch) or scheduler.paused:  # busy (or gated): the scheduler is alive, skip the probe
+        return web.Response(status=200)
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    probe = scheduler.new_state(PromptSpec(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], params, False), 0)
+    try:
+        await asyncio.wait_for(run_states(state, [probe]), timeout=30)
+    except asyncio.TimeoutError:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = _state(request)
+    scheduler = state.scheduler
+    cfg = scheduler.model.config if scheduler else None
+    return web.json_response(
+        {
+            "model_path": scheduler.model_path if scheduler else state.model_path,
+            "served_model_name": state.model_path,
+            "tokenizer_path": state.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": scheduler.weight_version if scheduler else DEFAULT_WEIGHT_VERSION,
+            "max_context_length": scheduler.context_length if scheduler else None,
+            "vocab_size": scheduler.vocab_size if scheduler else None,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    scheduler = _scheduler_or_503(request)
+    args = dict(vars(_state(request).args))
+    return web.json_response({"server": "areal-lite-embedded", "args": args, **scheduler.stats()})
+
+
+async def generate(request: web.Request) -> web.Response:
+    state = _state(request)
+    scheduler = _scheduler_or_503(request)
+    body = await read_json(request)
+    tok = state.tokenizer
+    is_batch, specs, text_in_lp = parse_generate_body(
+        body,
+        vocab_size=scheduler.vocab_size,
+        context_length=scheduler.context_length,
+        tokenize=(lambda t: tok(t)["input_ids"]) if tok is not None else None,
+    )
+    states = [scheduler.new_state(spec, j) for spec in specs for j in range(spec.params.n)]
+    clash = [s.rid for s in states if s.rid in state.inflight]
+    if clash:
+        raise BadRequest(f"rid {clash[0]!r} is already in flight; request ids must be unique")
+    await run_states(state, states)
+    out = [render_generate_response(s, tok, text_in_lp) for s in states]
+    return web.json_response(out if (is_batch or len(out) > 1) else out[0])
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    mode = parse_pause_body(await read_json_object(request))
+    return web.json_response(await asyncio.wrap_future(_scheduler_or_503(request).pause(mode)))
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await read_json_object(request)
+    return web.json_response(await asyncio.wrap_future(_scheduler_or_503(request).continue_generation()))
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    rid, abort_all = parse_abort_body(await read_json_object(request))
+    await asyncio.wrap_future(_scheduler_or_503(request).abort(rid=rid, abort_all=abort_all))
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    if request.method == "POST":
+        await read_json_object(request)
+    if await asyncio.wrap_future(_scheduler_or_503(request).flush_cache()):
+        return web.Response(text="Cache flushed.\n", content_type="text/plain")
+    return web.Response(
+        status=400, content_type="text/plain",
+        text="Cache not flushed: there are running or waiting requests (this server has no prefix cache).\n",
+    )  # fmt: skip
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    update = parse_update_weights_body(await read_json_object(request))
+    result = await asyncio.wrap_future(_scheduler_or_503(request).update_weights(update))
+    return web.json_response(result, status=200 if result["success"] else 400)
+
+
+async def not_supported(request: web.Request) -> web.Response:
+    await read_json_object(request)
+    msg = f"{request.path} is not supported by the embedded server (use disk: /update_weights_from_disk)"
+    return json_error(400, msg, success=False, message=msg)
+
+
+ROUTES = [
+    ("GET", "/health", health),
+    ("GET", "/health_generate", health_generate),
+    ("GET", "/model_info", model_info),
+    ("GET", "/get_model_info", model_info),
+    ("GET", "/server_info", server_info),
+    ("GET", "/get_server_info", server_info),
+    ("POST", "/generate", generate),
+    ("POST", "/pause_generation", pause_generation),
+    ("POST", "/continue_generation", continue_generation),
+    ("POST", "/abort_request", abort_request),
+    ("GET", "/flush_cache", flush_cache),
+    ("POST", "/flush_cache", flush_cache),
+    ("POST", "/update_weights_from_disk", update_weights_from_disk),
+    ("POST", "/init_weights_update_group", not_supported),
+    ("POST", "/update_weights_from_distributed", not_supported),
+    ("POST", "/update_weights_from_tensor", not_supported),
+]
+ROUTES_HELP = "routes: " + ", ".join(f"{method} {path}" for method, path, _ in ROUTES)
+
+
+def build_app(state: ServerState) -> web.Application:
+    """The aiohttp application: SGLang's routes over `state`, every error answered as JSON."""
+    app = web.Application(middlewares=[json_errors_middleware(ROUTES_HELP, log)], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = state
+    for method, path, handler in ROUTES:
+        if method == "GET":  # GET routes answer HEAD too, except /flush_cache: a HEAD request must change nothing
+            app.router.add_get(path, handler, allow_head=handler is not flush_cache)
+        else:
+            app.router.add_route(method, path, handler)
+    return app

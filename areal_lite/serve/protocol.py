@@ -1,0 +1,410 @@
+"""SGLang's request and response bodies, as this server reads and writes them: pure functions over JSON values.
+
+Design decisions
+- Strict input checking, before anything is queued. Bodies are validated against SGLang 0.5.23's JSON contract:
+  unknown `sampling_params` keys and wrong types are rejected, `16.0` is not an integer, booleans are not numbers.
+  A bad body raises `BadRequest` with a message that says what to send instead; the HTTP layer answers 400 and the
+  scheduler never sees it, so one bad client cannot disturb the batch of the others.
+- SGLang parameters this server does not implement (penalties, grammars, ...) are accepted only at their neutral
+  values and rejected otherwise, rather than silently ignored: a rollout that asks for a repetition penalty must
+  not silently get none.
+- Defaults are SGLang's: an unset `max_new_tokens` is 128, shortened to what still fits in the context; a batch with
+  a single `rid` string gets `rid_0`, `rid_1`, ...; null means "default" for every sampling field.
+- No torch here: parsing is tested without a model, and the event loop imports nothing heavy to validate a body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from areal_lite.jsonhttp import BadRequest, describe
+
+if TYPE_CHECKING:
+    from areal_lite.serve.batch import GenerationState
+
+GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang 0.5.23 default
+MAX_PROMPTS_PER_REQUEST = 1024
+MAX_SAMPLES_PER_REQUEST = 4096
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's initial weight_version
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+# Every key SGLang 0.5.23 accepts in `sampling_params` (python/sglang/api/v1/api_types.py, _FIELDS_SamplingParams).
+SGLANG_SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)  # fmt: skip
+# Keys we accept but do not implement: only their neutral value is allowed (None is always allowed).
+NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
+    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "stop_regex": [], "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "logit_bias": {}, "sampling_seed": None, "custom_params": None, "beam_width": 1, "watermark": None,
+    "choice": [],
+}  # fmt: skip
+# Keys with no effect on this server's outputs (accepted with any well-typed value).
+IGNORED_SAMPLING_KEYS = ("spaces_between_special_tokens", "stream_interval")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# typed values
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def want_int(where: str, v: Any) -> int:
+    if not _is_int(v):
+        raise BadRequest(f"{where}: expected an integer, got {describe(v)}")
+    return v
+
+
+def want_float(where: str, v: Any) -> float:
+    if not _is_number(v):
+        raise BadRequest(f"{where}: expected a number, got {describe(v)}")
+    if not math.isfinite(v):
+        raise BadRequest(f"{where}: must be finite, got {v}")
+    return float(v)
+
+
+def want_bool(where: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(f"{where}: expected true or false, got {describe(v)}")
+    return v
+
+
+def _check_token_ids(where: str, ids: list, vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling_params
+
+
+@dataclass
+class SamplingParams:
+    """The sampling parameters this server implements, after validation."""
+
+    max_new_tokens: Optional[int] = None  # None: 128, or what still fits in the context (resolved per prompt)
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def parse_sampling_params(raw: Any, vocab_size: int, where: str = "sampling_params") -> SamplingParams:
+    """Validate one SGLang `sampling_params` object (strict types, SGLang's range checks)."""
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{where}: expected an object, got {describe(raw)}")
+    sp = SamplingParams()
+    for key, v in raw.items():
+        if key not in SGLANG_SAMPLING_KEYS:
+            raise BadRequest(f"{where}: unknown field `{key}`, expected one of {', '.join(SGLANG_SAMPLING_KEYS)}")
+        if v is not None:  # SGLang: null means "default"
+            _set_sampling_field(sp, key, v, f"{where}.{key}", vocab_size)
+    _check_sampling_ranges(sp, where)
+    if sp.top_k >= TOP_K_ALL:
+        sp.top_k = -1
+    return sp
+
+
+def _set_sampling_field(sp: SamplingParams, key: str, v: Any, w: str, vocab_size: int) -> None:
+    """Type-check one non-null `sampling_params` value and store it on `sp` (or check it is neutral)."""
+    if key in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+        setattr(sp, key, want_int(w, v))
+    elif key in ("temperature", "top_p"):
+        setattr(sp, key, want_float(w, v))
+    elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        setattr(sp, key, want_bool(w, v))
+    elif key == "stop":
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise BadRequest(f"{w}: expected a string or a list of strings, got {describe(v)}")
+        sp.stop = [s for s in stops if s]  # an empty stop string would match everywhere; SGLang skips it
+    elif key == "stop_token_ids":
+        if not isinstance(v, list) or not all(_is_int(t) for t in v):
+            raise BadRequest(f"{w}: expected a list of integers, got {describe(v)}")
+        _check_token_ids(w, v, vocab_size)
+        sp.stop_token_ids = list(v)
+    elif key in IGNORED_SAMPLING_KEYS:
+        (want_bool if key == "spaces_between_special_tokens" else want_int)(w, v)
+    else:  # accepted by SGLang, not implemented here: only the neutral value passes
+        neutral = NEUTRAL_SAMPLING_VALUES[key]
+        if v != neutral:
+            raise BadRequest(
+                f"{w}: not supported by the embedded server (only {json.dumps(neutral)} or null is accepted)"
+            )
+
+
+def _check_sampling_ranges(sp: SamplingParams, where: str) -> None:
+    """Range checks, worded like SGLang's SamplingParams.verify."""
+    if sp.temperature < 0:
+        raise BadRequest(f"{where}: temperature must be a non-negative finite number, got {sp.temperature}.")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise BadRequest(f"{where}: top_p must be in (0, 1], got {sp.top_p}.")
+    if sp.top_k != -1 and sp.top_k < 1:
+        raise BadRequest(f"{where}: top_k must be -1 (disable) or at least 1, got {sp.top_k}.")
+    if sp.max_new_tokens is not None and sp.max_new_tokens < 0:
+        raise BadRequest(f"{where}: max_new_tokens must be at least 0, got {sp.max_new_tokens}.")
+    limit = DEFAULT_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens
+    if not 0 <= sp.min_new_tokens <= limit:
+        raise BadRequest(f"{where}: min_new_tokens must be in [0, max_new_tokens({limit})], got {sp.min_new_tokens}.")
+    if sp.n < 1:
+        raise BadRequest(f"{where}: n must be at least 1, got {sp.n}.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# /generate
+
+
+@dataclass
+class PromptSpec:
+    """One prompt of a /generate call, validated."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+
+
+def parse_generate_body(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    tokenize: Optional[Callable[[str], list[int]]],
+) -> tuple[bool, list[PromptSpec], bool]:
+    """Validate a /generate body. Returns (is_batch, prompts, return_text_in_logprobs); raises BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {describe(body)}")
+    _refuse_unsupported_fields(body)
+    text_in_lp = body.get("return_text_in_logprobs")
+    text_in_lp = False if text_in_lp is None else want_bool("return_text_in_logprobs", text_in_lp)
+    is_batch, prompts = _prompt_token_ids(body, vocab_size, tokenize)
+    params = _sampling_per_prompt(body.get("sampling_params"), is_batch, prompts, vocab_size, context_length)
+    rids = _request_ids(body.get("rid"), is_batch, len(prompts))
+    logprob = _per_prompt("return_logprob", body.get("return_logprob"), len(prompts), want_bool, False)
+    specs = [PromptSpec(r, list(p), sp, lp) for r, p, sp, lp in zip(rids, prompts, params, logprob)]
+    return is_batch, specs, text_in_lp
+
+
+def _refuse_unsupported_fields(body: dict) -> None:
+    """Top-level fields SGLang has and this server does not implement: only their neutral values pass."""
+    if body.get("input_embeds") is not None:
+        raise BadRequest("input_embeds is not supported by the embedded server; send input_ids or text")
+    if (body.get("text") is not None) == (body.get("input_ids") is not None):
+        raise BadRequest("give exactly one of `text` or `input_ids`")
+    if body.get("stream") not in (None, False):
+        raise BadRequest("stream: streaming is not supported by the embedded server; send stream=false")
+    for key, neutral in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
+        v = body.get(key)
+        if v is None:
+            continue
+        values = v if isinstance(v, list) else [v]
+        for x in values:
+            want_int(key, x)
+        if any(x != neutral for x in values):
+            raise BadRequest(f"{key}: not supported by the embedded server (only {neutral} is accepted)")
+    if body.get("token_ids_logprob") not in (None, []):
+        raise BadRequest("token_ids_logprob: not supported by the embedded server")
+
+
+def _prompt_token_ids(
+    body: dict, vocab_size: int, tokenize: Optional[Callable[[str], list[int]]]
+) -> tuple[bool, list[list[int]]]:
+    """`text` (tokenized here) or `input_ids`, one prompt or a batch: (is_batch, token ids per prompt)."""
+    if body.get("text") is not None:
+        text = body["text"]
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text: expected a string or a list of strings")
+        if tokenize is None:
+            raise BadRequest("text: this server has no tokenizer; send input_ids")
+        prompts = [tokenize(t) for t in texts]
+    else:
+        ids = body["input_ids"]
+        if not isinstance(ids, list):
+            raise BadRequest(f"input_ids: expected a list of token ids or a list of lists, got {describe(ids)}")
+        is_batch = len(ids) > 0 and all(isinstance(x, list) for x in ids)
+        prompts = ids if is_batch else [ids]
+        for i, p in enumerate(prompts):
+            where = f"input_ids[{i}]" if is_batch else "input_ids"
+            if not isinstance(p, list) or not all(_is_int(t) for t in p):
+                raise BadRequest(f"{where}: expected a list of integer token ids")
+            _check_token_ids(where, p, vocab_size)
+    if is_batch and not prompts:
+        raise BadRequest("empty batch: give at least one prompt")
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise BadRequest(f"too many prompts in one request: {len(prompts)} > {MAX_PROMPTS_PER_REQUEST}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise BadRequest(f"prompt {i} is empty (0 tokens)")
+    return is_batch, prompts
+
+
+def _sampling_per_prompt(
+    raw: Any, is_batch: bool, prompts: list[list[int]], vocab_size: int, context_length: int
+) -> list[SamplingParams]:
+    """One `sampling_params` object for all prompts, or a list with one per prompt; max_new_tokens resolved."""
+    count = len(prompts)
+    if isinstance(raw, list):
+        if not is_batch:
+            raise BadRequest("sampling_params: a list is only allowed with a batch of prompts")
+        if len(raw) != count:
+            raise BadRequest(f"sampling_params: got {len(raw)} entries for {count} prompts")
+        params = [parse_sampling_params(s, vocab_size, f"sampling_params[{i}]") for i, s in enumerate(raw)]
+    else:
+        params = [parse_sampling_params(raw, vocab_size)] * count
+    if len({sp.n for sp in params}) > 1:
+        raise BadRequest("sampling_params: n must be the same for all prompts (SGLang's rule)")
+    if sum(sp.n for sp in params) > MAX_SAMPLES_PER_REQUEST:
+        raise BadRequest(f"too many samples in one request (> {MAX_SAMPLES_PER_REQUEST})")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if len(p) >= context_length:
+            raise BadRequest(f"prompt {i}: {len(p)} tokens, longer than the context length {context_length}")
+        if sp.max_new_tokens is None:
+            # As SGLang: an unset max_new_tokens is 128, shortened to what still fits; a set one must fit.
+            params[i] = dataclasses.replace(sp, max_new_tokens=min(DEFAULT_MAX_NEW_TOKENS, context_length - len(p)))
+        elif len(p) + sp.max_new_tokens > context_length:
+            raise BadRequest(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceeds the context "
+                f"length {context_length}"
+            )
+    return params
+
+
+def _request_ids(rid: Any, is_batch: bool, count: int) -> list[str]:
+    """A string (suffixed per prompt in a batch, as SGLang does), one string per prompt, or None (generated)."""
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(count)]
+    elif isinstance(rid, str):
+        if not rid:
+            raise BadRequest("rid: must not be empty")
+        rids = [f"{rid}_{i}" for i in range(count)] if is_batch else [rid]
+    elif isinstance(rid, list):
+        if not is_batch:
+            raise BadRequest("rid: a list is only allowed with a batch of prompts")
+        if len(rid) != count or not all(isinstance(r, str) and r for r in rid):
+            raise BadRequest(f"rid: expected {count} non-empty strings, one per prompt")
+        rids = list(rid)
+    else:
+        raise BadRequest(f"rid: expected a string or a list of strings, got {describe(rid)}")
+    if len(set(rids)) != len(rids):
+        raise BadRequest("rid: duplicate request ids in one batch")
+    return rids
+
+
+def _per_prompt(name: str, value: Any, count: int, check: Callable[[str, Any], Any], default: Any) -> list[Any]:
+    """SGLang's "one value or one per prompt" fields."""
+    if value is None:
+        return [default] * count
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BadRequest(f"{name}: got {len(value)} values for {count} prompts")
+        return [check(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [check(name, value)] * count
+
+
+def render_generate_response(state: GenerationState, tokenizer: Any, text_in_logprobs: bool) -> dict:
+    """The SGLang /generate response object of one finished generation."""
+    sp = state.params
+    ids = state.output
+    matched = (state.finish or {}).get("matched")
+    # A matched stop *token* stays in output_ids but leaves the text; a matched stop *string* cuts the text.
+    text_ids = ids[:-1] if (isinstance(matched, int) and not sp.no_stop_trim and ids) else ids
+    text = tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if tokenizer is not None else ""
+    if isinstance(matched, str) and not sp.no_stop_trim:
+        cut = text.find(matched)
+        if cut != -1:
+            text = text[:cut]
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "finish_reason": state.finish,
+        "prompt_tokens": len(state.prompt),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "weight_version": state.weight_version,
+        "e2e_latency": round(state.finished_at - state.arrival, 6),
+    }
+    if state.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None] for lp, tok in zip(state.logprobs, ids)
+        ]
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# control endpoints
+
+
+def parse_pause_body(body: dict) -> str:
+    """/pause_generation: the pause mode (SGLang's default is "abort")."""
+    mode = body.get("mode", "abort") or "abort"
+    if mode not in PAUSE_MODES:
+        raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {describe(mode)}")
+    return mode
+
+
+def parse_abort_body(body: dict) -> tuple[str, bool]:
+    """/abort_request: (rid, abort_all); an empty rid matches nothing unless abort_all."""
+    rid = body.get("rid", "")
+    rid = "" if rid is None else rid
+    if not isinstance(rid, str):
+        raise BadRequest(f"rid: expected a string, got {describe(rid)}")
+    abort_all = body.get("abort_all", False)
+    abort_all = False if abort_all is None else want_bool("abort_all", abort_all)
+    return rid, abort_all
+
+
+@dataclass
+class WeightUpdate:
+    """A validated /update_weights_from_disk request."""
+
+    model_path: str
+    weight_version: Optional[str] = None  # None: the current version plus 1
+    abort_all_requests: bool = False
+
+
+def parse_update_weights_body(body: dict) -> WeightUpdate:
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("model_path: expected a non-empty string (a folder of *.safetensors files)")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise BadRequest(f"weight_version: expected a string or null, got {describe(version)}")
+    for key in ("abort_all_requests", "flush_cache"):  # flush_cache: accepted, nothing to flush (no prefix cache)
+        if body.get(key) is not None:
+            want_bool(key, body[key])
+    return WeightUpdate(path, version, bool(body.get("abort_all_requests") or False))
+
+
+def weight_update_result(success: bool, message: str) -> dict:
+    """SGLang's /update_weights_from_disk response body."""
+    return {"success": success, "message": message, "num_paused_requests": 0}

@@ -1,0 +1,104 @@
+"""Choosing each row's next token, its logprob, and whether the row is done, the way SGLang 0.5.23 does.
+
+Design decisions
+- Logprobs follow SGLang (python/sglang/srt/layers/sampler.py): `output_token_logprobs` is
+  `log_softmax(logits / temperature)` at the sampled token: temperature applied, top-p/top-k truncation *not*
+  applied; greedy rows (temperature < 1e-6) get `log_softmax(logits)`. With `original_logprob` (SGLang's
+  `SGLANG_RETURN_ORIGINAL_LOGPROB=1`) it is `log_softmax(logits)` always. A trainer recomputing logprobs must get
+  the same numbers from either server, so these rules are SGLang's, not the textbook's.
+- Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) are applied before logprobs,
+  as SGLang's penalizers are.
+- One batched draw per step: rows with different temperatures, top-k and top-p share one softmax and one
+  `torch.multinomial` call; greedy rows skip the draw.
+- Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from areal_lite.serve.batch import GenerationState
+
+
+def sample_tokens(
+    logits: torch.Tensor, seqs: list[GenerationState], generator: torch.Generator, original_logprob: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [B, V] (float32) and its logprob, with each row's own sampling parameters."""
+    B = logits.shape[0]
+    # min_new_tokens: EOS and stop ids cannot be sampled yet (like SGLang's penalizer, before logprobs).
+    for i, s in enumerate(seqs):
+        if s.stop_ids and len(s.output) < s.params.min_new_tokens:
+            logits[i, list(s.stop_ids)] = float("-inf")
+    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs], device=logits.device)
+    scaled = logits / temps[:, None]
+    logprobs_all = torch.log_softmax(logits if original_logprob else scaled, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        rows = (~greedy).nonzero().flatten()
+        probs = torch.softmax(scaled.index_select(0, rows), dim=-1)
+        sub = [seqs[i] for i in rows.tolist()]
+        if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in sub):
+            probs = top_k_top_p(probs, sub)
+        picked = torch.multinomial(probs, 1, generator=generator).flatten()
+        tokens = tokens.index_put((rows,), picked)
+    logprobs = logprobs_all.gather(1, tokens[:, None]).flatten()
+    # JSON has no -inf; SGLang clamps the same way.
+    logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+    assert tokens.shape == (B,)
+    return tokens, logprobs
+
+
+def top_k_top_p(probs: torch.Tensor, seqs: list[GenerationState]) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k and top-p set (as SGLang's torch sampler)."""
+    V = probs.shape[-1]
+    top_k = torch.tensor([V if s.params.top_k == -1 else min(s.params.top_k, V) for s in seqs], device=probs.device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=probs.device)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=probs.device)[None, :]
+    drop = (ranks >= top_k[:, None]) | ((sorted_p.cumsum(-1) - sorted_p) > top_p[:, None])
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(1, order, sorted_p)
+
+
+def finish_reason(s: GenerationState, tokenizer: Any, context_length: int) -> Optional[dict]:
+    """SGLang's finish_reason for a row whose newest token was just appended, or None if it goes on."""
+    sp = s.params
+    if sp.stop:
+        longest = max(len(x) for x in sp.stop)
+        # A character can take several byte-level tokens; decode a tail long enough for the longest stop.
+        tail = tokenizer.decode(s.output[-(4 * longest + 2) :])
+        for stop in sp.stop:
+            if stop in tail:
+                return {"type": "stop", "matched": stop}
+    if s.output[-1] in s.stop_ids:
+        return {"type": "stop", "matched": s.output[-1]}
+    if len(s.output) >= sp.max_new_tokens:
+        return {"type": "length", "length": sp.max_new_tokens}
+    if len(s.prompt) + len(s.output) >= context_length:
+        return {"type": "length", "length": len(s.output)}
+    return None
+
+
+def sample_and_append(
+    logits: torch.Tensor,
+    states: list[GenerationState],
+    generator: torch.Generator,
+    tokenizer: Any,
+    context_length: int,
+    original_logprob: bool = False,
+) -> tuple[torch.Tensor, list[Optional[dict]]]:
+    """Sample one token per row, append it (and its logprob, where asked for) to the row. Returns the tokens [B] and
+    each row's finish_reason (None: the row goes on); finishing the row is the caller's business."""
+    tokens, logprobs = sample_tokens(logits, states, generator, original_logprob=original_logprob)
+    tok_list = tokens.tolist()
+    lp_list = logprobs.tolist() if any(s.return_logprob for s in states) else None  # one device sync, not B
+    reasons = []
+    for i, s in enumerate(states):
+        s.output.append(tok_list[i])
+        if lp_list is not None and s.return_logprob:
+            s.logprobs.append(lp_list[i])
+        reasons.append(finish_reason(s, tokenizer, context_length))
+    return tokens, reasons

@@ -1,0 +1,384 @@
+"""The scheduler: one thread that owns the model and runs continuous batching.
+
+Design decisions
+- Two threads, one owner. The asyncio event loop (the HTTP side) parses and validates requests and writes
+  responses; it never touches the model. The scheduler thread owns the model, the KV cache and the sampling state.
+  The two talk through a single ordered event queue: requests and control commands go in; results come back
+  through each row's `on_done` callback and through `concurrent.futures.Future`s. Because the scheduler is the
+  only writer of model state, pause, abort and weight updates need no locks: they are events handled *between*
+  model steps. A thread (rather than `run_in_executor` per step) keeps the decode loop free of event-loop round
+  trips; torch releases the GIL inside its kernels, so the HTTP side stays responsive while the model computes.
+- Commands are explicit: each thread-safe method (`pause`, `continue_generation`, `abort`, `flush_cache`,
+  `update_weights`, `submit`, `stop`) enqueues the bound method that handles it on the scheduler thread
+  (`_on_pause`, ...), so every path from an HTTP route to the state it changes can be followed by name.
+- Continuous batching. Each loop iteration (1) handles pending events, (2) admits waiting requests up to
+  `max_running_requests`, prefilling all newcomers together (in groups of at most `max_prefill_tokens` padded
+  tokens), (3) runs one decode step for the whole batch. Finished rows leave after the step in which they finish;
+  new rows join between steps. A request never waits for a fixed batch to fill or to drain.
+- Pause (SGLang semantics, mode "abort"): requests in flight return at once with `finish_reason` abort and the
+  tokens made so far; requests that arrive while paused are held and start after `continue_generation`. Modes
+  "in_place" and "retract" keep the running batch frozen (its KV cache kept) and resume it on continue.
+- Weight updates, as in SGLang: immediate while paused; otherwise they wait for the running batch to finish (new
+  requests are held meanwhile), or abort it first when `abort_all_requests` is set. So a response comes from one
+  weight version, reported as `meta_info.weight_version`; the only exception, as in SGLang, is a batch frozen by
+  an "in_place"/"retract" pause, which resumes under the new weights.
+- A failure inside a step (a bug, out of memory) fails the rows of that batch with an abort and the loop goes on:
+  one bad step must not take the server down.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+
+from areal_lite.serve.batch import (
+    GenerationState,
+    RunningBatch,
+    decode_forward,
+    prefill_forward,
+    prefill_groups,
+    select_cache_rows,
+)
+from areal_lite.serve.protocol import DEFAULT_WEIGHT_VERSION, PromptSpec, WeightUpdate, weight_update_result
+from areal_lite.serve.sampling import sample_and_append
+from areal_lite.serve.weights import eos_ids, update_weights_from_disk
+
+log = logging.getLogger("areal_lite.serve")
+
+COUNTERS = (
+    "max_running_batch", "decode_steps", "prefill_batches", "prompt_tokens", "generated_tokens", "finished_requests",
+    "aborted_requests", "weight_updates",
+)  # fmt: skip
+_DEFERRED = object()  # a command handler's result meaning "its future is resolved later by the scheduler"
+
+
+def _abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+class Scheduler:
+    """Owns the model; runs the continuous-batching loop on its own thread. Thread-safe entry points: `start`,
+    `stop`, `submit`, the commands (`pause`, `continue_generation`, `abort`, `flush_cache`, `update_weights`),
+    `new_state` and `stats`. Every other method runs on the scheduler thread."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_path: str,
+        max_running_requests: int = 32,
+        max_prefill_tokens: int = 8192,
+        context_length: int = 4096,
+        random_seed: int = 1,
+        threads: int = 1,
+        return_original_logprob: bool = False,
+        decode_log_interval: int = 40,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.device = next(model.parameters()).device
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context_length = context_length
+        self.threads = threads
+        self.return_original_logprob = return_original_logprob
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.eos_ids = frozenset(eos_ids(model, tokenizer))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(random_seed)
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        # Scheduler-thread state.
+        self.batch = RunningBatch()
+        self.waiting: list[GenerationState] = []  # admitted to the server, not yet prefilled
+        self.held: list[GenerationState] = []  # arrived while paused; start on continue
+        self.paused = False
+        self.pending_update: Optional[tuple[WeightUpdate, concurrent.futures.Future]] = None
+        self._stopping = False
+        # Counters, read by /server_info (plain ints: reads from another thread are fine).
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._throughput = ThroughputLog(decode_log_interval)
+
+    # ---- thread-safe API --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="areal-lite-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._enqueue(self._on_stop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, states: list[GenerationState]) -> None:
+        """Queue rows for generation; each row's `on_done` is called (on the scheduler thread) when it finishes."""
+        self._enqueue(self._on_submit, states)
+
+    def pause(self, mode: str = "abort") -> concurrent.futures.Future:
+        return self._enqueue(self._on_pause, mode)
+
+    def continue_generation(self) -> concurrent.futures.Future:
+        return self._enqueue(self._on_continue)
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> concurrent.futures.Future:
+        """Abort the rows of request `rid` (a client's rid also matches its n > 1 samples), or all of them."""
+        return self._enqueue(self._on_abort, rid, abort_all)
+
+    def flush_cache(self) -> concurrent.futures.Future:
+        return self._enqueue(self._on_flush_cache)
+
+    def update_weights(self, request: WeightUpdate) -> concurrent.futures.Future:
+        # This handler keeps the future and resolves it once the update has happened (maybe several steps later).
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        return self._enqueue(self._on_update_weights, request, fut, fut=fut)
+
+    def new_state(self, spec: PromptSpec, sample: int) -> GenerationState:
+        """The row of sample number `sample` of a validated prompt."""
+        sp = spec.params
+        stop_ids = frozenset() if sp.ignore_eos else self.eos_ids | frozenset(sp.stop_token_ids)
+        rid = spec.rid if sp.n == 1 else f"{spec.rid}_{sample}"
+        return GenerationState(rid, spec.rid, spec.input_ids, sp, spec.return_logprob, stop_ids)
+
+    def stats(self) -> dict:
+        return dict(
+            self.counters,
+            num_running=len(self.batch),
+            num_waiting=len(self.waiting),
+            num_held=len(self.held),
+            paused=self.paused,
+            weight_version=self.weight_version,
+        )
+
+    def _enqueue(
+        self, handler: Callable[..., Any], *args: Any, fut: Optional[concurrent.futures.Future] = None
+    ) -> concurrent.futures.Future:
+        """Queue `handler(*args)` for the scheduler thread; the future resolves to its result."""
+        fut = fut if fut is not None else concurrent.futures.Future()
+        self._events.put((handler, args, fut))
+        return fut
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        # torch's intra-op thread count is per calling thread for OpenMP: set it here, on the thread that computes.
+        torch.set_num_threads(self.threads)
+        while not self._stopping:
+            try:
+                self._iteration()
+            except Exception as e:  # a bug or OOM must not kill the server: fail the batch, keep serving
+                log.error("scheduler error: %s\n%s", e, traceback.format_exc())
+                self._abort(lambda s: True, f"internal server error: {type(e).__name__}: {e}", include_held=False)
+        self._abort(lambda s: True, "server shutting down", include_held=True)
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and not self.paused and self.pending_update is None
+
+    def _iteration(self) -> None:
+        self._maybe_apply_update()  # the running batch may have just drained
+        busy = (len(self.batch) > 0 and not self.paused) or self._can_admit()
+        self._handle_events(block=not busy)  # idle: sleep until something arrives
+        if self._stopping:
+            return
+        self._maybe_apply_update()
+        if self._can_admit() and len(self.batch) < self.max_running:
+            take = self.max_running - len(self.batch)
+            newcomers, self.waiting = self.waiting[:take], self.waiting[take:]
+            self._prefill(newcomers)
+        if len(self.batch) > 0 and not self.paused:
+            self._decode_step()
+
+    def _handle_events(self, block: bool) -> None:
+        events = [self._events.get()] if block else []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        for handler, args, fut in events:
+            try:
+                result = handler(*args)
+            except Exception as e:  # a failed command answers its caller and leaves the server running
+                log.error("command %s failed: %s\n%s", handler.__name__, e, traceback.format_exc())
+                if not fut.done():
+                    fut.set_exception(e)
+                continue
+            if result is not _DEFERRED and not fut.done():
+                fut.set_result(result)
+            if self._stopping:  # the server is shutting down: later events are dropped
+                return
+
+    # ---- command handlers (scheduler thread) ------------------------------------------------------------------
+
+    def _on_stop(self) -> None:
+        self._stopping = True
+
+    def _on_submit(self, states: list[GenerationState]) -> None:
+        (self.held if self.paused else self.waiting).extend(states)
+
+    def _on_abort(self, rid: str, abort_all: bool) -> int:
+        if abort_all:
+            return self._abort(lambda s: True, "Aborted by abort_request (abort_all).", include_held=True)
+        return self._abort(lambda s: s.rid == rid or s.parent == rid, "Aborted by abort_request.", include_held=True)
+
+    def _on_pause(self, mode: str) -> dict:
+        self.paused = True
+        if mode == "abort":
+            # In-flight requests (running or queued) return now with what they have; later arrivals are held.
+            self._abort(lambda s: True, "Aborted by pause_generation.", include_held=False)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _on_continue(self) -> dict:
+        self.paused = False
+        self.waiting.extend(self.held)
+        self.held = []
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _on_flush_cache(self) -> bool:
+        return len(self.batch) + len(self.waiting) == 0  # no prefix cache: "flushed" means nothing is in flight
+
+    def _on_update_weights(self, request: WeightUpdate, fut: concurrent.futures.Future) -> Any:
+        if request.abort_all_requests:
+            self._abort(lambda s: True, "Aborted by update_weights_from_disk.", include_held=False)
+        if self.pending_update is not None:
+            return weight_update_result(False, "another weight update is in progress")
+        # As SGLang: immediate while paused; otherwise wait for the running batch to drain (admission stops).
+        self.pending_update = (request, fut)
+        self._maybe_apply_update()
+        return _DEFERRED
+
+    def _maybe_apply_update(self) -> None:
+        if self.pending_update is None or (len(self.batch) > 0 and not self.paused):
+            return
+        request, fut = self.pending_update
+        self.pending_update = None
+        try:
+            self.weight_version = update_weights_from_disk(self.model, request, self.weight_version)
+        except Exception as e:  # the model is unchanged when loading fails (everything is checked first)
+            fut.set_result(weight_update_result(False, f"Failed to update weights: {e}"))
+            return
+        self.model_path = request.model_path
+        self.counters["weight_updates"] += 1
+        msg = f"Succeeded to update model weights. Weight version updated to {self.weight_version}."
+        fut.set_result(weight_update_result(True, msg))
+
+    # ---- finishing rows ---------------------------------------------------------------------------------------
+
+    def _abort(self, match: Callable[[GenerationState], bool], message: str, include_held: bool) -> int:
+        """Finish every matching row now with finish_reason abort (tokens made so far are kept)."""
+        reason = _abort_reason(message)
+        count = 0
+        pools = [self.waiting] + ([self.held] if include_held else [])
+        for pool in pools:
+            for s in [s for s in pool if match(s)]:
+                pool.remove(s)
+                self._finish(s, reason)
+                count += 1
+        keep = []
+        for i, s in enumerate(self.batch.seqs):
+            if match(s):
+                self._finish(s, reason)
+                count += 1
+            else:
+                keep.append(i)
+        with torch.inference_mode():
+            self.batch.keep(keep)
+        return count
+
+    def _finish(self, state: GenerationState, reason: dict) -> None:
+        state.finish = reason
+        state.finished_at = time.perf_counter()
+        state.weight_version = self.weight_version
+        self.counters["aborted_requests" if reason["type"] == "abort" else "finished_requests"] += 1
+        if state.on_done is not None:
+            state.on_done(state)
+
+    # ---- model steps ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _prefill(self, newcomers: list[GenerationState]) -> None:
+        """Run the prompts of the newcomers (in groups bounded by max_prefill_tokens), then join the batch."""
+        ready = []
+        for s in newcomers:  # max_new_tokens == 0: nothing to compute
+            if s.params.max_new_tokens == 0:
+                self._finish(s, {"type": "length", "length": 0})
+            else:
+                ready.append(s)
+        try:
+            for group in prefill_groups(ready, self.max_prefill_tokens):
+                self._prefill_group(group)
+        except Exception as e:
+            # Newcomers are in neither `waiting` nor the batch now: answer them here, or their clients would hang.
+            reason = _abort_reason(f"prefill failed: {type(e).__name__}: {e}", 500, "InternalServerError")
+            for s in ready:
+                if s.finish is None and s not in self.batch.seqs:
+                    self._finish(s, reason)
+            raise
+
+    def _prefill_group(self, states: list[GenerationState]) -> None:
+        cache, mask, logits = prefill_forward(self.model, [s.prompt for s in states], self.device)
+        self.counters["prefill_batches"] += 1
+        self.counters["prompt_tokens"] += sum(len(p) for p in {tuple(s.prompt) for s in states})
+        tokens = self._sample_and_record(logits, states)
+        survivors = [i for i, s in enumerate(states) if s.finish is None]
+        if not survivors:
+            return
+        idx = torch.tensor(survivors, device=self.device)
+        select_cache_rows(cache, idx)
+        plen = torch.tensor([len(states[i].prompt) for i in survivors], device=self.device)
+        self.batch.add([states[i] for i in survivors], cache, mask.index_select(0, idx), tokens[idx], plen)
+        self.counters["max_running_batch"] = max(self.counters["max_running_batch"], len(self.batch))
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        b = self.batch
+        logits = decode_forward(self.model, b)
+        self.counters["decode_steps"] += 1
+        self.counters["max_running_batch"] = max(self.counters["max_running_batch"], len(b))
+        b.next_ids = self._sample_and_record(logits, b.seqs)
+        keep = [i for i, s in enumerate(b.seqs) if s.finish is None]
+        b.keep(keep)
+        self._throughput.step(self.counters, len(keep), len(self.waiting), len(self.held))
+
+    def _sample_and_record(self, logits: torch.Tensor, states: list[GenerationState]) -> torch.Tensor:
+        """Sample one token per row, append it (and its logprob), and finish rows that are done."""
+        tokens, reasons = sample_and_append(
+            logits.float(), states, self.generator, self.tokenizer, self.context_length, self.return_original_logprob
+        )
+        for s, reason in zip(states, reasons):
+            if reason is not None:
+                self._finish(s, reason)
+        self.counters["generated_tokens"] += len(states)
+        return tokens
+
+
+class ThroughputLog:
+    """The decode progress line: every `interval` decode steps, but at most every 2 s (a tiny model makes hundreds
+    of steps per second, and a log line per step would drown everything else)."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._t0 = time.perf_counter()
+        self._tokens = 0
+
+    def step(self, counters: dict, running: int, waiting: int, held: int) -> None:
+        steps = counters["decode_steps"]
+        now = time.perf_counter()
+        if self.interval > 0 and steps % self.interval == 0 and now - self._t0 >= 2.0:
+            total = counters["generated_tokens"]
+            rate = (total - self._tokens) / max(now - self._t0, 1e-9)
+            self._t0, self._tokens = now, total
+            log.info(
+                "decode batch: #running %d, #waiting %d, #held %d, gen throughput %.1f token/s",
+                running, waiting, held, rate,
+            )  # fmt: skip

@@ -1,0 +1,103 @@
+"""Loading the model: once at startup, and again from a safetensors folder on /update_weights_from_disk.
+
+Design decisions
+- An update checks everything before it changes anything: names, shapes and completeness of the incoming tensors
+  are verified first, so a bad folder answers an error and leaves the live model serving the old weights.
+- Tensors are copied into the existing parameters (`copy_`), never swapped: the model object, its device and any
+  tied weights (lm_head = embed_tokens, saved once by `save_pretrained`) stay as they are.
+- Weight versions count up as SGLang's do when none is given: "default" -> "1" -> "2" ...
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from areal_lite.serve.protocol import WeightUpdate
+
+log = logging.getLogger("areal_lite.serve")
+
+
+def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]:
+    """Load tokenizer + model (aliases resolved through areal_lite.models). Returns (model, tokenizer, path)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lite.models import pick_device, resolve_model_path
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    path = resolve_model_path(model_path)
+    if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    torch_device = pick_device(device)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer, path
+
+
+@torch.no_grad()
+def copy_weights_from_disk(model: Any, path: str) -> None:
+    """Copy the tensors of every `*.safetensors` file in folder `path` into `model`'s parameters. Raises (with the
+    model unchanged) when the folder is missing or its tensors do not match the model's."""
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    incoming: dict[str, torch.Tensor] = {}
+    for f in files:
+        incoming.update(load_file(f))
+    params = model.state_dict()
+    unknown = sorted(set(incoming) - set(params))
+    if unknown:
+        raise ValueError(f"unexpected tensors {unknown[:5]}")
+    for name, t in incoming.items():
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}")
+    loaded_ptrs = {params[n].data_ptr() for n in incoming}
+    missing = [n for n, p in params.items() if n not in incoming and p.data_ptr() not in loaded_ptrs]
+    if missing:  # tied weights (lm_head = embed_tokens) are saved once; anything else missing is an error
+        raise ValueError(f"missing tensors {missing[:5]}")
+    for name, t in incoming.items():
+        params[name].copy_(t.to(params[name].device))
+
+
+def update_weights_from_disk(model: Any, request: WeightUpdate, current_version: str) -> str:
+    """Load `request.model_path` into `model` (see `copy_weights_from_disk`); returns the new weight version: the
+    request's, or the one after `current_version` when it names none."""
+    t0 = time.perf_counter()
+    copy_weights_from_disk(model, request.model_path)
+    given = request.weight_version
+    version = next_weight_version(current_version) if given is None else given
+    dt = time.perf_counter() - t0
+    log.info("weights updated from %s in %.2fs (version %s -> %s)", request.model_path, dt, current_version, version)
+    return version
+
+
+def next_weight_version(current: str) -> str:
+    """The version after `current` when an update names none: "default" -> "1" -> "2" ..."""
+    return str(int(current) + 1) if current.lstrip("-").isdigit() else "1"
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """EOS ids from the generation config, the model config and the tokenizer (ChatML: <|im_end|>)."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
