@@ -21,6 +21,7 @@ Design decisions
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -125,16 +126,11 @@ def choose_backend(backend: str = "auto") -> tuple[str, str]:
 
 
 def _embedded_cmd(cfg: EmbeddedServerConfig, host: str, port: int, model_path: str, seed: Optional[int]) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "areal_lite.serve", "--model-path", model_path, "--host", host, "--port", str(port),
-        "--dtype", cfg.dtype, "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
-        "--threads", str(cfg.threads), "--log-level", cfg.log_level,
-    ]  # fmt: skip
-    if cfg.context_length:
-        cmd += ["--context-length", str(cfg.context_length)]
-    if seed is not None:
-        cmd += ["--random-seed", str(seed)]
-    return cmd
+    """`python -m areal_lite.serve` with every option of `cfg` (defined once, in the dataclass) and this launch's."""
+    cfg = dataclasses.replace(cfg, model_path=model_path)  # the resolved path (it may fall back to the actor's)
+    per_launch = ["--host", host, "--port", str(port), "--exit-with-parent", str(os.getpid())]
+    seed_args = [] if seed is None else ["--random-seed", str(seed)]
+    return [sys.executable, "-m", "areal_lite.serve", *cfg.cli_args(), *per_launch, *seed_args]
 
 
 def _server_configs(config: Any, backend: str) -> tuple[str, dict[str, Any], str, Optional[int]]:

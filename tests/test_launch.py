@@ -45,6 +45,29 @@ def cfg(path: str, **kw) -> EmbeddedServerConfig:
     return EmbeddedServerConfig(model_path=path, threads=1, **kw)
 
 
+def test_the_launched_command_carries_every_config_option(tiny_model_path, monkeypatch):
+    """The command line the launcher builds parses back, in the server's own parser, to the same config."""
+    import dataclasses
+
+    from areal_lite.launch import _embedded_cmd
+    from areal_lite.serve import parse_args
+
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    config = cfg("ignored", max_prefill_tokens=123, return_original_logprob=True, decode_log_interval=5)
+    cmd = _embedded_cmd(config, "127.0.0.1", 4321, tiny_model_path, seed=9)
+    assert cmd[1:3] == ["-m", "areal_lite.serve"]
+    args = vars(parse_args(cmd[3:]))
+    for f in dataclasses.fields(EmbeddedServerConfig):
+        want = tiny_model_path if f.name == "model_path" else getattr(config, f.name)
+        assert args[f.name] == want, f.name
+    assert (args["host"], args["port"], args["random_seed"], args["exit_with_parent"]) == (
+        "127.0.0.1",
+        4321,
+        9,
+        os.getpid(),
+    )
+
+
 def test_find_free_ports():
     port = find_free_port()
     with socket.socket() as s:

@@ -650,7 +650,8 @@ def test_prefill_groups_bound_padded_tokens():
 # ----------------------------------------------------------------------------------------------------------------
 # the command line: defined once, in EmbeddedServerConfig
 
-LAUNCH_OPTIONS = {"host", "port", "random_seed"}  # per launch, not per config: the launcher passes them itself
+# Per launch, not per config: the launcher passes them itself.
+LAUNCH_OPTIONS = {"host", "port", "random_seed", "exit_with_parent"}
 
 
 def test_server_options_are_the_config_fields():

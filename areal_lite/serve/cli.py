@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (the default is loopback only)")
     p.add_argument("--port", type=int, default=30000, help="port to bind")
     p.add_argument("--random-seed", type=int, default=1, help="seed of the server's sampling generator")
+    # The launcher's pid: exit when it dies (the no-orphan fallback where the kernel cannot signal us, see procs).
+    p.add_argument("--exit-with-parent", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -168,6 +170,10 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.exit_with_parent:
+        from areal_lite.procs import exit_with_parent
+
+        exit_with_parent(args.exit_with_parent, log=log)  # from the start: loading a model takes a while
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         stream=sys.stderr,
