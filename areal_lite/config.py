@@ -590,6 +590,32 @@ def load_expr_config(
     Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`.
     The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
     """
+    path, overrides = _split_argv(argv)
+    data, profiles = _read_yaml(path)
+    source = path or "<defaults>"
+    data = _Checker(source).check(config_cls, data, "")
+    profiles = _check_profiles(config_cls, source, profiles)
+    cli = _override_layer(config_cls, overrides)
+    env_profile = os.environ.get("AREAL_LITE_PROFILE")
+    if env_profile and "profile" not in {o.split("=", 1)[0].strip() for o in overrides}:
+        cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(config_cls, {"profile": env_profile}, "")["profile"]
+    requested = cli.get("profile", data.get("profile", "auto"))
+    chosen, why = resolve_profile(requested)
+    merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)
+    merged["profile"] = chosen
+    try:
+        conf = OmegaConf.merge(OmegaConf.structured(config_cls), OmegaConf.create(merged))
+        config = OmegaConf.to_object(conf)
+    except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
+        raise ConfigError(f"{source}: {e}") from None
+    _fill_derived(config)
+    if verbose:
+        _print_choice(config, merged, path, chosen, why)
+    return config, path
+
+
+def _split_argv(argv: List[str]) -> tuple[Optional[str], List[str]]:
+    """(the --config file or None, the key=value overrides) of a command line."""
     argv = list(argv)
     path: Optional[str] = None
     overrides: List[str] = []
@@ -609,7 +635,11 @@ def load_expr_config(
         else:
             overrides.append(arg)
         i += 1
+    return path, overrides
 
+
+def _read_yaml(path: Optional[str]) -> tuple[dict, dict]:
+    """(base keys, `profiles` mapping) of a YAML config file; both empty without a file."""
     data: dict = {}
     profiles: dict = {}
     if path is not None:
@@ -628,16 +658,21 @@ def load_expr_config(
         if not isinstance(profiles, dict):
             raise ConfigError(f"{path}: key 'profiles': expected a mapping of profile name to overrides")
         data = loaded
+    return data, profiles
 
-    source = path or "<defaults>"
-    data = _Checker(source).check(config_cls, data, "")
+
+def _check_profiles(config_cls: type, source: str, profiles: dict) -> dict:
     for name, prof in profiles.items():
         if name not in ("cpu", "gpu"):
             near = difflib.get_close_matches(str(name), ["cpu", "gpu"], n=1, cutoff=0.3)
             hint = f"; did you mean 'profiles.{near[0]}'?" if near else ""
             raise ConfigError(f"{source}: key 'profiles.{name}': unknown profile (valid: cpu, gpu){hint}")
         profiles[name] = _Checker(f"{source} (profile {name})").check(config_cls, prof or {}, "")
+    return profiles
 
+
+def _override_layer(config_cls: type, overrides: List[str]) -> dict:
+    """$AREAL_LITE_OVERRIDES then the command line's key=value overrides, checked and nested."""
     # The environment is the one switch a whole run (CI, `make test-gpu`) flips without editing a notebook:
     # AREAL_LITE_OVERRIDES holds extra overrides applied before the explicit ones, AREAL_LITE_PROFILE the profile.
     env_overrides = os.environ.get("AREAL_LITE_OVERRIDES", "").split()
@@ -647,30 +682,19 @@ def load_expr_config(
             key, value = _parse_override(item)
             nested = _Checker(origin, numbers_as_text=True).check(config_cls, _nest(key, value), "")
             cli = _deep_merge(cli, nested)
+    return cli
 
-    env_profile = os.environ.get("AREAL_LITE_PROFILE")
-    if env_profile and "profile" not in {o.split("=", 1)[0].strip() for o in overrides}:
-        cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(config_cls, {"profile": env_profile}, "")["profile"]
-    requested = cli.get("profile", data.get("profile", "auto"))
-    chosen, why = resolve_profile(requested)
-    merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)
-    merged["profile"] = chosen
-    try:
-        conf = OmegaConf.merge(OmegaConf.structured(config_cls), OmegaConf.create(merged))
-        config = OmegaConf.to_object(conf)
-    except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
-        raise ConfigError(f"{source}: {e}") from None
-    _fill_derived(config)
-    if verbose:
-        shown = os.path.basename(path) if path else "defaults"
-        print(f"areal-lite: profile={chosen} ({why}) config={shown}")
-        differ = [
-            f"{key}={_get_dotted(config, key)!r} (AReaL: {areal!r})"
-            for key, (areal, _) in AREAL_DEFAULT_DIFFERENCES.items()
-            if _left_at_default(merged, key) and _has_dotted(config, key)
-        ]
-        if differ:
-            print("areal-lite: kit defaults that differ from AReaL 1.0.4 here: " + ", ".join(differ))
+
+def _print_choice(config: Any, merged: dict, path: Optional[str], chosen: str, why: str) -> None:
+    shown = os.path.basename(path) if path else "defaults"
+    print(f"areal-lite: profile={chosen} ({why}) config={shown}")
+    differ = [
+        f"{key}={_get_dotted(config, key)!r} (AReaL: {areal!r})"
+        for key, (areal, _) in AREAL_DEFAULT_DIFFERENCES.items()
+        if _left_at_default(merged, key) and _has_dotted(config, key)
+    ]
+    if differ:
+        print("areal-lite: kit defaults that differ from AReaL 1.0.4 here: " + ", ".join(differ))
     return config, path
 
 
