@@ -535,6 +535,8 @@ def test_prepare_batch_without_set_version_fails_loudly(make_engine, embedded_se
     concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))
     with pytest.raises(RuntimeError, match="set_version"):
         concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))
+    explained = eng.explain()  # the same diagnosis in words, with the numbers
+    assert "(0 + 0 - 0 + 1) * 2 = 2" in explained and "2 accepted" in explained and "set_version(1)" in explained
     eng.set_version(1)  # the queued rows were kept: the next step proceeds
     assert concat_padded_tensors(eng.prepare_batch(loader, OneTurn(max_new_tokens=3)))["rewards"].tolist() == [2.0, 3.0]
 
@@ -550,6 +552,7 @@ def test_staleness_counts_from_the_first_version_of_a_resumed_run(make_engine, e
         assert (batch["versions"][batch["loss_mask"].bool()] == v).all()  # eta = 0: always fresh
         eng.set_version(v + 1)
     assert eng.stats()["base_version"] == 5
+    assert "version 8, counted from v0=5" in eng.explain()
     assert eng.start_versions()[:6] == [5, 5, 6, 6, 7, 7]
 
 

@@ -1,0 +1,490 @@
+"""The HTTP client of SGLang-compatible servers: requests, rid routing, interrupt/resume, weight-update calls.
+
+`SGLangClient` is what `RemoteSGLangEngine.agenerate`, `pause`, `resume` and `update_weights` use underneath. It
+knows servers, requests and versions; it knows nothing about workflows, episodes or the staleness bound (that is
+`areal_lite.executor`). Every coroutine here runs on the engine's one background event loop.
+
+Design decisions
+- One aiohttp session and one connection pool, made on the background loop and closed by `close()`. aiohttp
+  sessions are bound to the loop that made them, so the engine forwards calls from other loops here instead of
+  opening a session per caller loop (which could not be closed cleanly when that loop is blocked or gone).
+- Retries: connection errors and HTTP 5xx are retried with exponential backoff, at most `request_retries` times and
+  within `request_timeout` seconds per HTTP call (each resumed chunk gets a fresh budget; time spent paused is not
+  counted). HTTP 4xx means the request is wrong: `EngineError` with the server's message, at once -- retrying a
+  wrong request only delays the message the learner needs to read.
+- Interrupt and resume: the engine sets `paused` and then calls `abort_all()`, which asks every server to abort its
+  running requests. An aborted request waits (polling `pause_poll_interval`) until `paused` is cleared, then is
+  re-sent as prompt + tokens so far with the remaining `max_new_tokens` (and `min_new_tokens`) budget; tokens,
+  logprobs and versions accumulate, so a weight update in the middle of a generation loses nothing. The flag goes up
+  *before* the abort, so an aborted request always sees it and waits instead of re-sending to the old weights.
+  An abort nobody asked for (not paused) is resumed the same way; if it keeps coming back with no new token, that
+  is a server fault and raises after `request_retries` tries with backoff. Known limit: a stop string split across
+  the interruption point is not detected (the server only sees the new text).
+- Versions: each output token carries the server's `meta_info.weight_version` when it is an integer, otherwise the
+  engine's version *when the chunk was sent* (`current_version()`). Weights only change while requests are
+  paused/aborted (or the server waits for running requests before loading), so the send-time version is exact; the
+  return-time version would race with the trainer's `set_version()` that follows `pause()`.
+- `ttft` is approximate: requests are not streamed, so it is the time until the first response that carried at
+  least one token. `latency` is wall time including pauses.
+- rid affinity: requests with the same `rid` go to the same server (its prefix cache holds the conversation); new
+  rids are spread round-robin, and the oldest of `_RID_CACHE` rids is forgotten first. If a rid is already in flight
+  (a group of samples sharing one request object), the wire rid gets a unique suffix so the server never sees
+  duplicates.
+- Shutting down: `closing` makes an aborted request return its partial output marked `stop_reason="abort"` (the only
+  way to get that stop reason) instead of resuming; `abort_inflight()` asks the servers to abort this client's
+  requests with one short attempt each, since a server may be the reason for shutting down. The servers themselves
+  are left running and unpaused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any, Callable, Coroutine, Dict, List, Optional
+
+import aiohttp
+
+from .config import InferenceEngineConfig, sampling_params
+from .io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+
+__all__ = ["ADDRS_ENV", "EngineError", "SGLangClient", "parse_addrs"]
+
+logger = logging.getLogger("areal_lite.engine")  # one logger name for the whole rollout side
+
+ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+_RID_CACHE = 4096  # rids remembered for server affinity (oldest forgotten first)
+_BACKOFF_START, _BACKOFF_MAX = 0.1, 5.0  # seconds between retries of a failed request
+_ABORT_GRACE = 2.0  # seconds a shutdown gives aborted requests to come back with their partial output
+
+
+class EngineError(RuntimeError):
+    """A server refused or failed a request. `status` is the HTTP status (None: no answer), `address` the server."""
+
+    def __init__(self, message: str, status: Optional[int] = None, address: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.address = address
+
+
+# ------------------------------------------------------------------------------------------------ small helpers
+
+
+def parse_addrs(addr: Any) -> List[str]:
+    """ "host:port", "host:port,host:port", a list of them, or None (read `AREAL_LLM_SERVER_ADDRS`) -> a list."""
+    if addr is None:
+        addr = os.environ.get(ADDRS_ENV, "")
+        if not addr.strip():
+            raise ValueError(f"no server address: pass initialize(addr='host:port') or set {ADDRS_ENV}=host:port,...")
+    if isinstance(addr, str):
+        addr = addr.split(",")
+    out = []
+    for a in addr:
+        a = str(a).strip()
+        for prefix in ("http://", "https://"):
+            if a.startswith(prefix):
+                a = a[len(prefix) :]
+        a = a.rstrip("/")
+        if not a:
+            continue
+        if ":" not in a:
+            raise ValueError(f"server address {a!r} must look like host:port")
+        out.append(a)
+    if not out:
+        raise ValueError(f"no server address in {addr!r}")
+    return out
+
+
+def looks_like_addrs(value: Any) -> bool:
+    """A server address ("host:port") or a list of them, passed where AReaL expects an engine id."""
+    if isinstance(value, (list, tuple)):
+        return bool(value)
+    return isinstance(value, str) and value.rsplit(":", 1)[-1].isdigit() and ":" in value
+
+
+def _decode_body(raw: bytes) -> Any:
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def _error_message(raw: bytes) -> str:
+    body = _decode_body(raw)
+    if isinstance(body, dict):
+        for key in ("error", "message", "detail"):
+            if key in body:
+                value = body[key]
+                if isinstance(value, dict) and "message" in value:
+                    value = value["message"]
+                return str(value)
+    text = body if isinstance(body, str) else json.dumps(body)
+    return text[:500] or "(empty body)"
+
+
+def _parse_version(value: Any) -> Optional[int]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _parse_generate(result: Any, addr: str):
+    """/generate's answer -> (tokens, logprobs, finish_reason, message, weight_version or None)."""
+    if isinstance(result, list) and len(result) == 1:
+        result = result[0]
+    try:
+        meta = result["meta_info"]
+        entries = meta["output_token_logprobs"]
+        tokens = [int(e[1]) for e in entries]
+        logprobs = [float(e[0]) for e in entries]
+        reason = meta.get("finish_reason")
+        finish = reason.get("type") if isinstance(reason, dict) else reason
+        message = reason.get("message", "") if isinstance(reason, dict) else ""
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise EngineError(
+            f"{addr}/generate answered without meta_info.output_token_logprobs/finish_reason "
+            f"({type(e).__name__}: {e}); body starts {str(result)[:200]!r}",
+            address=addr,
+        ) from None
+    return tokens, logprobs, finish, message, _parse_version(meta.get("weight_version"))
+
+
+def check_request(req: ModelRequest) -> None:
+    """Refuse, before anything is sent, a request that cannot be served (one sample, a prompt, room to generate)."""
+    if req.gconfig.n_samples != 1:
+        raise ValueError(
+            f"agenerate takes one sample per request (gconfig.n_samples={req.gconfig.n_samples}); "
+            "a grouped workflow fans out G requests with gconfig.new(n_samples=1)"
+        )
+    if not req.input_ids:
+        raise ValueError("ModelRequest.input_ids is empty: tokenize the prompt first")
+    max_tokens = getattr(req.gconfig, "max_tokens", None)
+    if max_tokens is not None and max_tokens - len(req.input_ids) <= 0:
+        raise ValueError(
+            f"the prompt has {len(req.input_ids)} tokens: gconfig.max_tokens={max_tokens} leaves no room to generate"
+        )
+
+
+def nccl_specs(meta: WeightUpdateMeta) -> dict:
+    """names/dtypes/shapes of the parameters to broadcast, from `meta` (set by the actor on the GPU route)."""
+    names, dtypes, shapes = meta.names, meta.dtypes, meta.shapes
+    if names and dtypes and shapes:
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError("WeightUpdateMeta names/dtypes/shapes must have the same length")
+        return {
+            "names": list(names),
+            "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+        }
+    raise NotImplementedError(
+        "NCCL weight update needs the parameter names, dtypes and shapes: call actor.prepare_nccl_meta(meta) "
+        "(it sets meta.names/meta.dtypes/meta.shapes) before update_weights(). The NCCL route is GPU-only; on CPU use "
+        "WeightUpdateMeta.from_disk(path)."
+    )
+
+
+@dataclasses.dataclass
+class _Generation:
+    """What one `generate` call has received so far, across its resumed chunks."""
+
+    start: float
+    tokens: List[int] = dataclasses.field(default_factory=list)
+    logprobs: List[float] = dataclasses.field(default_factory=list)
+    versions: List[int] = dataclasses.field(default_factory=list)
+    ttft: float = float("inf")
+    stop_reason: str = "abort"  # what a cancelled or shut-down request reports
+
+
+# ------------------------------------------------------------------------------------------------ the client
+
+
+class SGLangClient:
+    """Talks to the servers (see the module docstring). Not thread-safe: use it from the engine's loop only, except
+    the `paused`/`closing` flags, which the engine sets from the caller's thread (plain attribute writes)."""
+
+    def __init__(self, config: InferenceEngineConfig, current_version: Callable[[], int]):
+        self.config = config
+        self.addresses: List[str] = []
+        self.paused = False  # set before abort_all(), cleared after continue_all(): aborted requests wait meanwhile
+        self.closing = False  # shutting down: aborted requests return what they have instead of resuming
+        self._current_version = current_version
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._rid_to_addr: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+        self._rr = 0
+        self._inflight: Dict[str, str] = {}  # wire rid -> server, for generate calls in progress
+        self._nccl_group_ready = False
+
+    # -------------------------------------------------------------------------------------------- session
+
+    async def connect(self) -> None:
+        """Open the session and wait (up to `setup_timeout`) until every server answers GET /health."""
+        # limit=0: the servers, not the client pool, decide how many requests run at once.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await asyncio.gather(*(self._wait_healthy(a) for a in self.addresses))
+
+    async def _wait_healthy(self, addr: str) -> None:
+        deadline = time.monotonic() + self.config.setup_timeout
+        last = "no answer yet"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineError(
+                    f"server {addr} did not become healthy within {self.config.setup_timeout:.0f}s "
+                    f"(GET http://{addr}/health: {last})",
+                    address=addr,
+                )
+            try:
+                timeout = aiohttp.ClientTimeout(total=min(5.0, remaining))
+                async with self._session.get(f"http://{addr}/health", timeout=timeout) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, OSError) as e:
+                last = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    async def abort_inflight(self) -> None:
+        """Ask the servers to abort this client's requests and give them `_ABORT_GRACE` seconds to come back."""
+        if not self._inflight or self._session is None:
+            return
+        aborts = [self._abort_on_server(addr, rid) for rid, addr in list(self._inflight.items())]
+        await asyncio.gather(*aborts, return_exceptions=True)
+        deadline = time.monotonic() + _ABORT_GRACE
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _abort_on_server(self, addr: str, rid: str) -> None:
+        # One short attempt, no retries: the server may be the reason we are shutting down.
+        timeout = aiohttp.ClientTimeout(total=_ABORT_GRACE)
+        async with self._session.post(f"http://{addr}/abort_request", json={"rid": rid}, timeout=timeout) as resp:
+            await resp.read()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # -------------------------------------------------------------------------------------------- HTTP
+
+    async def request(self, method: str, addr: str, endpoint: str, body: Optional[dict] = None) -> Any:
+        """One HTTP call with retries on connection errors and 5xx; 4xx raises EngineError at once."""
+        budget, retries = self.config.request_timeout, max(0, self.config.request_retries)
+        deadline = time.monotonic() + budget
+        delay, last, attempts = _BACKOFF_START, "no attempt made", 0
+        url = f"http://{addr}{endpoint}"
+        for attempt in range(retries + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            try:
+                timeout = aiohttp.ClientTimeout(total=remaining)
+                async with self._session.request(method, url, json=body, timeout=timeout) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, OSError) as e:  # refused, reset, disconnected, timed out
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            else:
+                if status < 400:
+                    return _decode_body(raw)
+                msg = _error_message(raw)
+                if status < 500:
+                    raise EngineError(f"{url} rejected the request (HTTP {status}): {msg}", status, addr)
+                last = f"HTTP {status}: {msg}"
+            if attempt < retries:
+                await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+                delay = min(2 * delay, _BACKOFF_MAX)
+        raise EngineError(f"{method} {url} failed after {attempts} attempt(s) within {budget:g}s: {last}", address=addr)
+
+    async def post_all(self, endpoint: str, body: dict) -> List[Any]:
+        """POST the same body to every server at once; the answers in `addresses` order."""
+        return list(await asyncio.gather(*(self.request("POST", a, endpoint, body) for a in self.addresses)))
+
+    async def abort_all(self) -> None:
+        """Abort the requests running on every server (set `paused` first: they wait for `continue_all`)."""
+        await self.post_all("/pause_generation", {"mode": "abort"})
+
+    async def continue_all(self) -> None:
+        """Let every server run requests again (clear `paused` after this: the held requests re-send)."""
+        await self.post_all("/continue_generation", {})
+
+    # -------------------------------------------------------------------------------------------- routing
+
+    def choose_server(self, rid: str) -> str:
+        """The server pinned to `rid`, or the next one round-robin for a new rid (which is then pinned)."""
+        addr = self._rid_to_addr.get(rid)
+        if addr is not None:
+            self._rid_to_addr.move_to_end(rid)
+            return addr
+        addr = self.addresses[self._rr % len(self.addresses)]
+        self._rr += 1
+        self._rid_to_addr[rid] = addr
+        if len(self._rid_to_addr) > _RID_CACHE:
+            self._rid_to_addr.popitem(last=False)
+        return addr
+
+    def server_for(self, rid: str) -> Optional[str]:
+        """The server a rid is pinned to (None if the rid is unknown or forgotten)."""
+        return self._rid_to_addr.get(rid)
+
+    # -------------------------------------------------------------------------------------------- generation
+
+    async def generate(self, req: ModelRequest) -> ModelResponse:
+        """Generate for one checked request (`check_request`), resuming across aborts until stop or length."""
+        addr = self.choose_server(req.rid)
+        wire_rid = req.rid if req.rid not in self._inflight else f"{req.rid}-{uuid.uuid4().hex[:8]}"
+        self._inflight[wire_rid] = addr
+        out = _Generation(start=time.perf_counter())
+        try:
+            await self._generate_chunks(req, addr, wire_rid, out)
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            # The shutdown cancelled us: hand back the partial response instead of an exception in the caller.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        finally:
+            self._inflight.pop(wire_rid, None)
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=out.tokens,
+            output_logprobs=out.logprobs,
+            output_versions=out.versions,
+            stop_reason=out.stop_reason,
+            tokenizer=getattr(req, "tokenizer", None),
+            latency=time.perf_counter() - out.start,
+            ttft=out.ttft,
+            rid=req.rid,
+        )
+
+    async def _wait_unpaused(self) -> bool:
+        """Sleep while paused; False if the client is shutting down."""
+        while self.paused and not self.closing:
+            await asyncio.sleep(self.config.pause_poll_interval)
+        return not self.closing
+
+    async def _generate_chunks(self, req: ModelRequest, addr: str, wire_rid: str, out: _Generation) -> None:
+        """Send the request, then re-send the rest after every abort; sets `out.stop_reason` when it ends."""
+        g = req.gconfig
+        prompt = [int(t) for t in req.input_ids]
+        # AReaL's rule: max_tokens bounds prompt + output, so a request generates at most what is left of it.
+        budget = min(int(g.max_new_tokens), int(getattr(g, "max_tokens", 1 << 62)) - len(prompt))
+        min_new = int(getattr(g, "min_new_tokens", 0))
+        idle_aborts, delay = 0, _BACKOFF_START
+        while True:
+            if not await self._wait_unpaused():
+                return  # shut down while paused: return what we have, marked "abort"
+            remaining = budget - len(out.tokens)
+            if remaining <= 0:
+                out.stop_reason = "length"
+                return
+            params = sampling_params(g, max_new_tokens=remaining)
+            params["min_new_tokens"] = max(0, min(min_new - len(out.tokens), remaining))
+            payload = {
+                "input_ids": prompt + out.tokens,
+                "sampling_params": params,
+                "return_logprob": True,
+                "rid": wire_rid,
+                "stream": False,
+            }
+            sent_version = self._current_version()
+            chunk, lps, finish, message, server_version = _parse_generate(
+                await self.request("POST", addr, "/generate", payload), addr
+            )
+            out.tokens += chunk
+            out.logprobs += lps
+            out.versions += [server_version if server_version is not None else sent_version] * len(chunk)
+            if chunk and out.ttft == float("inf"):
+                out.ttft = time.perf_counter() - out.start
+            if finish in ("stop", "length"):
+                out.stop_reason = finish
+                return
+            if finish != "abort":
+                raise EngineError(f"{addr} returned an unknown finish_reason {finish!r}", address=addr)
+            # "abort": paused for a weight update; resume with what we have. An abort we did not cause (not paused)
+            # that made no progress is a server problem: back off, and give up after request_retries.
+            if chunk or self.paused:
+                idle_aborts, delay = 0, _BACKOFF_START
+                continue
+            idle_aborts += 1
+            if idle_aborts > self.config.request_retries:
+                raise EngineError(
+                    f"{addr} aborted the request {idle_aborts} times without generating and without a pause: {message}",
+                    address=addr,
+                )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _BACKOFF_MAX)
+
+    # -------------------------------------------------------------------------------------------- weights
+
+    def weight_update(self, meta: WeightUpdateMeta, version: int, timeout: float) -> Coroutine[Any, Any, int]:
+        """The coroutine that makes every server load `version` as `meta` says; it returns `version`.
+
+        A plain function returning a coroutine, so that a wrong meta raises here, in the caller's thread, before
+        anything is scheduled. `timeout` bounds the wait for a disk folder.
+        """
+        if meta.type == "disk":
+            return self._update_from_disk(meta.dir_for(version), version, timeout)
+        if meta.is_broadcast:
+            return self._update_from_distributed(meta, nccl_specs(meta), version)
+        raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'xccl' or 'nccl', got {meta.type!r}")
+
+    async def _update_from_disk(self, path: str, version: int, timeout: float) -> int:
+        # The trainer renames the folder into place when it is complete, so its existence means "ready".
+        deadline = time.monotonic() + timeout
+        while not os.path.isdir(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"update_weights: {path} did not appear within {timeout:g}s (version {version})")
+            await asyncio.sleep(max(0.01, self.config.pause_poll_interval))
+        body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False, "flush_cache": True}
+        answers = await self.post_all("/update_weights_from_disk", body)
+        for addr, ans in zip(self.addresses, answers):
+            if isinstance(ans, dict) and ans.get("success") is False:
+                raise EngineError(f"{addr} failed to load weights from {path}: {ans.get('message')}", address=addr)
+        logger.info("servers now hold weights version %d from %s", version, path)
+        return version
+
+    async def _update_from_distributed(self, meta: WeightUpdateMeta, specs: dict, version: int) -> int:
+        if not self._nccl_group_ready:  # the group is made once, then reused by every update
+            world = 1 + len(self.addresses)  # rank 0 is the trainer, then one rank per server
+            group = {
+                "master_address": meta.nccl_master_address,
+                "master_port": int(meta.nccl_master_port),
+                "world_size": world,
+                "group_name": meta.nccl_group_name,
+                "backend": "nccl",
+            }
+            await asyncio.gather(
+                *(
+                    self.request("POST", addr, "/init_weights_update_group", dict(group, rank_offset=1 + i))
+                    for i, addr in enumerate(self.addresses)
+                )
+            )
+            self._nccl_group_ready = True
+        body = dict(
+            specs,
+            group_name=meta.nccl_group_name,
+            flush_cache=True,
+            abort_all_requests=False,
+            weight_version=str(version),
+        )
+        answers = await self.post_all("/update_weights_from_distributed", body)
+        for addr, ans in zip(self.addresses, answers):
+            if isinstance(ans, dict) and ans.get("success") is False:
+                raise EngineError(f"{addr} failed the NCCL weight update: {ans.get('message')}", address=addr)
+        return version

@@ -1,0 +1,698 @@
+"""The rollout executor: episodes, their queue, and the staleness bound that decides when one may start.
+
+`WorkflowExecutor` runs workflows (`await workflow.arun_episode(engine, data)`) on the engine's background event
+loop and owns what `submit`/`wait`/`rollout_batch`/`prepare_batch` do; `StalenessManager` holds the counters and
+the one rule that says how many episodes may start now. Neither talks HTTP: a workflow reaches the servers through
+the engine it is handed.
+
+Design decisions
+- The staleness rule lives in one small class, `StalenessManager`, with pure methods (`bound`, `headroom`,
+  `capacity`) and `explain()`, which says in words what the bound is and why -- so a notebook can print it, and a
+  test can check it with hand-built numbers and no server. New episodes start while
+      capacity = min(max_concurrent_rollouts - running, (eta + v + 1) * B - (accepted + running)) > 0
+  (v = current version, B = consumer_batch_size, eta = max_head_offpolicyness; `accepted` counts every accepted
+  asynchronous episode so far, consumed or not; `running` counts every running episode in the first term and the
+  asynchronous ones in the second, see the next point). Versions count from v0, the version at which the first
+  episode started: 0 in a fresh run, so the rule is AReaL's exactly; a run resumed at version k would otherwise
+  start (k + 1) * B episodes at once, all k versions stale by the time they are consumed.
+  `max_concurrent_rollouts=None` means B, as in AReaL. `queue_size`, when set, also stops new starts while
+  finished-but-unconsumed results + running episodes reach it (backpressure).
+- Episodes of a `rollout_batch` are synchronous: they are generated with the current weights and consumed at once,
+  so their staleness is 0 by construction; only the concurrency limit applies to them, and they count neither as
+  `accepted` nor as `running` in the bound (AReaL runs them through the bound too, so an evaluation larger than
+  (eta + 1) * B can never start).
+- Event-driven, not polled: `submit`, a finished episode, `set_version`, `set_paused(False)` and consuming results
+  each schedule a "pump" on the loop, which starts queued episodes while the capacity allows. Callers block on one
+  `threading.Condition` that guards all the executor's state (the StalenessManager's counters included) and that
+  every state change notifies.
+- Results are returned in submission order: `wait(n)` takes the n earliest-submitted accepted episodes, and waits
+  for an earlier episode still running rather than pass it. That is what makes the bound a guarantee: an episode
+  that started at version v had fewer than (eta + v + 1) * B episodes accepted or running ahead of it, so it is
+  consumed by step v + eta at the latest. Taking whatever finished first (AReaL sorts the finished ones by creation
+  time, then shuffles) lets a slow episode be passed over step after step and arrive more than eta versions stale.
+  `rollout_batch` returns its own episodes in input order, without rejected ones, and never takes results of
+  `submit`/`prepare_batch`.
+- Fail loudly instead of hanging. A workflow exception is re-raised (same object, so its traceback) in the thread
+  that calls `wait`/`rollout_batch`/`prepare_batch`. When nothing can make progress -- nothing running, and the
+  queue is empty, or blocked by the staleness bound, or paused -- waiting raises with the reason (typically: call
+  `set_version()` after each training step) instead of sleeping forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import importlib
+import inspect
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence
+
+import torch
+
+__all__ = ["StalenessManager", "WorkflowExecutor", "resolve_workflow"]
+
+logger = logging.getLogger("areal_lite.engine")  # one logger name for the whole rollout side
+
+
+# ------------------------------------------------------------------------------------------------ the staleness rule
+
+
+class StalenessManager:
+    """The counters of the staleness bound and the rule computed from them (see the module docstring).
+
+    Not locked itself: the executor reads and updates it under its Condition. `running` and `accepted` count
+    asynchronous episodes (submit/prepare_batch) only; `sync_running` counts rollout_batch episodes, which use a
+    concurrency slot but are outside the bound.
+    """
+
+    def __init__(
+        self,
+        consumer_batch_size: int,
+        max_head_offpolicyness: int,
+        max_concurrent_rollouts: Optional[int] = None,
+        queue_size: Optional[int] = None,
+    ):
+        if consumer_batch_size < 1:
+            raise ValueError(f"consumer_batch_size must be >= 1, got {consumer_batch_size}")
+        if max_head_offpolicyness < 0:
+            raise ValueError(f"max_head_offpolicyness must be >= 0, got {max_head_offpolicyness}")
+        if max_concurrent_rollouts is not None and max_concurrent_rollouts < 1:
+            raise ValueError(f"max_concurrent_rollouts must be >= 1 or None, got {max_concurrent_rollouts}")
+        if queue_size is not None and queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1 or None, got {queue_size}")
+        self.consumer_batch_size = consumer_batch_size
+        self.max_head_offpolicyness = max_head_offpolicyness
+        self.max_concurrent_rollouts = max_concurrent_rollouts or consumer_batch_size
+        self.queue_size = queue_size
+        self.version = 0
+        self.base_version: Optional[int] = None  # v0: the version when the first asynchronous episode started
+        self.accepted = 0  # asynchronous episodes accepted so far, consumed or not
+        self.running = 0  # asynchronous episodes running
+        self.sync_running = 0  # rollout_batch episodes running
+        self.ready = 0  # accepted, not yet consumed
+
+    @classmethod
+    def from_config(cls, config: Any) -> "StalenessManager":
+        """From an `InferenceEngineConfig` (or anything with its four fields)."""
+        return cls(
+            config.consumer_batch_size,
+            config.max_head_offpolicyness,
+            config.max_concurrent_rollouts,
+            config.queue_size,
+        )
+
+    # ---------------------------------------------------------------------------------- the rule (pure)
+
+    @property
+    def first_version(self) -> int:
+        """v0; before any episode started, the current version (counting would start now)."""
+        return self.version if self.base_version is None else self.base_version
+
+    def bound(self) -> int:
+        """(eta + v - v0 + 1) * B: how many episodes may have been accepted or be running by version v."""
+        return (self.max_head_offpolicyness + self.version - self.first_version + 1) * self.consumer_batch_size
+
+    def headroom(self) -> int:
+        """Episodes the staleness bound still allows to start at the current version (may be negative)."""
+        return self.bound() - (self.accepted + self.running)
+
+    def free_slots(self) -> int:
+        """Concurrency slots left: every running episode, synchronous or not, holds one."""
+        return self.max_concurrent_rollouts - (self.running + self.sync_running)
+
+    def queue_room(self) -> Optional[int]:
+        """With `queue_size`: results it still has room for (unconsumed + running count); None: unbounded."""
+        if self.queue_size is None:
+            return None
+        return self.queue_size - (self.ready + self.running + self.sync_running)
+
+    def capacity(self) -> int:
+        """How many more asynchronous episodes may start now: the smallest of the three limits."""
+        cap = min(self.free_slots(), self.headroom())
+        room = self.queue_room()
+        return cap if room is None else min(cap, room)
+
+    def bound_text(self) -> str:
+        eta, v, v0, B = self.max_head_offpolicyness, self.version, self.first_version, self.consumer_batch_size
+        return f"(eta + v - v0 + 1) * B = ({eta} + {v} - {v0} + 1) * {B} = {self.bound()}"
+
+    def explain(self) -> str:
+        """The current bound and why, in words, with the numbers (for a notebook to print)."""
+        eta, v, v0, B = self.max_head_offpolicyness, self.version, self.first_version, self.consumer_batch_size
+        since = "" if self.base_version is not None else " (no episode started yet: counting starts at this version)"
+        if eta == 0:
+            mode = "synchronous: every episode is consumed at the version it started at"
+        else:
+            mode = f"an episode may be consumed up to {eta} version(s) after the one it started at"
+        lines = [
+            f"version {v}, counted from v0={v0}{since}; eta={eta} ({mode}); B={B}.",
+            f"Staleness bound: at most {self.bound_text()} episodes may be accepted or running by now; "
+            f"{self.accepted} accepted + {self.running} running -> {max(self.headroom(), 0)} more may start.",
+            f"Concurrency: {self.running + self.sync_running} of max_concurrent_rollouts={self.max_concurrent_rollouts}"
+            f" running ({self.sync_running} of them rollout_batch episodes, outside the bound) -> "
+            f"{max(self.free_slots(), 0)} more.",
+        ]
+        room = self.queue_room()
+        if room is not None:
+            lines.append(
+                f"Backpressure: queue_size={self.queue_size}, {self.ready} results waiting to be consumed + "
+                f"{self.running + self.sync_running} running -> {max(room, 0)} more."
+            )
+        lines.append(f"So {max(self.capacity(), 0)} more episode(s) may start now ({self._limit()}).")
+        return "\n".join(lines)
+
+    def _limit(self) -> str:
+        """Which limit decides the capacity, in words (with what lifts it when nothing may start)."""
+        limits = {"the staleness bound": self.headroom(), "the concurrency limit": self.free_slots()}
+        if self.queue_size is not None:
+            limits["queue_size"] = self.queue_room()
+        low = min(limits.values())
+        deciding = [name for name, value in limits.items() if value == low]
+        if low > 0:
+            return " and ".join(deciding) + (" decides" if len(deciding) == 1 else " decide")
+        lifts = {
+            "the staleness bound": f"call set_version({self.version + 1}) after the next training step",
+            "the concurrency limit": "running episodes must finish first",
+            "queue_size": "finished results must be consumed first",
+        }
+        return "; ".join(f"{name} is reached: {lifts[name]}" for name in deciding)
+
+    # ---------------------------------------------------------------------------------- events
+
+    def on_started(self, synchronous: bool) -> None:
+        if synchronous:
+            self.sync_running += 1
+            return
+        if self.base_version is None:
+            self.base_version = self.version
+        self.running += 1
+
+    def on_finished(self, synchronous: bool, accepted: bool) -> None:
+        if synchronous:
+            self.sync_running -= 1
+            return
+        self.running -= 1
+        if accepted:
+            self.accepted += 1
+            self.ready += 1
+
+    def on_consumed(self, count: int) -> None:
+        self.ready -= count
+
+
+# ------------------------------------------------------------------------------------------------ workflows
+
+
+def _import_from_string(path: str) -> Any:
+    """`pkg.module.Name` or `pkg.module:Name` -> the object (AReaL accepts workflows named this way)."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"cannot import {path!r}: write 'package.module.Name'")
+    return getattr(importlib.import_module(module), name)
+
+
+def resolve_workflow(workflow: Any, workflow_kwargs: Optional[dict], group_size: int) -> Any:
+    """AReaL's forms: a workflow instance, a workflow class + `workflow_kwargs`, or an import path string
+    ("pkg.module.Name" or "pkg.module:Name"); `group_size > 1` runs it that many times per data row."""
+    if isinstance(workflow, str):
+        workflow = _import_from_string(workflow)
+    if isinstance(workflow, type):
+        if workflow_kwargs is None:
+            raise ValueError(f"workflow_kwargs is required when workflow is a class ({workflow.__name__})")
+        workflow = workflow(**workflow_kwargs)
+    elif workflow_kwargs is not None:
+        logger.warning("workflow_kwargs is ignored when workflow is already an instance")
+    fn = getattr(workflow, "arun_episode", None)
+    if fn is None or not inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"workflow must be an object with `async def arun_episode(self, engine, data)`; got {workflow!r}"
+        )
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if group_size > 1:
+        from .workflow import GroupedWorkflow  # the workflow module never imports the executor: no cycle
+
+        # AReaL's rule: group_size decides, whatever the workflow's gconfig.n_samples says
+        workflow = GroupedWorkflow(workflow, group_size=group_size, check_n_samples=False)
+    return workflow
+
+
+def _rows_of(batch: Any) -> List[Any]:
+    """A dataloader batch must be a list of rows (areal_lite.data collates that way)."""
+    if isinstance(batch, (list, tuple)):
+        return list(batch)
+    raise TypeError(
+        f"prepare_batch: the dataloader yielded a {type(batch).__name__}; it must yield lists of rows "
+        "(use areal_lite.data.make_dataloader or collate_fn=lambda rows: rows)"
+    )
+
+
+def _check_result(result: Any, workflow: Any) -> Optional[Dict[str, torch.Tensor]]:
+    """The workflow contract: None (rejected) or a dict of tensors with a 2-D `input_ids`."""
+    name = type(workflow).__name__
+    if result is None:
+        return None
+    if not isinstance(result, dict):
+        raise TypeError(f"{name}.arun_episode returned {type(result).__name__}; expected dict[str, Tensor] or None")
+    bad = [k for k, v in result.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"{name}.arun_episode returned non-tensor values for keys {bad}")
+    ids = result.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise TypeError(f"{name}.arun_episode must return 'input_ids' of shape [rows, length]; got keys {list(result)}")
+    return result
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """The collector of one `rollout_batch` call."""
+
+    size: int
+    results: Dict[int, Optional[dict]] = dataclasses.field(default_factory=dict)
+    error: Optional[BaseException] = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Episode:
+    seq: int  # submission order; "oldest" means smallest seq
+    data: Any
+    workflow: Any
+    should_accept: Optional[Callable[[dict], bool]]
+    batch: Optional[_Batch] = None  # None: asynchronous (submit/prepare_batch), under the staleness bound
+    index: int = 0  # position in its rollout_batch
+    task: Optional[asyncio.Task] = None
+
+
+class _DataFeed:
+    """prepare_batch's data iterator: it persists across calls, and a new epoch starts when one ends."""
+
+    def __init__(self) -> None:
+        self.source: Any = None
+        self.iterator: Optional[Iterator] = None
+        self.epoch = 0
+
+    def next_batch(self, dataloader: Iterable) -> Any:
+        if self.source is not dataloader or self.iterator is None:
+            self.source, self.iterator, self.epoch = dataloader, iter(dataloader), 0
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            self.iterator = iter(dataloader)
+            self.epoch += 1
+            try:
+                return next(self.iterator)
+            except StopIteration:
+                raise ValueError("prepare_batch: the dataloader yields no batches") from None
+
+
+# ------------------------------------------------------------------------------------------------ the loop side
+
+
+class _EpisodeRunner:
+    """The loop side of the executor: the shared state, starting queued episodes and recording how they end.
+
+    Split from `WorkflowExecutor` by thread: `_pump`, `_run_episode` and `_finish` run on the engine's loop, while
+    the subclass's methods block the caller's thread; both sides meet only under `self._cond`.
+    """
+
+    def __init__(self, staleness: StalenessManager, engine: Any):
+        self.staleness = staleness
+        self._engine = engine  # handed to every workflow's arun_episode: workflows generate through it
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        # Every field below, and self.staleness, is guarded by self._cond.
+        self._cond = threading.Condition()
+        self.paused = False  # no episode starts while paused
+        self.closing = False  # the engine is being destroyed: start nothing, let waiters fail
+        self._seq = itertools.count()
+        self._pending: Deque[_Episode] = collections.deque()
+        self._running: Dict[int, _Episode] = {}
+        self._ready: Dict[int, dict] = {}  # finished, accepted, not yet taken by wait(): seq -> result
+        self._errors: List[tuple] = []  # (seq, exception) of failed submit()/prepare_batch() episodes
+        self._counts = collections.Counter()  # rejected, failed, cancelled, consumed, sync_accepted
+        self._start_versions: List[int] = []
+
+    def attach(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        """The loop (and the thread running it) that episodes run on; nothing starts before this."""
+        self._loop, self._thread = loop, thread
+
+    @property
+    def version(self) -> int:
+        return self.staleness.version
+
+    # -------------------------------------------------------------------------------------------- state changes
+
+    def set_version(self, version: int) -> None:
+        with self._cond:
+            self.staleness.version = int(version)
+            self._cond.notify_all()
+        self._schedule_pump()
+
+    def set_paused(self, paused: bool) -> None:
+        with self._cond:
+            self.paused = paused
+            self._cond.notify_all()
+        if not paused:
+            self._schedule_pump()
+
+    def close(self) -> bool:
+        """Stop starting episodes and wake every waiter (they raise). False if it was already closed."""
+        with self._cond:
+            if self.closing:
+                return False
+            self.closing = True
+            self._cond.notify_all()
+        return True
+
+    def _enqueue_locked(self, data: Any, workflow: Any, should_accept, batch=None, index=0) -> _Episode:
+        ep = _Episode(next(self._seq), data, workflow, should_accept, batch, index)
+        self._pending.append(ep)
+        return ep
+
+    # -------------------------------------------------------------------------------------------- episodes
+
+    def _schedule_pump(self) -> None:
+        """Run `_pump` on the loop: at once when already there, else as the loop's next callback."""
+        loop = self._loop
+        if loop is None or self.closing or loop.is_closed():
+            return
+        if threading.current_thread() is self._thread:
+            self._pump()
+        else:
+            try:
+                loop.call_soon_threadsafe(self._pump)
+            except RuntimeError:  # loop closed between the check and the call (destroy racing)
+                pass
+
+    def _pump(self) -> None:
+        """Start queued episodes while the capacity rule allows (runs on the loop thread)."""
+        with self._cond:
+            if self.paused or self.closing:
+                return
+            started = False
+            held: Deque[_Episode] = collections.deque()
+            while self._pending and self.staleness.free_slots() > 0:
+                ep = self._pending.popleft()
+                synchronous = ep.batch is not None
+                if not synchronous:
+                    if self.staleness.capacity() <= 0:
+                        held.append(ep)  # held by the staleness bound; synchronous episodes may still pass
+                        continue
+                    self._start_versions.append(self.staleness.version)
+                self.staleness.on_started(synchronous)
+                self._running[ep.seq] = ep
+                ep.task = self._loop.create_task(self._run_episode(ep), name=f"episode-{ep.seq}")
+                started = True
+            held.extend(self._pending)
+            self._pending = held
+            if started:
+                self._cond.notify_all()
+
+    async def _run_episode(self, ep: _Episode) -> None:
+        status, payload = "failed", None
+        try:
+            result = _check_result(await ep.workflow.arun_episode(self._engine, ep.data), ep.workflow)
+            if result is None or (ep.should_accept is not None and not ep.should_accept(result)):
+                status = "rejected"
+            else:
+                status, payload = "accepted", result
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        except Exception as e:
+            status, payload = "failed", e
+            if hasattr(e, "add_note"):
+                e.add_note(
+                    f"(raised by {type(ep.workflow).__name__}.arun_episode on the rollout thread, "
+                    f"episode {ep.seq}, data {str(ep.data)[:200]})"
+                )
+        finally:
+            if status == "failed" and payload is None:  # a BaseException such as KeyboardInterrupt
+                payload = RuntimeError(f"episode {ep.seq} stopped abnormally")
+            self._finish(ep, status, payload)
+            self._pump()
+
+    def _finish(self, ep: _Episode, status: str, payload: Any) -> None:
+        synchronous = ep.batch is not None
+        with self._cond:
+            self._running.pop(ep.seq, None)
+            self.staleness.on_finished(synchronous, accepted=status == "accepted")
+            # Accepted asynchronous episodes are counted by the StalenessManager (they are part of its bound);
+            # accepted synchronous (rollout_batch) ones are tallied apart, since they are not.
+            if status != "accepted":
+                self._counts[status] += 1
+            elif synchronous:
+                self._counts["sync_accepted"] += 1
+            if synchronous:
+                if status == "failed" and ep.batch.error is None:
+                    ep.batch.error = payload
+                ep.batch.results[ep.index] = payload if status == "accepted" else None
+            elif status == "accepted":
+                self._ready[ep.seq] = payload
+            elif status == "failed":
+                self._errors.append((ep.seq, payload))
+            self._cond.notify_all()
+
+    def _cancel_batch(self, batch: _Batch) -> None:
+        """Drop a failed/abandoned rollout_batch: unqueue its episodes and cancel its running ones."""
+        with self._cond:
+            self._pending = collections.deque(ep for ep in self._pending if ep.batch is not batch)
+            tasks = [ep.task for ep in self._running.values() if ep.batch is batch and ep.task is not None]
+        if tasks and self._loop is not None and not self._loop.is_closed():
+            for t in tasks:
+                self._loop.call_soon_threadsafe(t.cancel)
+
+    def _describe_locked(self) -> str:
+        c = self._counts
+        return (
+            f"ready {len(self._ready)}, running {len(self._running)}, queued {len(self._pending)}, "
+            f"accepted {self.staleness.accepted}, rejected {c['rejected']}, failed {c['failed']}, "
+            f"version {self.staleness.version}"
+        )
+
+    # -------------------------------------------------------------------------------------------- introspection
+
+    def stats(self) -> Dict[str, Any]:
+        with self._cond:
+            c, s = self._counts, self.staleness
+            return {
+                "version": s.version,
+                "base_version": s.base_version,
+                "paused": self.paused,
+                "queued": len(self._pending),
+                "running": len(self._running),
+                "ready": len(self._ready),
+                "started": len(self._start_versions),
+                "accepted": s.accepted,
+                "sync_accepted": c["sync_accepted"],
+                "rejected": c["rejected"],
+                "failed": c["failed"],
+                "cancelled": c["cancelled"],
+                "consumed": c["consumed"],
+                "capacity": s.capacity(),
+            }
+
+    def start_versions(self) -> List[int]:
+        with self._cond:
+            return list(self._start_versions)
+
+    def explain(self) -> str:
+        """The StalenessManager's explanation, plus what the executor holds back (queue, pause)."""
+        with self._cond:
+            text = self.staleness.explain()
+            text += f"\nQueued: {len(self._pending)} episode(s); ready to be consumed: {len(self._ready)}."
+            if self.paused:
+                text += "\nThe engine is paused: nothing starts until resume()."
+            return text
+
+
+# ------------------------------------------------------------------------------------------------ the executor
+
+
+class WorkflowExecutor(_EpisodeRunner):
+    """Runs episodes on the engine's loop under the StalenessManager's rule (see the module docstring); these are
+    the methods the engine's `submit`/`wait`/`rollout_batch`/`prepare_batch` call, from the caller's thread."""
+
+    def __init__(self, staleness: StalenessManager, engine: Any):
+        super().__init__(staleness, engine)
+        self._feed = _DataFeed()  # used only by prepare_batch in the caller's thread, never on the loop: no lock
+
+    @property
+    def data_epoch(self) -> int:
+        return self._feed.epoch
+
+    # -------------------------------------------------------------------------------------------- submit / wait
+
+    def submit(self, data: Any, workflow: Any, workflow_kwargs=None, should_accept_fn=None, group_size=1) -> int:
+        workflow = resolve_workflow(workflow, workflow_kwargs, group_size)
+        with self._cond:
+            ep = self._enqueue_locked(data, workflow, should_accept_fn)
+        self._schedule_pump()
+        return ep.seq
+
+    def wait(self, count: int, timeout: Optional[float] = None, raise_timeout: bool = True) -> List[dict]:
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count == 0:
+            return []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                results = self._take_locked(count)
+                if results is not None:
+                    break
+                self._raise_if_stuck_locked(count, "wait")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    if not raise_timeout:
+                        return []
+                    raise TimeoutError(f"wait({count}) timed out after {timeout:g}s: {self._describe_locked()}")
+                self._cond.wait(remaining)
+        self._schedule_pump()  # consuming may lift the queue_size backpressure
+        return results
+
+    def _take_locked(self, count: int) -> Optional[List[dict]]:
+        """The `count` oldest accepted results, or None while fewer are ready or an older episode still runs."""
+        if self._errors:
+            self._errors.sort(key=lambda item: item[0])
+            _, exc = self._errors.pop(0)
+            raise exc
+        if self.closing:
+            raise RuntimeError("the engine was destroyed while waiting for rollouts")
+        if len(self._ready) < count:
+            return None
+        seqs = sorted(self._ready)[:count]
+        if self._blocking_locked(seqs[-1]):
+            return None  # an earlier episode may still be accepted: it goes first
+        self._counts["consumed"] += count
+        self.staleness.on_consumed(count)
+        return [self._ready.pop(s) for s in seqs]
+
+    def _blocking_locked(self, last_seq: int) -> bool:
+        """Whether an asynchronous episode submitted before `last_seq` is still running."""
+        return any(ep.batch is None and seq < last_seq for seq, ep in self._running.items())
+
+    def _raise_if_stuck_locked(self, count: int, who: str) -> None:
+        """Raise if no event can ever produce the missing results (only another thread could unblock us)."""
+        if self.paused and len(self._ready) >= count:
+            raise RuntimeError(
+                f"{who}({count}) cannot finish: the engine is paused: call engine.resume() (earlier episodes still "
+                f"running must finish first). State: {self._describe_locked()}"
+            )
+        if self._running:
+            return
+        why = None
+        s = self.staleness
+        if not self._pending:
+            why = "nothing is running or queued (rejected episodes do not count; submit more)"
+        elif self.paused:
+            why = "the engine is paused: call engine.resume()"
+        elif s.headroom() <= 0:
+            why = (
+                f"the staleness bound is reached: {s.bound_text()} episodes may start by version "
+                f"{s.version}, and {s.accepted} were accepted. "
+                "Call engine.set_version(v + 1) after each training step (or raise max_head_offpolicyness)"
+            )
+        elif s.queue_size is not None and s.capacity() <= 0:
+            why = f"queue_size={s.queue_size} is smaller than the {count} results asked for"
+        if why is not None:
+            raise RuntimeError(f"{who}({count}) cannot finish: {why}. State: {self._describe_locked()}")
+
+    # -------------------------------------------------------------------------------------------- rollout_batch
+
+    def rollout_batch(
+        self,
+        data: Sequence[Any],
+        workflow: Any,
+        workflow_kwargs: Optional[dict] = None,
+        group_size: int = 1,
+        should_accept_fn: Optional[Callable[[dict], bool]] = None,
+        timeout: Optional[float] = None,
+    ) -> List[dict]:
+        workflow = resolve_workflow(workflow, workflow_kwargs, group_size)
+        rows = list(data)
+        if not rows:
+            return []
+        batch = _Batch(size=len(rows))
+        with self._cond:
+            for i, row in enumerate(rows):
+                self._enqueue_locked(row, workflow, should_accept_fn, batch, i)
+        self._schedule_pump()
+        try:
+            self._wait_batch(batch, timeout)
+        except BaseException:
+            self._cancel_batch(batch)
+            raise
+        return [batch.results[i] for i in range(batch.size) if batch.results[i] is not None]
+
+    def _wait_batch(self, batch: _Batch, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(batch.results) < batch.size and batch.error is None:
+                if self.closing:
+                    raise RuntimeError("the engine was destroyed during rollout_batch")
+                if self.paused and not self._running:
+                    raise RuntimeError("rollout_batch cannot finish: the engine is paused; call engine.resume()")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"rollout_batch timed out after {timeout:g}s with {len(batch.results)} of "
+                        f"{batch.size} episodes finished: {self._describe_locked()}"
+                    )
+                self._cond.wait(remaining)
+            if batch.error is not None:
+                raise batch.error
+            self._counts["consumed"] += sum(r is not None for r in batch.results.values())
+
+    # -------------------------------------------------------------------------------------------- prepare_batch
+
+    def prepare_batch(
+        self,
+        dataloader: Iterable,
+        workflow: Any,
+        workflow_kwargs: Optional[dict] = None,
+        should_accept_fn: Optional[Callable[[dict], bool]] = None,
+        group_size: int = 1,
+        timeout: Optional[float] = None,
+    ) -> List[dict]:
+        workflow = resolve_workflow(workflow, workflow_kwargs, group_size)
+        B = self.staleness.consumer_batch_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._top_up(dataloader, workflow, should_accept_fn)
+            with self._cond:
+                while True:
+                    results = self._take_locked(B)
+                    if results is not None:
+                        break
+                    if len(self._pending) < self._top_up_target_locked():
+                        break  # a rejection freed room: draw more data first
+                    self._raise_if_stuck_locked(B, "prepare_batch")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"prepare_batch timed out after {timeout:g}s: {self._describe_locked()}")
+                    self._cond.wait(remaining)
+            if results is not None:
+                self._schedule_pump()
+                return results
+
+    def _top_up_target_locked(self) -> int:
+        """Queue min(headroom, max_concurrent_rollouts) + B rows: enough to refill every free slot while the
+        trainer is busy, plus one batch to start the moment `set_version()` raises the bound."""
+        s = self.staleness
+        return min(max(s.headroom(), 0), s.max_concurrent_rollouts) + s.consumer_batch_size
+
+    def _top_up(self, dataloader: Iterable, workflow: Any, should_accept) -> None:
+        while True:
+            with self._cond:
+                if len(self._pending) >= self._top_up_target_locked():
+                    break
+            rows = _rows_of(self._feed.next_batch(dataloader))  # outside the lock: loading data may be slow
+            with self._cond:
+                for row in rows:
+                    self._enqueue_locked(row, workflow, should_accept)
+            self._schedule_pump()
