@@ -1,8 +1,9 @@
 """PPOActor: formulas against independent float64 references, packing, micro-batching, checkpoints, FSDP2.
 
-The references here are written from algorithm.md with plain Python loops over tokens; they share no code with
-`areal_lite.actor` except the model forward (which we do not test). Gradients are read off an SGD step with lr = 1
-and no clipping: theta_before - theta_after = grad.
+The references here are written from the formulas stated in `areal_lite/functional.py`'s docstring, with plain
+Python loops over tokens; they share no code with `areal_lite.actor` or `areal_lite.functional` except the model
+forward (which we do not test). Gradients are read off an SGD step with lr = 1 and no clipping:
+theta_before - theta_after = grad. The formulas are imported from `areal_lite.actor`, their long-standing path.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def sgd_grads(actor: PPOActor, batch: dict) -> tuple[dict, dict]:
 
 
 def reference_loss(model, batch: dict, cfg: PPOActorConfig) -> torch.Tensor:
-    """algorithm.md, token by token, in float64, on unpadded rows."""
+    """The decoupled PPO loss of functional.py's docstring, token by token, in float64, on unpadded rows."""
     terms, count = [], 0
     eps_hi = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
     for i in range(batch["input_ids"].shape[0]):

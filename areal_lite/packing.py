@@ -1,0 +1,199 @@
+"""Packing rows into one sequence, splitting a batch into micro-batches, and the attention that makes packing pay.
+
+Design decisions, and why
+- Micro-batches are packed: the rows of a micro-batch are unpadded and concatenated into one row whose
+  `position_ids` restart at 0 for each sequence (`pack_rows`), and the sequence boundaries are passed to the model
+  as `cu_seq_lens_q/k` (the flash-attention varlen arguments, `packed_forward`). RL batches are ragged (most
+  responses short, a few at the length cap), so padding would spend much of the compute on pad tokens
+  (`bench/packing.py` measures the difference).
+- With flash attention (GPU) transformers uses the boundaries directly. Plain sdpa would turn the restarting
+  position ids into a dense block-diagonal [T, T] mask, which on CPU means the slow masked kernel and attention work
+  quadratic in the whole packed row; so sdpa models are switched to the `packed_sdpa` attention registered here
+  (`register_packed_sdpa`): per sequence of the packed row it calls sdpa with `is_causal=True` (the fused kernel, no
+  mask, work = sum of squared sequence lengths). Calls without `cu_seq_lens_q` (a padded batch) fall through to
+  transformers' own sdpa with its usual mask. `tests/test_actor.py` checks packed log-probs equal per-sequence ones.
+- Rows go into micro-batches by first-fit-decreasing under `mb_spec.max_tokens_per_mb`, with at least
+  `mb_spec.n_mbs` micro-batches (`split_into_microbatches`): longest rows first fill the bins evenly. A row longer
+  than the budget gets a micro-batch of its own; it is never split, since a cut sequence would lose the context its
+  later tokens are conditioned on.
+- AReaL hands the trainer a list of trajectories, each padded to its own length. `join_trajectories` makes them one
+  right-padded batch (normalisation and packing must see the whole batch at once) and `split_trajectories` cuts a
+  result back to each trajectory's rows and length. Index-like keys become int64 (`cast_long`): AReaL's batches
+  hold int32, while embedding, gather and masks want long.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .config import MicroBatchSpec
+from .trajectory import concat_padded_tensors
+
+__all__ = [
+    "PACKED_SDPA",
+    "packed_sdpa_attention",
+    "register_packed_sdpa",
+    "split_into_microbatches",
+    "pack_rows",
+    "packed_forward",
+    "cast_long",
+    "as_long",
+    "join_trajectories",
+    "split_trajectories",
+]
+
+PACKED_SDPA = "packed_sdpa"
+INT_KEYS = ("input_ids", "loss_mask", "versions")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed attention for sdpa (CPU, or GPU without flash attention)
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: causal sdpa per sequence of a packed row (see the module docstring)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(k, None)
+    if cu is None or query.shape[0] != 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    bounds = cu.tolist()
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )
+        outs.append(out)  # [1, t, heads, head_dim]
+    return torch.cat(outs, dim=1), None
+
+
+def register_packed_sdpa() -> None:
+    """Make `attn_implementation="packed_sdpa"` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)  # non-packed calls get sdpa's usual masks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Micro-batches and packed rows
+
+
+def split_into_microbatches(lengths: Sequence[int], mb_spec: MicroBatchSpec) -> List[List[int]]:
+    """Row indices per micro-batch: first-fit-decreasing under the token budget, at least `n_mbs` bins.
+
+    Empty bins (fewer rows than n_mbs) are dropped. Rows inside a bin keep their original order.
+    """
+    n_min = max(1, int(mb_spec.n_mbs))
+    budget = mb_spec.max_tokens_per_mb if mb_spec.max_tokens_per_mb else math.inf
+    bins: List[List[int]] = [[] for _ in range(n_min)]
+    loads = [0] * n_min
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        fits = [b for b in range(len(bins)) if loads[b] + lengths[i] <= budget]
+        if fits:
+            b = min(fits, key=lambda k: (loads[k], k))
+        else:  # nothing fits (or the row alone exceeds the budget): a new micro-batch
+            bins.append([])
+            loads.append(0)
+            b = len(bins) - 1
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def pack_rows(
+    batch: Dict[str, torch.Tensor], rows: Sequence[int], keys: Sequence[str], device: torch.device
+) -> Dict[str, torch.Tensor]:
+    """Unpad `rows` of a right-padded batch and concatenate them into one row with restarting position ids.
+
+    Returns `input_ids`, `position_ids`, `seq_start` (True where a sequence begins) and every key of `keys`, each a
+    1-D tensor of the packed length on `device`.
+    """
+    valid = batch["attention_mask"].bool()
+    ids, pos, out = [], [], {k: [] for k in keys}
+    for i in rows:
+        v = valid[i]
+        n = int(v.sum())
+        ids.append(batch["input_ids"][i][v])
+        pos.append(torch.arange(n))
+        for k in keys:
+            out[k].append(batch[k][i][v])
+    position_ids = torch.cat(pos)
+    packed = {k: torch.cat(vs).to(device) for k, vs in out.items()}
+    packed["input_ids"] = torch.cat(ids).long().to(device)
+    packed["position_ids"] = position_ids.to(device)
+    packed["seq_start"] = (position_ids == 0).to(device)
+    return packed
+
+
+def packed_forward(
+    model: torch.nn.Module, packed: Dict[str, torch.Tensor], keep: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Logits [T, V] of one packed row, or [len(keep), V] at the positions `keep` only."""
+    T = packed["input_ids"].shape[0]
+    starts = torch.nonzero(packed["seq_start"]).flatten()
+    cu = torch.cat([starts, torch.tensor([T], device=starts.device)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    out = model(
+        input_ids=packed["input_ids"].unsqueeze(0),
+        position_ids=packed["position_ids"].unsqueeze(0),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max_len,
+        max_length_k=max_len,
+        use_cache=False,
+        logits_to_keep=0 if keep is None else keep,
+    )
+    return out.logits[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# AReaL's list of trajectories <-> one batch
+
+
+def cast_long(batch: Dict[str, torch.Tensor]) -> None:
+    """Index-like keys as int64 in place (AReaL's batches hold int32; embedding, gather and masks want long)."""
+    for key in INT_KEYS:
+        if key in batch and batch[key].dtype != torch.long:
+            batch[key] = batch[key].long()
+
+
+def as_long(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A shallow copy of `batch` with `cast_long` applied: the caller's dict is left as it was."""
+    out = dict(batch)
+    cast_long(out)
+    return out
+
+
+def join_trajectories(items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """AReaL's list of trajectories as one right-padded batch (normalisation and packing see them all at once)."""
+    if not items:
+        raise ValueError("an empty list of trajectories: nothing to train on (did every rollout fail or get rejected?)")
+    joined = concat_padded_tensors(items)
+    cast_long(joined)
+    return joined
+
+
+def split_trajectories(t: torch.Tensor, items: List[Dict[str, torch.Tensor]]) -> List[torch.Tensor]:
+    """Per-trajectory slices of a joined [B, L] (or per-row [B]) tensor, cut back to each one's rows and length."""
+    out, row = [], 0
+    for item in items:
+        rows, length = item["input_ids"].shape
+        out.append(t[row : row + rows] if t.dim() == 1 else t[row : row + rows, :length])
+        row += rows
+    return out
