@@ -92,6 +92,7 @@ _export(
     "choose_backend",
 )
 _export("engine", "RemoteSGLangEngine", "EngineError")
+_export("executor", "StalenessManager", "WorkflowExecutor")
 _export(
     "trajectory",
     "concat_padded_tensors",
@@ -116,7 +117,8 @@ _export(
     "discounted_returns",
     "PROMPT_TEMPLATE",
 )
-_export("actor", "PPOActor", "ppo_token_loss")
+_export("actor", "PPOActor")
+_export("functional", "ppo_token_loss")
 _export(
     "plot",
     "plot_rewards",

@@ -116,6 +116,8 @@ KIT_ONLY: Dict[str, str] = {
     "parse_search_query": "write your own tag parser",
     "call_search_tool": "an HTTP call to your retrieval server (ASearcher's `/retrieve` API)",
     "format_search_results": "format passages as your prompt expects",
+    "StalenessManager": "`areal.infra.staleness_manager.StalenessManager` (built from a version provider; "
+    "`get_capacity()` is the same rule, with no `explain()`)",
     "check_cases": "a notebook exercise check; in tests, plain `assert` or pytest.approx",
 }
 
