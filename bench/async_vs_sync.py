@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
+
 from areal_lite.config import (  # noqa: E402
     DatasetConfig,
     EmbeddedServerConfig,
@@ -90,21 +92,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
-    if args.model == "tiny":
-        from areal_lite.models import build_tiny_model
-
-        path = build_tiny_model(
-            os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4"),
-            seed=0,
-            hidden_size=256,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-        )
-    else:
-        from areal_lite.models import resolve_model_path
-
-        path = resolve_model_path(args.model)
+    path = bench_model_path(args.model)
     root = tempfile.mkdtemp(prefix="areal-lite-bench-async-")
     print(
         f"model {os.path.basename(path)}, {args.batch_size} prompts x {args.group_size} samples x "

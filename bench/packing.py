@@ -24,7 +24,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +31,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 from areal_lite.actor import PPOActor, next_token_logp, split_into_microbatches  # noqa: E402
 from areal_lite.config import MicroBatchSpec, PPOActorConfig  # noqa: E402
@@ -100,21 +100,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    if args.model == "tiny":
-        from areal_lite.models import build_tiny_model
-
-        path = build_tiny_model(
-            os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4"),
-            seed=0,
-            hidden_size=256,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-        )
-    else:
-        from areal_lite.models import resolve_model_path
-
-        path = resolve_model_path(args.model)
+    path = bench_model_path(args.model)
     actor = PPOActor(PPOActorConfig(path=path, device="cpu", threads=args.threads)).initialize()
     model = actor.model
     batch = ragged_batch(args.rows, model.config.vocab_size, args.max_len)
