@@ -117,6 +117,11 @@ _export(
     "discounted_returns",
     "PROMPT_TEMPLATE",
 )
+_export("chat", "ChatServer", "ChatSession")
+_export("chat_template", "ChatTemplate")
+_export("toolcall", "parse_tool_calls")
+_export("interactions", "Interaction", "InteractionCache", "interactions_to_batch")
+_export("agent", "OpenAIAgentWorkflow")
 _export("actor", "PPOActor")
 _export("functional", "ppo_token_loss")
 _export(

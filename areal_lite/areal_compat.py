@@ -67,6 +67,7 @@ AREAL_NAMES: Dict[str, str] = {
     "AsyncRewardWrapper": "areal.api",
     "RLVRWorkflow": "areal.workflow.rlvr",
     "RemoteSGLangEngine": "areal.engine.sglang_remote",
+    "InteractionCache": "areal.experimental.openai.cache",
     "concat_padded_tensors": "areal.utils.data",
     "cycle_dataloader": "areal.utils.data",
     # the trainer: same methods and call order as AReaL's FSDP actor (see PPOActor's docstring)
@@ -116,6 +117,14 @@ KIT_ONLY: Dict[str, str] = {
     "parse_search_query": "write your own tag parser",
     "call_search_tool": "an HTTP call to your retrieval server (ASearcher's `/retrieve` API)",
     "format_search_results": "format passages as your prompt expects",
+    "OpenAIAgentWorkflow": "`areal.experimental.openai.OpenAIProxyWorkflow(mode='inline', agent=..., "
+    "proxy_addr=..., discount=..., export_style=...)`; the agent class itself moves unchanged",
+    "ChatServer": "AReaL's proxy server (`areal.experimental.openai.proxy`), started by its launcher",
+    "ChatSession": "AReaL's proxy server opens one session per episode (`OpenAIProxyClient`)",
+    "Interaction": "`areal.experimental.openai.types.InteractionWithTokenLogpReward`",
+    "interactions_to_batch": "AReaL's engine converts exported interactions itself (`to_tensor_dict`)",
+    "parse_tool_calls": "`areal.experimental.openai.tool_call_parser.process_tool_calls`",
+    "ChatTemplate": "`ArealOpenAI(chat_template_type='concat')`",
     "StalenessManager": "`areal.infra.staleness_manager.StalenessManager` (built from a version provider; "
     "`get_capacity()` is the same rule, with no `explain()`)",
     "check_cases": "a notebook exercise check; in tests, plain `assert` or pytest.approx",

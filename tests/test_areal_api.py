@@ -47,6 +47,7 @@ METHODS = {
         "update_weights_from_disk",
     ],
     "AsyncRewardWrapper": ["__init__"],
+    "InteractionCache": ["set_reward", "set_last_reward", "apply_reward_discount", "export_interactions"],
     "RLVRWorkflow": ["__init__", "arun_episode"],
     "RolloutWorkflow": ["arun_episode"],
     "GenerationHyperparameters": ["new", "new_with_stop_and_pad_token_ids"],

@@ -1,0 +1,212 @@
+"""Train any OpenAI-client agent: `OpenAIAgentWorkflow` runs `await agent.run(data, base_url=, api_key=,
+http_client=)` against the kit's chat endpoint and turns what it said into training rows.
+
+```
+class Agent:
+    async def run(self, data, **kw):
+        client = openai.AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
+        reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": data["q"]}])
+        return float(reply.choices[0].message.content.strip() == data["a"])   # or {completion_id: reward}
+
+wf = OpenAIAgentWorkflow(Agent(), tokenizer, gconfig, export_style="concat", turn_discount=1.0)
+rows = engine.rollout_batch(data, wf, group_size=4)                         # GRPO groups, as any workflow
+```
+
+Design decisions
+- AReaL 1.0.4's contract (`areal.experimental.openai.OpenAIProxyWorkflow`, inline mode): the agent is any object
+  with `async def run(self, data, **extra_kwargs)`; extra_kwargs are `base_url`, `api_key` (the session's key) and
+  `http_client`; it returns a float (the last completion's reward) or a dict {completion id: reward}. Then
+  `apply_reward_discount(turn_discount)` and `export_interactions(export_style)`, AReaL's order. The kit returns
+  the rows as a tensor batch (`areal_lite.interactions.interactions_to_batch`), so the GRPO loop is unchanged.
+  AReaL's `discount` is called `turn_discount` here (the name of the cache method it feeds); its default export
+  style is "individual", the kit's "concat" (one row per linear conversation, which is what GRPO groups need).
+- Row counts: "concat" gives one row per leaf of the conversation tree -- one per episode for an agent that keeps
+  one conversation -- so `group_size=G` gives the G contiguous rows group normalisation expects. "individual"
+  gives one row per completion: use it with batch-level normalisation, not group normalisation.
+- The chat server: pass `server=` (a started `ChatServer`), or the workflow starts one on first use for each
+  engine it meets, shared by the grouped copies the engine makes (`close()` stops it; it is a daemon thread).
+  One session per episode: concurrent episodes and group members never mix their conversations.
+- Failures never kill the rollout (the rule of `areal_lite.workflow`'s rewards): an agent that raises or runs past
+  `timeout`, or returns a reward that is not a number or a dict of known completion ids, is logged with the reason
+  and counted in `stats`; with `on_error="zero"` (default) its episode trains with reward 0.0 when it made
+  completions (a crash on the model's own output is the policy's fault), and is rejected (None) when it made none.
+  `on_error="reject"` rejects, `"raise"` re-raises (debugging). An episode without completions is rejected.
+- `http_client` is an `httpx.AsyncClient` made per episode with no timeout (a request may wait through a pause for
+  a weight update) and `trust_env=False` (a proxy from the environment must not intercept 127.0.0.1); None when
+  httpx is not installed (the agent then uses its own client). Agents should build their `AsyncOpenAI` with
+  `max_retries=0`: a retried request is generated and recorded twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import numbers
+import threading
+from collections import Counter
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+
+from .chat import ChatServer, ChatSession
+from .config import GenerationHyperparameters
+from .interactions import EXPORT_STYLES, interactions_to_batch
+from .workflow import RolloutWorkflow
+
+__all__ = ["OpenAIAgentWorkflow"]
+
+logger = logging.getLogger("areal_lite.agent")
+
+ON_ERROR = ("zero", "reject", "raise")
+
+
+class _AgentFailure(Exception):
+    """The agent or its reward failed; the message is the reason that is logged."""
+
+
+@contextlib.asynccontextmanager
+async def _http_client():
+    try:
+        import httpx
+    except ImportError:
+        yield None
+        return
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), trust_env=False) as client:
+        yield client
+
+
+class OpenAIAgentWorkflow(RolloutWorkflow):
+    """Roll out an OpenAI-client agent through the kit's chat endpoint (see the module docstring)."""
+
+    def __init__(
+        self,
+        agent: Any,
+        tokenizer,
+        gconfig: Optional[GenerationHyperparameters] = None,
+        export_style: str = "concat",
+        turn_discount: float = 1.0,
+        *,
+        server: Optional[ChatServer] = None,
+        model: str = "areal-lite",
+        timeout: Optional[float] = None,
+        on_error: str = "zero",
+        per_turn_returns: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        verbose: bool = False,
+    ):
+        run = getattr(agent, "run", None)
+        if run is None or not asyncio.iscoroutinefunction(run):
+            raise TypeError(f"the agent must have `async def run(self, data, **extra_kwargs)`; got {agent!r}")
+        if export_style not in EXPORT_STYLES:
+            raise ValueError(f"export_style must be one of {EXPORT_STYLES}, got {export_style!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        self.agent, self.tokenizer = agent, tokenizer
+        self.gconfig = gconfig if gconfig is not None else GenerationHyperparameters(max_new_tokens=512)
+        self.export_style, self.turn_discount = export_style, float(turn_discount)
+        self.model, self.timeout, self.on_error = model, timeout, on_error
+        self.per_turn_returns, self.verbose = bool(per_turn_returns), verbose
+        self.chat_template_kwargs = chat_template_kwargs
+        # Shared by the shallow copies GroupedWorkflow makes: one server per engine, one set of counters.
+        self._shared: Dict[str, Any] = {"servers": [], "lock": threading.Lock(), "stats": Counter()}
+        if server is not None:
+            self._shared["servers"].append((None, server))
+
+    @property
+    def stats(self) -> Counter:
+        """episodes, trained, rejected_empty, rejected_error, agent_errors, reward_errors."""
+        return self._shared["stats"]
+
+    def server_for(self, engine) -> ChatServer:
+        """The chat server in front of `engine` (the one given to the constructor, or one started for it)."""
+        with self._shared["lock"]:
+            for owner, server in self._shared["servers"]:
+                if owner is None or owner is engine:
+                    return server
+            server = ChatServer(
+                engine, self.tokenizer, self.gconfig, self.model, chat_template_kwargs=self.chat_template_kwargs
+            ).start()
+            self._shared["servers"].append((engine, server))
+            return server
+
+    def close(self) -> None:
+        """Stop the servers this workflow started (a server passed in is left to its owner)."""
+        with self._shared["lock"]:
+            started = [s for owner, s in self._shared["servers"] if owner is not None]
+            self._shared["servers"] = [(o, s) for o, s in self._shared["servers"] if o is None]
+        for server in started:
+            server.stop()
+
+    async def _run_agent(self, data: Any, server: ChatServer, session: ChatSession) -> Any:
+        async with _http_client() as http:
+            kwargs = {"base_url": server.base_url, "api_key": session.api_key, "http_client": http}
+            try:
+                return await asyncio.wait_for(self.agent.run(data, **kwargs), self.timeout)
+            except asyncio.TimeoutError:
+                raise _AgentFailure(f"the agent ran past timeout={self.timeout}s") from None
+            except Exception as e:
+                if self.on_error == "raise":
+                    raise
+                raise _AgentFailure(f"the agent raised {type(e).__name__}: {e}") from e
+
+    def _assign(self, session: ChatSession, result: Any) -> None:
+        """The agent's return value -> rewards in the cache; _AgentFailure when it is not a valid reward."""
+        cache = session.cache
+        if isinstance(result, numbers.Real) and not isinstance(result, bool):
+            if not math.isfinite(float(result)):
+                raise _AgentFailure(f"the agent returned a non-finite reward {result}")
+            cache.set_last_reward(float(result))
+        elif isinstance(result, Mapping):
+            try:
+                for cid, r in result.items():
+                    cache.set_reward(cid, r)
+            except (KeyError, TypeError, ValueError) as e:
+                raise _AgentFailure(f"the agent's reward dict is invalid: {e}") from None
+        else:
+            raise _AgentFailure(f"the agent returned {type(result).__name__}, not a float or a dict of rewards")
+
+    def _fail(self, session: ChatSession, data: Any, reason: str, key: str) -> bool:
+        """Log and count a failure; True when the episode still trains (with reward 0.0)."""
+        self.stats[key] += 1
+        if self.on_error == "raise":
+            raise RuntimeError(reason)
+        trains = self.on_error == "zero" and len(session.cache) > 0
+        what = "training it with reward 0.0" if trains else "episode rejected"
+        logger.warning("%s (%d completions; %s); data %.200s", reason, len(session.cache), what, data)
+        if trains:
+            for it in session.cache.values():
+                it.reward = None
+            session.cache.set_last_reward(0.0)
+        return trains
+
+    async def arun_episode(self, engine, data: Mapping[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+        self.stats["episodes"] += 1
+        server = self.server_for(engine)
+        session = server.open_session(self.gconfig.new(n_samples=1))
+        try:
+            try:
+                result, failure = await self._run_agent(data, server, session), None
+            except _AgentFailure as e:
+                result, failure = None, ("agent_errors", str(e))
+        finally:
+            server.close_session(session.api_key)
+        if failure is None and session.cache:
+            try:
+                self._assign(session, result)
+            except _AgentFailure as e:
+                failure = ("reward_errors", str(e))
+        if failure is not None and not self._fail(session, data, failure[1], failure[0]):
+            self.stats["rejected_error"] += 1
+            return None
+        if not session.cache:
+            logger.warning("the agent made no chat completion: episode rejected; data %.200s", data)
+            self.stats["rejected_empty"] += 1
+            return None
+        session.cache.apply_reward_discount(self.turn_discount)
+        rows = session.cache.export_interactions(self.export_style)
+        if self.verbose:
+            print(f"[OpenAIAgent] {len(session.cache)} completions, {len(rows)} rows, stats {dict(session.stats)}")
+        self.stats["trained"] += 1
+        return interactions_to_batch(rows, self.export_style, self.per_turn_returns)

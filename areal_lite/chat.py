@@ -1,0 +1,387 @@
+"""An OpenAI-compatible chat endpoint in front of the rollout engine, recording every completion token-exactly.
+
+```
+server = ChatServer(engine, tokenizer, gconfig).start()           # http://127.0.0.1:<free port>/v1
+session = server.open_session()                                   # one per episode; its api_key names it
+client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.api_key)
+reply = await client.chat.completions.create(model="areal-lite", messages=[...], tools=[...])
+session.cache                                                     # InteractionCache: rewards, export, batch
+server.close_session(session.api_key); server.stop()
+```
+
+Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
+
+Design decisions
+- Every completion goes through `engine.agenerate(ModelRequest(...))`, one request per choice (`n` fans out), so
+  weight versions, pause/resume and the staleness bound apply to agent traffic as to any workflow's; the engine can
+  be the kit's `RemoteSGLangEngine` or anything with that coroutine (AReaL's engine included).
+- The server runs on its own thread and event loop, bound to 127.0.0.1 on a port the OS picks (a socket bound
+  before aiohttp starts: no race with another process). Not on the engine's loop: that loop is the engine's
+  private attribute, and `destroy()` cancels every task on it; `agenerate` already accepts callers from a foreign
+  loop. `start()`/`stop()` block only on this server's own loop, never call `asyncio.run`, and so work from a
+  Jupyter cell, a script, or a workflow running on the engine's loop.
+- Sessions are named by the Bearer token (`api_key`) the client sends, as in AReaL's proxy: a workflow opens one
+  per episode and hands its key to the agent, so concurrent episodes never mix. A request with an unknown key is
+  refused (401): an unrecorded completion could not be trained on, and the refusal says how to open a session.
+- Recording and prompts: `areal_lite.chat_template` builds a turn that continues an earlier completion of the
+  session from its ids (no re-tokenization drift) and `areal_lite.interactions` stores each choice with its
+  `ModelResponse`. `store=false` serves a request without recording it (AReaL's switch).
+- Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad bodies 400 (`chat_protocol`),
+  unknown key 401, unknown route 404, wrong method 405, a prompt too long for `gconfig.max_tokens` 400
+  `context_length_exceeded`, an engine failure 502, a bug 500 (logged). The server keeps serving in every case.
+- Malformed tool calls in model output are not errors: the completion is a text answer and the failure is counted
+  (`stats()["tool_parse_failures"]`, also per session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from typing import Any, Dict, List, Optional
+
+from .chat_protocol import (
+    ChatRequest,
+    ChatRequestError,
+    ChoiceResult,
+    completion_body,
+    error_body,
+    models_body,
+    parse_chat_request,
+    stream_events,
+)
+from .chat_template import ChatTemplate
+from .config import GenerationHyperparameters
+from .interactions import Interaction, InteractionCache
+from .io_struct import ModelRequest, ModelResponse
+from .jsonhttp import BadRequest, read_json
+from .toolcall import parse_tool_calls
+
+__all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
+
+logger = logging.getLogger("areal_lite.chat")
+
+_ROUTES = "routes: POST /v1/chat/completions, GET /v1/models, GET /health"
+_STAT_KEYS = (
+    "requests",
+    "completions",
+    "errors",
+    "tool_calls",
+    "tool_parse_failures",
+    "template_drifts",
+    "template_mismatches",
+)
+_FINISH = {"stop": "stop", "length": "length", "abort": "length", "tool_calls": "tool_calls"}
+
+
+class ChatSession:
+    """One episode's conversation record: its api key, its `InteractionCache`, its sampling defaults, counters."""
+
+    def __init__(self, api_key: str, gconfig: GenerationHyperparameters):
+        self.api_key = api_key
+        self.gconfig = gconfig
+        self.cache = InteractionCache()
+        self.stats: Counter = Counter()
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"ChatSession(interactions={len(self.cache)}, closed={self.closed}, stats={dict(self.stats)})"
+
+
+def _request_gconfig(base: GenerationHyperparameters, req: ChatRequest, stop_ids: List[int]):
+    """The session's sampling defaults overridden by the request's fields (one sample: `n` fans out)."""
+    g = base.new(n_samples=1, stop_token_ids=sorted(set(base.stop_token_ids) | set(stop_ids)))
+    changes: Dict[str, Any] = {}
+    if req.temperature is not None:
+        changes.update(temperature=req.temperature, greedy=req.temperature == 0.0)
+    if req.top_p is not None:
+        changes["top_p"] = req.top_p
+    if req.top_k is not None:
+        changes["top_k"] = req.top_k
+    if req.max_tokens is not None:
+        changes["max_new_tokens"] = req.max_tokens
+    if req.stop is not None:
+        changes["stop"] = list(req.stop)
+    if req.frequency_penalty is not None:
+        changes["frequency_penalty"] = req.frequency_penalty
+    return g.new(**changes)
+
+
+class ChatCompleter:
+    """Turns a validated request into recorded completions (the part of the server that is not HTTP)."""
+
+    def __init__(self, engine, tokenizer, template: ChatTemplate, stats: Counter):
+        self.engine, self.tokenizer, self.template, self.stats = engine, tokenizer, template, stats
+
+    def prompt(self, session: ChatSession, req: ChatRequest):
+        """(prompt ids, parent interaction or None, drift) for this request."""
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            full = self.template.render(req.messages, req.tools, req.chat_template_kwargs)
+        except TemplateError as e:  # e.g. a template that insists on alternating roles
+            raise ChatRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        parent = session.cache.find_parent(req.messages, req.tools) if req.store else None
+        if parent is None:
+            return full, None, False
+        resp = parent.model_response
+        cont = self.template.continue_from(resp.input_tokens, resp.output_tokens, full)
+        if cont is None:
+            self._count(session, "template_mismatches")
+            logger.warning("turn after %s cannot be aligned with the template; rendered afresh", parent.interaction_id)
+            return full, None, False
+        if cont.drift:
+            self._count(session, "template_drifts")
+        return cont.input_ids, parent, cont.drift
+
+    def _count(self, session: ChatSession, key: str, k: int = 1) -> None:
+        self.stats[key] += k
+        session.stats[key] += k
+
+    def _choice(self, session: ChatSession, req: ChatRequest, resp: ModelResponse) -> ChoiceResult:
+        text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        finish = _FINISH.get(resp.stop_reason, "stop")
+        for s in req.stop or []:  # OpenAI leaves the stop string out of the content (the ids keep it)
+            if finish == "stop" and text.endswith(s):
+                text = text[: -len(s)]
+                break
+        message: Dict[str, Any] = {"role": "assistant", "content": text}
+        if req.parses_tools:
+            parsed = parse_tool_calls(text, [t["function"]["name"] for t in req.tools])
+            if parsed.error is not None:
+                self._count(session, "tool_parse_failures")
+                logger.info("tool call not parsed (%s); answered as text", parsed.error)
+            elif parsed.tool_calls:
+                self._count(session, "tool_calls", len(parsed.tool_calls))
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        texts = [self.tokenizer.decode([t]) for t in resp.output_tokens] if req.logprobs else []
+        return ChoiceResult(message, finish, list(resp.output_tokens), list(resp.output_logprobs), texts)
+
+    async def complete(self, session: ChatSession, req: ChatRequest, model: str) -> Dict[str, Any]:
+        """Generate `req.n` choices, record them in the session, return the `chat.completion` body."""
+        ids, parent, drift = self.prompt(session, req)
+        g = _request_gconfig(session.gconfig, req, self.template.stop_token_ids)
+        if g.max_tokens - len(ids) <= 0:
+            raise ChatRequestError(
+                f"the prompt has {len(ids)} tokens and the session allows {g.max_tokens} in all (gconfig.max_tokens)",
+                "messages",
+                "context_length_exceeded",
+            )
+        reqs = [ModelRequest(input_ids=list(ids), gconfig=g, tokenizer=self.tokenizer) for _ in range(req.n)]
+        resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:29]}", int(time.time())
+        choices = [self._choice(session, req, r) for r in resps]
+        self._count(session, "completions", req.n)
+        if req.store and not session.closed:
+            for i, (resp, ch) in enumerate(zip(resps, choices)):
+                key = cid if req.n == 1 else f"{cid}-{i}"
+                interaction = Interaction(
+                    interaction_id=key,
+                    messages=[dict(m) for m in req.messages],
+                    output_message_list=[ch.message],
+                    model_response=resp,
+                    parent=parent,
+                    completion_id=cid,
+                    tools=req.tools,
+                    drift=drift,
+                )
+                session.cache.add(interaction)
+        return completion_body(cid, created, model, req, ids, choices)
+
+
+class ChatServer:
+    """The endpoint (see the module docstring). `start()` returns self; `base_url` ends with `/v1`."""
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        gconfig: Optional[GenerationHyperparameters] = None,
+        model: str = "areal-lite",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+    ):
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.gconfig = gconfig if gconfig is not None else GenerationHyperparameters(max_new_tokens=512)
+        self.host, self.port = host, int(port)
+        self.template = ChatTemplate(tokenizer, chat_template_kwargs)
+        # Every key up front: stats() copies the counter from another thread, which must never see it grow.
+        self._stats: Counter = Counter(dict.fromkeys(_STAT_KEYS, 0))
+        self.completer = ChatCompleter(engine, tokenizer, self.template, self._stats)
+        self._sessions: Dict[str, ChatSession] = {}
+        self._lock = threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._runner = None
+        self._created = int(time.time())
+
+    # -------------------------------------------------------------------------------------------- lifecycle
+
+    @property
+    def base_url(self) -> str:
+        if self._thread is None:
+            raise RuntimeError("the chat server is not running: call start() first")
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout: float = 30.0) -> "ChatServer":
+        """Bind, start the serving thread, return when requests are accepted."""
+        if self._thread is not None:
+            raise RuntimeError("this chat server was started already")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="areal-lite-chat", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(timeout)
+        return self
+
+    async def _serve(self, sock: socket.socket) -> None:
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self._errors_middleware()], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._handle_chat)
+        app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_get("/health", lambda request: web.json_response({"status": "ok"}))
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and join the thread (safe to call twice; sessions stay readable)."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        if self._runner is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop).result(timeout)
+            except Exception as e:  # keep tearing down
+                logger.warning("chat server cleanup: %s: %s", type(e).__name__, e)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if not thread.is_alive():
+            loop.close()
+
+    def __enter__(self) -> "ChatServer":
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------------------------------------- sessions
+
+    def open_session(
+        self, gconfig: Optional[GenerationHyperparameters] = None, api_key: Optional[str] = None
+    ) -> ChatSession:
+        """A new session (default sampling: `gconfig`, else the server's); its `api_key` is the client's key."""
+        key = api_key or f"sk-areal-{secrets.token_hex(16)}"
+        with self._lock:
+            if key in self._sessions:
+                raise ValueError("a session with this api_key is open already")
+            session = self._sessions[key] = ChatSession(key, gconfig or self.gconfig)
+        return session
+
+    def close_session(self, api_key: str) -> ChatSession:
+        """Forget the session (later requests with its key get 401) and return it with its interactions."""
+        with self._lock:
+            session = self._sessions.pop(api_key)
+        session.closed = True
+        return session
+
+    def session(self, api_key: str) -> Optional[ChatSession]:
+        with self._lock:
+            return self._sessions.get(api_key)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters since start: requests, completions, errors, tool_calls, tool_parse_failures, template_drifts,
+        template_mismatches, open_sessions."""
+        with self._lock:
+            return {**self._stats, "open_sessions": len(self._sessions)}
+
+    # -------------------------------------------------------------------------------------------- HTTP
+
+    def _session_of(self, request) -> ChatSession:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        session = self.session(key) if key else None
+        if session is None:
+            raise ChatRequestError(
+                "unknown or missing api_key: open a session with server.open_session() and pass its api_key "
+                "to the client (one session per episode)",
+                code="invalid_api_key",
+                status=401,
+            )
+        return session
+
+    async def _handle_chat(self, request):
+        from aiohttp import web
+
+        self._stats["requests"] += 1
+        session = self._session_of(request)
+        body = await read_json(request)
+        req = parse_chat_request(body)
+        try:
+            out = await self.completer.complete(session, req, self.model)
+        except ChatRequestError:
+            raise
+        except ValueError as e:  # refused by the engine before generating (check_request)
+            raise ChatRequestError(str(e), "messages") from None
+        if not req.stream:
+            return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for event in stream_events(out, req):
+            await resp.write(event.encode("utf-8"))
+        await resp.write_eof()
+        return resp
+
+    async def _handle_models(self, request):
+        from aiohttp import web
+
+        return web.json_response(models_body(self.model, self._created))
+
+    def _errors_middleware(self):
+        from aiohttp import web
+
+        def answer(status: int, message: str, param=None, code=None, kind=None):
+            self._stats["errors"] += 1
+            return web.json_response(error_body(message, param, code, kind), status=status)
+
+        @web.middleware
+        async def openai_errors(request, handler):
+            try:
+                return await handler(request)
+            except ChatRequestError as e:
+                return answer(e.status, str(e), e.param, e.code)
+            except BadRequest as e:  # unreadable body (jsonhttp.read_json)
+                return answer(400, str(e))
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                where = f"{request.method} {request.path}"
+                msg = {404: f"no route {where}; {_ROUTES}", 405: f"method not allowed: {where}; {_ROUTES}"}
+                return answer(e.status, msg.get(e.status, e.reason), kind="invalid_request_error")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                from .client import EngineError
+
+                if isinstance(e, EngineError):
+                    return answer(502, f"the inference engine failed: {e}", kind="api_error")
+                logger.exception("error while handling %s %s", request.method, request.path)
+                return answer(500, f"internal server error: {type(e).__name__}: {e}", kind="server_error")
+
+        return openai_errors
