@@ -89,3 +89,23 @@ def smollm_server(smollm_path):
     handle = _launch(smollm_path)
     yield handle
     handle.stop()
+
+
+@pytest.fixture
+def import_areal():
+    """`import_areal("areal.x")` imports an AReaL module, undoing the OPENAI_* variables its OpenAI client sets at
+    import (they would redirect every later `openai` client in this process)."""
+    import importlib
+
+    def load(module: str):
+        saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
+        try:
+            return importlib.import_module(module)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return load

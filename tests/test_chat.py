@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import threading
 import time
 
+import openai
 import pytest
 import requests
 import torch
@@ -24,22 +24,6 @@ from areal_lite import GenerationHyperparameters, ModelResponse, check_trajector
 from areal_lite.agent import OpenAIAgentWorkflow
 from areal_lite.chat import ChatServer
 from areal_lite.chat_protocol import ChatRequestError, parse_chat_request
-
-openai = pytest.importorskip("openai")
-
-
-def import_areal(module: str):
-    """Import an AReaL module (skip without AReaL), undoing the OPENAI_* variables its client sets on import."""
-    saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
-    try:
-        return pytest.importorskip(module)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 # ------------------------------------------------------------------------------------------------ protocol (pure)
 
@@ -405,7 +389,7 @@ DRIFTING = [["Hel", "lo", " the", "re"], (["spa", "ced out"], "length"), "Bye."]
 
 
 @pytest.mark.parametrize("kind", ["real", "scripted"])
-def test_same_rows_as_areal_own_client(engine, server, tok, kind):
+def test_same_rows_as_areal_own_client(engine, server, tok, kind, import_areal):
     ArealOpenAI = import_areal("areal.experimental.openai").ArealOpenAI
 
     def rows(cache_owner):

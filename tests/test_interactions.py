@@ -10,7 +10,6 @@ embedded server.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -18,20 +17,6 @@ from areal_lite import GenerationHyperparameters, ModelResponse, check_trajector
 from areal_lite.agent import OpenAIAgentWorkflow
 from areal_lite.interactions import Interaction, InteractionCache, interactions_to_batch
 from areal_lite.workflow import GroupedWorkflow
-
-
-def import_areal(module: str):
-    """Import an AReaL module (skip without AReaL), undoing the OPENAI_* variables its client sets on import."""
-    saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
-    try:
-        return pytest.importorskip(module)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 # ------------------------------------------------------------------------------------------------ hand-built cache
 
@@ -78,7 +63,7 @@ def test_rewards_and_discount_follow_areal(tree):
         tree.set_reward("a", float("nan"))
 
 
-def test_discount_equals_areal_own_cache():
+def test_discount_equals_areal_own_cache(import_areal):
     areal_cache = import_areal("areal.experimental.openai.cache")
     from areal.experimental.openai.types import InteractionWithTokenLogpReward
 
@@ -210,7 +195,6 @@ def engine(tok):
 
 
 def _workflow(agent, tok, **kw):
-    pytest.importorskip("openai")
     return OpenAIAgentWorkflow(agent, tok, GenerationHyperparameters(max_new_tokens=16), **kw)
 
 
