@@ -183,8 +183,11 @@ def launch_server(
                                      model_path=resolve_model_path(path))  # fmt: skip
         env_threads = None
     else:
+        from areal_lite.models import capped_threads
+
         cmd = _embedded_cmd(cfg, host, port, path, seed)
-        env_threads = str(cfg.threads)
+        # The launcher's own OMP_NUM_THREADS is a cap, not overridden: `make test` runs two notebooks on two cores.
+        env_threads = str(capped_threads(cfg.threads)) if cfg.threads > 0 else None
 
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), "areal-lite-logs")
     os.makedirs(log_dir, exist_ok=True)

@@ -407,17 +407,23 @@ def build_tiny_model(
 # small runtime helpers
 
 
-def set_torch_threads(n: int) -> int:
-    """`torch.set_num_threads(n)`, capped by `OMP_NUM_THREADS` when that is set; returns the count in effect.
+def capped_threads(n: int) -> int:
+    """`n` threads capped by `OMP_NUM_THREADS` when that is set (`n <= 0`, torch's default, stays as it is).
 
     Configs ask for threads per process (a trainer that takes turns with its server may use both cores of a laptop);
     the environment variable is the machine-wide say. `make test` sets it to 1 because it runs two notebooks at once
     on two cores, where a second OpenMP thread only spin-waits for a descheduled sibling (a process can slow ~10x).
-    `n <= 0` leaves torch's default.
+    Both the trainer (`set_torch_threads`) and the launcher of a server process go through this one rule.
     """
     cap = os.environ.get("OMP_NUM_THREADS", "").strip()
     if n > 0 and cap.isdigit() and int(cap) > 0:
-        n = min(n, int(cap))
+        return min(n, int(cap))
+    return n
+
+
+def set_torch_threads(n: int) -> int:
+    """`torch.set_num_threads(capped_threads(n))`; returns the count in effect (`n <= 0` leaves torch's default)."""
+    n = capped_threads(n)
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()

@@ -97,6 +97,31 @@ def test_lifecycle(tiny_model_path, tmp_path):
     assert "exited" in repr(handle)
 
 
+def test_the_launchers_omp_num_threads_caps_the_servers_threads(tiny_model_path, tmp_path, monkeypatch):
+    """A config asking for 2 server threads gets 1 under OMP_NUM_THREADS=1 (how `make test` shares 2 cores).
+
+    The launcher used to overwrite the variable with the config's count, so two notebooks on two cores each ran a
+    2-thread server that spin-waited for descheduled siblings (one notebook took ten times as long).
+    """
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=2), backend="embedded",
+                           log_dir=str(tmp_path))  # fmt: skip
+    try:
+        handle.wait_ready(timeout=180)
+        assert psutil.Process(handle.pid).environ()["OMP_NUM_THREADS"] == "1"
+        assert "threads=1 " in handle.tail(50)
+    finally:
+        handle.stop()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=2), backend="embedded",
+                           log_dir=str(tmp_path))  # fmt: skip
+    try:
+        handle.wait_ready(timeout=180)
+        assert psutil.Process(handle.pid).environ()["OMP_NUM_THREADS"] == "2"  # no cap: the config's count
+    finally:
+        handle.stop()
+
+
 def test_exception_inside_with_stops_server(tiny_model_path):
     with pytest.raises(RuntimeError, match="boom"):
         with launch_server(cfg(tiny_model_path), backend="embedded") as handle:
