@@ -74,6 +74,29 @@ WRONG = {
                 returns[k] = sum(gamma ** j * rewards[j] for j in range(k, len(rewards)))
         """,
     },
+    "08_openai_agent": {
+        "no discount": """
+            for i in range(len(rewards)):
+                discounted[i] = sum((r or 0.0) for r in rewards[i:])
+        """,
+        "walks forward": """
+            earlier = 0.0
+            for i in range(len(rewards)):
+                earlier = (rewards[i] or 0.0) + turn_discount * earlier
+                discounted[i] = earlier
+        """,
+        "discounts the raw next reward, not the discounted one": """
+            for i in range(len(rewards)):
+                following = rewards[i + 1] if i + 1 < len(rewards) else 0.0
+                discounted[i] = (rewards[i] or 0.0) + turn_discount * (following or 0.0)
+        """,
+        "replaces a set reward instead of adding to it": """
+            following = 0.0
+            for i in reversed(range(len(rewards))):
+                following = rewards[i] if rewards[i] is not None else turn_discount * following
+                discounted[i] = following
+        """,
+    },
     "06_async_vs_sync": {
         "ignores concurrency": "return (eta + version + 1) * batch_size - (accepted + running)",
         "ignores staleness": "return max_concurrent - running",

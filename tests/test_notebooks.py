@@ -32,6 +32,7 @@ EXPECTED = [
     "05_multiturn_feedback",
     "06_async_vs_sync",
     "07_to_areal",
+    "08_openai_agent",
 ]
 
 
