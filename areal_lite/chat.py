@@ -60,7 +60,7 @@ from .chat_template import ChatTemplate
 from .config import GenerationHyperparameters
 from .interactions import Interaction, InteractionCache
 from .io_struct import ModelRequest, ModelResponse
-from .jsonhttp import BadRequest, read_json
+from .jsonhttp import json_errors_middleware, read_json
 from .toolcall import parse_tool_calls
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
@@ -354,34 +354,20 @@ class ChatServer:
         return web.json_response(models_body(self.model, self._created))
 
     def _errors_middleware(self):
+        """The kit's JSON error rules (`jsonhttp`) with OpenAI's error body, and the endpoint's own errors."""
         from aiohttp import web
 
-        def answer(status: int, message: str, param=None, code=None, kind=None):
+        from .client import EngineError
+
+        def render(status, message, kind, headers=None, param=None, code=None):
             self._stats["errors"] += 1
-            return web.json_response(error_body(message, param, code, kind), status=status)
+            return web.json_response(error_body(message, param, code, kind), status=status, headers=headers)
 
-        @web.middleware
-        async def openai_errors(request, handler):
-            try:
-                return await handler(request)
-            except ChatRequestError as e:
-                return answer(e.status, str(e), e.param, e.code)
-            except BadRequest as e:  # unreadable body (jsonhttp.read_json)
-                return answer(400, str(e))
-            except web.HTTPException as e:
-                if e.status < 400:
-                    raise
-                where = f"{request.method} {request.path}"
-                msg = {404: f"no route {where}; {_ROUTES}", 405: f"method not allowed: {where}; {_ROUTES}"}
-                return answer(e.status, msg.get(e.status, e.reason), kind="invalid_request_error")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                from .client import EngineError
+        def translate(e: Exception):
+            if isinstance(e, ChatRequestError):
+                return e.status, str(e), {"param": e.param, "code": e.code}
+            if isinstance(e, EngineError):
+                return 502, f"the inference engine failed: {e}", {"kind": "api_error"}
+            return None
 
-                if isinstance(e, EngineError):
-                    return answer(502, f"the inference engine failed: {e}", kind="api_error")
-                logger.exception("error while handling %s %s", request.method, request.path)
-                return answer(500, f"internal server error: {type(e).__name__}: {e}", kind="server_error")
-
-        return openai_errors
+        return json_errors_middleware(_ROUTES, logger, render=render, translate=translate)

@@ -8,6 +8,8 @@ written once:
   with the same shape; 404/405 list the server's routes so the client can see what exists.
 - Any other exception is a bug in the server: it is logged with its traceback and answered with a 500, and the
   server keeps serving the next request.
+- A server with its own error body (the chat endpoint answers in OpenAI's shape) passes a renderer and a translation
+  of its own exceptions; the rules above stay the same.
 aiohttp is imported inside the functions, so importing this module (and the packages that do) stays light.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 __all__ = ["BadRequest", "describe", "json_error", "json_errors_middleware", "read_json", "read_json_object"]
 
@@ -61,16 +63,33 @@ async def read_json_object(request, empty_ok: bool = True) -> dict:
     return body
 
 
-def json_errors_middleware(routes_help: str, log: logging.Logger):
-    """aiohttp middleware answering every error as JSON (see the module docstring); `routes_help` lists routes."""
+def json_errors_middleware(
+    routes_help: str,
+    log: logging.Logger,
+    render: Optional[Callable[..., Any]] = None,
+    translate: Optional[Callable[[Exception], Optional[Tuple[int, str, dict]]]] = None,
+):
+    """aiohttp middleware answering every error as JSON (see the module docstring); `routes_help` lists routes.
+
+    A server with another error shape (the OpenAI-compatible endpoint) keeps the rules and changes only the body:
+    `render(status, message, kind, headers=..., **fields)` builds the response, where `kind` is
+    "invalid_request_error" for a 4xx and "server_error" for a 500 (default: `{"error": message}`); `translate(exc)`
+    maps the server's own exceptions to `(status, message, fields)` (`fields` may set "kind"), or None to apply the
+    rules below.
+    """
     from aiohttp import web
+
+    def plain(status: int, message: str, kind: str, headers: Optional[dict] = None, **fields: Any):
+        return json_error(status, message, headers=headers)
+
+    render = render or plain
 
     @web.middleware
     async def json_errors(request, handler):
         try:
             return await handler(request)
         except BadRequest as e:
-            return json_error(400, str(e))
+            return render(400, str(e), "invalid_request_error")
         except web.HTTPException as e:
             if e.status < 400:  # redirects and the like are not errors
                 raise
@@ -81,11 +100,18 @@ def json_errors_middleware(routes_help: str, log: logging.Logger):
             else:
                 msg = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
             headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-            return json_error(e.status, msg, headers=headers)
+            return render(e.status, msg, "invalid_request_error", headers=headers)
         except asyncio.CancelledError:  # the client went away: not an error of ours
             raise
-        except Exception as e:  # a bug must not take the server down; say what happened
+        except Exception as e:
+            answer = translate(e) if translate is not None else None
+            if answer is not None:
+                status, msg, fields = answer
+                fields = dict(fields)
+                kind = fields.pop("kind", "invalid_request_error" if status < 500 else "server_error")
+                return render(status, msg, kind, **fields)
+            # A bug must not take the server down; say what happened.
             log.exception("error while handling %s %s", request.method, request.path)
-            return json_error(500, f"internal server error: {type(e).__name__}: {e}")
+            return render(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
 
     return json_errors

@@ -209,7 +209,9 @@ def test_http_errors_and_the_server_keeps_serving(server, session):
     r = requests.post(server.base_url + "/chat/completions", json={"messages": USER}, timeout=30)
     assert r.status_code == 401 and "open_session" in r.json()["error"]["message"]
     assert _post(server, {}, session.api_key, path="/v1/completions").status_code == 404
-    assert _post(server, b"", session.api_key, method="GET").status_code == 405
+    r = _post(server, b"", session.api_key, method="GET")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "POST /v1/chat/completions" in r.text
     small = server.open_session(GenerationHyperparameters(max_new_tokens=4, max_tokens=16))
     r = _post(server, {"messages": [{"role": "user", "content": "word " * 40}]}, small.api_key)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -267,13 +269,15 @@ def test_three_turns_are_token_exact(server, session, tok):
 class ScriptedEngine:
     """`agenerate` writing the next scripted text, then `<|im_end|>` (for `(text, "length")`: cut without it); a
     list of strings is tokenized piece by piece, giving ids a re-tokenization of the text would not give. What a
-    random model cannot be made to do."""
+    random model cannot be made to do. An exception in the script is raised instead."""
 
     def __init__(self, tok, script):
         self.tok, self.script = tok, list(script)
 
     async def agenerate(self, req):
         item = self.script.pop(0)
+        if isinstance(item, Exception):
+            raise item
         text, reason = item if isinstance(item, tuple) else (item, "stop")
         pieces = text if isinstance(text, list) else [text]
         ids = [t for piece in pieces for t in self.tok(piece, add_special_tokens=False)["input_ids"]]
@@ -290,6 +294,21 @@ ADD = {
         "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
     },
 }
+
+
+def test_engine_failures_and_bugs_are_answered_in_openai_shape_and_the_server_keeps_serving(tok):
+    from areal_lite.client import EngineError
+
+    engine = ScriptedEngine(tok, [EngineError("server 127.0.0.1:1 refused"), KeyError("oops"), "Fine."])
+    with ChatServer(engine, tok) as server:
+        session = server.open_session()
+        failed, bug, fine = (_post(server, {}, session.api_key) for _ in range(3))
+        assert (failed.status_code, failed.json()["error"]["type"]) == (502, "api_error")
+        assert "the inference engine failed: server 127.0.0.1:1 refused" in failed.json()["error"]["message"]
+        assert (bug.status_code, bug.json()["error"]["type"]) == (500, "server_error")
+        assert "KeyError" in bug.json()["error"]["message"]
+        assert fine.status_code == 200 and fine.json()["choices"][0]["message"]["content"] == "Fine."
+        assert server.stats()["errors"] == 2 and len(session.cache) == 1
 
 
 def test_tool_call_round_trip_keeps_the_generated_ids(tok):
