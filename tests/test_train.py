@@ -3,7 +3,9 @@
 The tiny random model cannot solve arithmetic, so the learning test uses a task it can learn in a few steps: the
 reward is the fraction of generated tokens whose id lies in a fixed range of 1024 ids (a quarter of the vocabulary,
 so the start is ~0.25 and every group has variance). The workflow scores token ids directly (no text, no worker
-pool). With lr 3e-2 it reaches ~1.0 in about 8 steps (9 of 9 trial runs; a range of 256 ids was flaky).
+pool). With lr 3e-2 it reaches ~1.0 in 8-11 steps in most runs (a range of 256 ids was flaky). Which tokens are
+sampled depends on how the server happens to batch the requests, so a run under load can stall for its first six
+steps (seen once in CI: 0.64 after 12 steps); the learning test gives it 16.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def read_jsonl(path):
 
 
 def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, tokenizer):
-    config = make_config(tmp_path, tiny_model_path, steps=12)
+    steps = 16
+    config = make_config(tmp_path, tiny_model_path, steps=steps)
     run_dir = tmp_path / "runs" / "e2e" / "t0"
     listed = []
     stats = train(
@@ -101,17 +104,17 @@ def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, token
         progress=False,
         on_step=lambda step, _: listed.append(sorted(os.listdir(run_dir / "weights"))),
     )
-    rewards = [s["reward"] for s in stats]
-    assert len(stats) == 12 and [s["step"] for s in stats] == list(range(12))
+    assert len(stats) == steps and [s["step"] for s in stats] == list(range(steps))
+    for s in stats:  # the loop's own health first: a failure below is then about learning, not plumbing
+        # Synchronous, so the trainer recomputes what the server sampled: same policy, same numbers.
+        assert abs(s["behav_kl"]) < 1e-4 and s["staleness_max"] == 0 and s["skipped"] == 0, s
+        assert all(s[k] >= 0 for k in ("time/generate", "time/logp", "time/update", "time/weight_sync"))
+    rewards = [round(s["reward"], 3) for s in stats]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.4, rewards
     assert read_jsonl(run_dir / "stats.jsonl") == stats
     assert (run_dir / "reward_curve.png").stat().st_size > 2000
-    for s in stats:
-        # Synchronous, so the trainer recomputes what the server sampled: same policy, same numbers.
-        assert abs(s["behav_kl"]) < 1e-4 and s["staleness_max"] == 0 and s["skipped"] == 0
-        assert all(s[k] >= 0 for k in ("time/generate", "time/logp", "time/update", "time/weight_sync"))
-    assert listed[-1] == ["weight_update_v11", "weight_update_v12"]  # pruned to keep_last while training ...
+    assert listed[-1] == [f"weight_update_v{steps - 1}", f"weight_update_v{steps}"]  # pruned to keep_last ...
     assert not (run_dir / "weights").exists()  # ... and removed at the end: transport, not checkpoints
 
 
