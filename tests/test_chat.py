@@ -4,7 +4,7 @@ Against the kit's real embedded server on the tiny model: models, completions, `
 bodies (each a 4xx in OpenAI's error shape, the server still serving), pause/resume, token exactness over three
 turns, the agent workflow under `rollout_batch` with groups followed by one GRPO step, and the same scripted agent
 through AReaL 1.0.4's own `ArealOpenAI` client (same rows). Tool calls end to end use a scripted engine, since a
-random model cannot be made to write one.
+random model cannot be made to write one; the OpenAI Agents SDK runs a tool agent through it, streamed and not.
 """
 
 from __future__ import annotations
@@ -364,6 +364,43 @@ class CountingAgent:
             texts.append(r.choices[0].message.content)
             msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Longer?"}]
         return float(len(texts[1]) > len(texts[0]))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_sdk_runs_a_tool_agent_against_the_endpoint(tok, streamed):
+    """The OpenAI Agents SDK (its chat-completions model) drives the endpoint: a function tool, then the answer."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # its traces would go to api.openai.com
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    with ChatServer(ScriptedEngine(tok, [call, "The sum is 5."]), tok) as server:
+        session = server.open_session()
+
+        async def go():
+            client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.api_key, max_retries=0)
+            agent = Agent(name="adder", instructions="Use the tool.", tools=[add],
+                          model=OpenAIChatCompletionsModel(model="t", openai_client=client))  # fmt: skip
+            if not streamed:
+                return await Runner.run(agent, "What is 2 + 3?")
+            result = Runner.run_streamed(agent, "What is 2 + 3?")
+            async for _ in result.stream_events():
+                pass
+            return result
+
+        result = asyncio.run(go())
+        stats = server.stats()
+    assert result.final_output == "The sum is 5."
+    assert stats["tool_calls"] == 1 and stats["errors"] == 0 and len(session.cache) == 2
+    first, second = session.cache.values()
+    assert second.parent is first  # the SDK's second request continues the first completion
+    text = tok.decode(second.to_tensor_dict()["input_ids"][0].tolist())
+    assert "Use the tool." in text and '"name": "add"' in text and "<tool_response>\n5\n</tool_response>" in text
 
 
 def test_workflow_rolls_out_groups_and_trains_one_grpo_step(engine, tok, tiny_model_path):
