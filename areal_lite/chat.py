@@ -31,6 +31,10 @@ Design decisions
   `context_length_exceeded`, an engine failure 502, a bug 500 (logged). The server keeps serving in every case.
 - Malformed tool calls in model output are not errors: the completion is a text answer and the failure is counted
   (`stats()["tool_parse_failures"]`, also per session).
+- `tool_choice`: "none" turns tool parsing off (the tools stay in the prompt, as OpenAI keeps them in context);
+  "auto" is the default. "required" and a named function are not forced by constrained decoding (the embedded
+  server has no grammar engine, and a forced token would not be the policy's sample): the reply is what the model
+  wrote, and a reply without the required call is counted (`stats()["tool_choice_unmet"]`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,16 @@ _STAT_KEYS = (
     "template_mismatches",
 )
 _FINISH = {"stop": "stop", "length": "length", "abort": "length", "tool_calls": "tool_calls"}
+
+
+def _meets_tool_choice(tool_choice: Any, tool_calls: Optional[List[Dict[str, Any]]]) -> bool:
+    """Whether a reply honours "required" (some call) or a named function (a call of it); other choices always do."""
+    if tool_choice == "required":
+        return bool(tool_calls)
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return any(c["function"]["name"] == name for c in tool_calls or [])
+    return True
 
 
 class ChatSession:
@@ -161,6 +175,8 @@ class ChatCompleter:
                 self._count(session, "tool_calls", len(parsed.tool_calls))
                 message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
                 finish = "tool_calls" if finish == "stop" else finish
+            if not _meets_tool_choice(req.tool_choice, message.get("tool_calls")):
+                self._count(session, "tool_choice_unmet")
         texts = [self.tokenizer.decode([t]) for t in resp.output_tokens] if req.logprobs else []
         return ChoiceResult(message, finish, list(resp.output_tokens), list(resp.output_logprobs), texts)
 
@@ -307,7 +323,7 @@ class ChatServer:
 
     def stats(self) -> Dict[str, int]:
         """Counters since start: requests, completions, errors, tool_calls, tool_parse_failures, template_drifts,
-        template_mismatches, open_sessions."""
+        template_mismatches, open_sessions; and tool_choice_unmet once a reply has ignored a required tool call."""
         with self._lock:
             return {**self._stats, "open_sessions": len(self._sessions)}
 

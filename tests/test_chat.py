@@ -366,6 +366,23 @@ class CountingAgent:
         return float(len(texts[1]) > len(texts[0]))
 
 
+def test_tool_choice_none_answers_text_and_unmet_choices_are_counted(tok):
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    engine = ScriptedEngine(tok, [call, call, "Five.", call])
+    choices = ["none", "required", "required", {"type": "function", "function": {"name": "mul"}}]
+    mul = {"type": "function", "function": {"name": "mul", "parameters": {"type": "object"}}}
+    with ChatServer(engine, tok) as server:
+        session = server.open_session()
+        replies = [_post(server, {"tools": [ADD, mul], "tool_choice": c}, session.api_key).json() for c in choices]
+        stats = server.stats()
+    messages = [r["choices"][0]["message"] for r in replies]
+    assert messages[0]["content"] == call and "tool_calls" not in messages[0]  # "none": not parsed
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "add"  # "required", met
+    assert messages[2]["content"] == "Five."  # "required", unmet: the model's reply as it is ...
+    assert messages[3]["tool_calls"][0]["function"]["name"] == "add"  # named "mul", unmet
+    assert stats["tool_choice_unmet"] == 2 and session.stats["tool_choice_unmet"] == 2  # ... and counted
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_openai_agents_sdk_runs_a_tool_agent_against_the_endpoint(tok, streamed):
     """The OpenAI Agents SDK (its chat-completions model) drives the endpoint: a function tool, then the answer."""
