@@ -14,7 +14,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-gpu lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-gpu vllm test-vllm lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -24,6 +24,8 @@ help:
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
+	@echo "make vllm      - opt-in: the vLLM backend's own venv (.venv-vllm, ~2.5 GB)"
+	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -70,7 +72,7 @@ lint: $(DEVSTAMP)
 
 test: lint
 	$(BIN)/python -m areal_lite.prepare
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu" \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
 
@@ -79,7 +81,7 @@ test-zh: $(DEVSTAMP)
 		notebooks/zh --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg
 
 test-fast: $(DEVSTAMP)
-	$(BIN)/python -m pytest tests -x -q -m "not gpu"
+	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm"
 
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
@@ -92,6 +94,19 @@ exercises: $(STAMP)
 
 test-gpu:
 	bash tools/test_gpu.sh
+
+# vLLM is opt-in: its own venv (it pins its own transformers), never part of `make test` (marker `vllm`).
+VLLM_VENV ?= .venv-vllm
+
+$(VLLM_VENV)/.installed:
+	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash tools/install_vllm.sh
+
+vllm: $(VLLM_VENV)/.installed
+
+# One vLLM server at a time (each takes ~5 GB of RAM), so no xdist; the notebook runs with backend=vllm inside.
+test-vllm: $(VLLM_VENV)/.installed $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.prepare
+	$(BIN)/python -m pytest tests/test_vllm.py -m vllm -v -p no:cacheprovider --durations=10
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info

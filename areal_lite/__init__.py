@@ -35,6 +35,7 @@ _export(
     "PPOActorConfig",
     "SGLangConfig",
     "EmbeddedServerConfig",
+    "vLLMConfig",
     "DatasetConfig",
     "SaverConfig",
     "StatsLoggerConfig",
@@ -91,7 +92,7 @@ _export(
     "ServerLaunchError",
     "choose_backend",
 )
-_export("engine", "RemoteSGLangEngine", "EngineError")
+_export("engine", "RemoteSGLangEngine", "RemotevLLMEngine", "EngineError")
 _export("executor", "StalenessManager", "WorkflowExecutor")
 _export(
     "trajectory",

@@ -67,6 +67,7 @@ AREAL_NAMES: Dict[str, str] = {
     "AsyncRewardWrapper": "areal.api",
     "RLVRWorkflow": "areal.workflow.rlvr",
     "RemoteSGLangEngine": "areal.engine.sglang_remote",
+    "RemotevLLMEngine": "areal.engine.vllm_remote",
     "InteractionCache": "areal.experimental.openai.cache",
     "concat_padded_tensors": "areal.utils.data",
     "cycle_dataloader": "areal.utils.data",

@@ -268,6 +268,14 @@ class SGLangClient:
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
+    async def probe(self, addr: str, endpoint: str) -> tuple:
+        """One short GET, no retries: (HTTP status, decoded body), or (None, error text) when nothing answered."""
+        try:
+            async with self._session.get(f"http://{addr}{endpoint}", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status, _decode_body(await r.read())
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            return None, f"{type(e).__name__}: {e}"
+
     async def _abort_on_server(self, addr: str, rid: str) -> None:
         # One short attempt, no retries: the server may be the reason we are shutting down.
         timeout = aiohttp.ClientTimeout(total=_ABORT_GRACE)
@@ -372,6 +380,22 @@ class SGLangClient:
             rid=req.rid,
         )
 
+    async def generate_once(
+        self, addr: str, wire_rid: str, input_ids: List[int], g: Any, max_new_tokens: int, min_new_tokens: int
+    ) -> tuple:
+        """One generation call, no resuming: (tokens, logprobs, finish_reason, message, weight_version or None).
+        The one place that knows the wire format of a generation (`VLLMClient` speaks /v1/completions here)."""
+        params = sampling_params(g, max_new_tokens=max_new_tokens)
+        params["min_new_tokens"] = min_new_tokens
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "rid": wire_rid,
+            "stream": False,
+        }
+        return _parse_generate(await self.request("POST", addr, "/generate", payload), addr)
+
     async def _wait_unpaused(self) -> bool:
         """Sleep while paused; False if the client is shutting down."""
         while self.paused and not self.closing:
@@ -393,18 +417,10 @@ class SGLangClient:
             if remaining <= 0:
                 out.stop_reason = "length"
                 return
-            params = sampling_params(g, max_new_tokens=remaining)
-            params["min_new_tokens"] = max(0, min(min_new - len(out.tokens), remaining))
-            payload = {
-                "input_ids": prompt + out.tokens,
-                "sampling_params": params,
-                "return_logprob": True,
-                "rid": wire_rid,
-                "stream": False,
-            }
             sent_version = self._current_version()
-            chunk, lps, finish, message, server_version = _parse_generate(
-                await self.request("POST", addr, "/generate", payload), addr
+            min_left = max(0, min(min_new - len(out.tokens), remaining))
+            chunk, lps, finish, message, server_version = await self.generate_once(
+                addr, wire_rid, prompt + out.tokens, g, remaining, min_left
             )
             out.tokens += chunk
             out.logprobs += lps
@@ -451,13 +467,17 @@ class SGLangClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {path} did not appear within {timeout:g}s (version {version})")
             await asyncio.sleep(max(0.01, self.config.pause_poll_interval))
+        await self.load_from_disk(path, version)
+        logger.info("servers now hold weights version %d from %s", version, path)
+        return version
+
+    async def load_from_disk(self, path: str, version: int) -> None:
+        """Every server loads the complete weights folder `path` as `version` (and drops its prefix cache)."""
         body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False, "flush_cache": True}
         answers = await self.post_all("/update_weights_from_disk", body)
         for addr, ans in zip(self.addresses, answers):
             if isinstance(ans, dict) and ans.get("success") is False:
                 raise EngineError(f"{addr} failed to load weights from {path}: {ans.get('message')}", address=addr)
-        logger.info("servers now hold weights version %d from %s", version, path)
-        return version
 
     async def _update_from_distributed(self, meta: WeightUpdateMeta, specs: dict, version: int) -> int:
         if not self._nccl_group_ready:  # the group is made once, then reused by every update

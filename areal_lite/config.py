@@ -37,6 +37,7 @@ __all__ = [
     "PPOActorConfig",
     "SGLangConfig",
     "EmbeddedServerConfig",
+    "vLLMConfig",
     "DatasetConfig",
     "SaverConfig",
     "StatsLoggerConfig",
@@ -255,6 +256,31 @@ class EmbeddedServerConfig:
         return args
 
 
+@dataclass
+class vLLMConfig:
+    """Arguments of vLLM's OpenAI-compatible server (`backend=vllm`), run from its own interpreter (`make vllm`
+    builds `.venv-vllm`: vLLM pins its own transformers). AReaL 1.0.4's class name, and its field names where
+    the two have the option; the kit-only fields come last. `areal_lite.launch` turns a config into the argv."""
+
+    model: str = _f("", "model folder or alias; empty means the actor's path")
+    seed: int = _f(1, "server sampling seed (a whole experiment config passes its own seed)")
+    dtype: str = _f("", "weights dtype (float32, bfloat16, ...); empty means the actor's dtype")
+    enforce_eager: bool = _f(False, "no CUDA graphs / torch.compile (always on without CUDA: compiling takes minutes)")
+    max_num_seqs: int = _f(256, "requests decoded together in one batch")
+    max_model_len: Optional[int] = _f(None, "maximum prompt + output tokens; None means the model's")
+    no_enable_prefix_caching: bool = _f(False, "disable prefix caching (the client resets it after a weight update)")
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory for weights and KV cache (GPU only)")
+    uvicorn_log_level: str = _f("warning", "HTTP log level", choices=("debug", "info", "warning", "error"))
+    python: str = _f("", "interpreter with vLLM installed; empty: .venv-vllm/bin/python of this checkout")
+    threads: int = _f(1, "torch threads of the server process on CPU (capped by OMP_NUM_THREADS)")
+    cpu_kv_cache_gb: int = _f(1, "KV cache size in GiB on CPU (vLLM reserves 90% of RAM otherwise)")
+    logprobs_mode: str = _f(
+        "processed_logprobs",
+        "processed_logprobs: after temperature (SGLang's default); raw_logprobs: before (--return-original-logprob)",
+        choices=("processed_logprobs", "raw_logprobs"),
+    )
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Training side
 # --------------------------------------------------------------------------------------------------------------
@@ -381,11 +407,12 @@ class GRPOConfig(BaseExperimentConfig):
     ref: Optional[PPOActorConfig] = _f(None, "reference model for the KL penalty (None: no reference)")
     backend: str = _f(
         "auto",
-        "inference server: sglang, embedded, or auto (sglang if installed and CUDA)",
-        choices=("auto", "sglang", "embedded"),
+        "inference server: sglang, embedded, vllm (opt-in: make vllm), or auto (sglang if installed and CUDA)",
+        choices=("auto", "sglang", "embedded", "vllm"),
     )
     sglang: SGLangConfig = _f(help="SGLang server arguments (GPU)", factory=SGLangConfig)
     embedded: EmbeddedServerConfig = _f(help="embedded server arguments (CPU)", factory=EmbeddedServerConfig)
+    vllm: vLLMConfig = _f(help="vLLM server arguments (backend=vllm, CPU or GPU)", factory=vLLMConfig)
     async_training: bool = _f(False, "overlap rollout and training (prepare_batch) instead of rollout_batch")
     weight_update_dir: str = _f("", "folder for disk weight updates; empty: /dev/shm if present, else under fileroot")
 
@@ -750,6 +777,10 @@ def _fill_derived(config: Any) -> None:
             server = getattr(config, sub, None)
             if server is not None and not server.model_path:
                 server.model_path = actor.path
+        vllm = getattr(config, "vllm", None)  # AReaL names vLLM's model field `model`
+        if vllm is not None:
+            vllm.model = vllm.model or actor.path
+            vllm.dtype = vllm.dtype or actor.dtype
     if hasattr(config, "weight_update_dir") and not config.weight_update_dir:
         config.weight_update_dir = default_weight_update_dir(config.experiment_name, config.trial_name, config.fileroot)
     rollout = getattr(config, "rollout", None)

