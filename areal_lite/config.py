@@ -238,6 +238,7 @@ class EmbeddedServerConfig:
     context_length: Optional[int] = _f(None, "maximum prompt + output tokens; None means the model's")
     return_original_logprob: bool = _f(False, "logprobs without temperature (as SGLANG_RETURN_ORIGINAL_LOGPROB=1)")
     decode_log_interval: int = _f(40, "log decode throughput every N decode steps (0: never)")
+    fast_path: bool = _f(True, "Llama/Qwen2: fused forward over an in-place KV cache (no: the model's own forward)")
     log_level: str = _f("info", "server log level", choices=("debug", "info", "warning", "error"))
 
     def cli_args(self) -> List[str]:

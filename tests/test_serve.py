@@ -575,67 +575,71 @@ def test_sample_tokens_units():
     assert torch.equal(t, logits.argmax(-1))
 
 
-def test_running_batch_matches_separate_runs(tiny):
-    """Join, decode and leave on the left-padded cache give the same logits as running each prompt alone."""
-    from transformers import DynamicCache
+@pytest.fixture(params=["hf", "fast"])
+def runner(request, tiny_model_path):
+    """Each runner on its own copy of the tiny model (the fast one re-binds the model's weights as fused views)."""
+    from transformers import AutoModelForCausalLM
 
+    from areal_lite.serve.batch import HFRunner
+    from areal_lite.serve.fastpath import FastRunner, supports
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    assert supports(model)  # the tiny Qwen2 (with q/k/v biases) takes the fast path in the server
+    return (HFRunner if request.param == "hf" else FastRunner)(model)
+
+
+def test_running_batch_matches_separate_runs(runner, tiny):
+    """Join, decode and leave on the left-padded cache give the same tokens and logits as running each prompt
+    alone: rows join mid-way (a longer prompt widens the window), leave (the longest row: its columns are trimmed;
+    a middle row: rows move), join again into the freed rows, and the cache grows over many steps."""
     model, _ = tiny
-
-    def prefill(prompts):
-        L = max(map(len, prompts))
-        ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
-        mask = torch.tensor([[False] * (L - len(p)) + [True] * len(p) for p in prompts])
-        cache = DynamicCache()
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.long().cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        nxt = out.logits[:, -1].argmax(-1)
-        return cache, mask, nxt, torch.tensor([len(p) for p in prompts])
-
-    def step(b):
-        mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], 1)
-        out = model(
-            input_ids=b.next_ids[:, None],
-            attention_mask=mask,
-            position_ids=b.pos[:, None],
-            past_key_values=b.cache,
-            use_cache=True,
-        )
-        b.mask, b.pos = mask, b.pos + 1
-        b.next_ids = out.logits[:, -1].argmax(-1)
-        for s, t in zip(b.seqs, b.next_ids.tolist()):
-            s.output.append(t)
-
+    prompts = PROMPTS + [PROMPTS[1], [5] * 12, PROMPTS[0], PROMPTS[1], [300, 301, 302], [7] * 3, list(range(20, 40))]
+    n_tokens = 50
     with torch.no_grad():
-        solo = {}
-        for i, p in enumerate(PROMPTS):
+        solo = []
+        for p in prompts:
             ids = list(p)
-            for _ in range(9):
+            for _ in range(n_tokens):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            solo[i] = ids[len(p) :]
-        b = RunningBatch()
-        seqs = [_seq(SamplingParams()) for _ in PROMPTS]
-        cache, mask, nxt, pos = prefill([PROMPTS[0], PROMPTS[1]])
-        for s, t in zip(seqs[:2], nxt.tolist()):
-            s.output.append(t)
-        b.add(seqs[:2], cache, mask, nxt, pos)
-        step(b), step(b)
-        cache, mask, nxt, pos = prefill([PROMPTS[2], PROMPTS[3]])  # longer prompt joins mid-way
-        for s, t in zip(seqs[2:], nxt.tolist()):
-            s.output.append(t)
-        b.add(seqs[2:], cache, mask, nxt, pos)
-        step(b), step(b), step(b)
+            full = model(torch.tensor([ids])).logits[0, len(p) - 1 : -1]
+            solo.append((ids[len(p) :], full))
+    got: dict[int, list] = {i: [] for i in range(len(prompts))}
+
+    def join(b, rows):
+        part, logits = runner.prefill([prompts[i] for i in rows])
+        b.add([_seq(SamplingParams(), prompt=[i]) for i in rows], part, logits.argmax(-1),
+              torch.tensor([len(prompts[i]) for i in rows]))  # fmt: skip
+        for i, lg in zip(rows, logits):
+            got[i].append(lg)
+
+    def step(b, k=1):
+        for _ in range(k):
+            logits = runner.decode(b)
+            b.next_ids = logits.argmax(-1)
+            for s, lg in zip(b.seqs, logits):
+                got[s.prompt[0]].append(lg)
+
+    with torch.inference_mode():
+        b = RunningBatch(runner.new_kv())
+        join(b, [0, 1])
+        step(b, 2)
+        join(b, [2, 3])  # the longest prompt joins mid-way
+        step(b, 3)
         b.keep([0, 1, 3])  # the longest row leaves: leading all-padding columns are trimmed
-        assert bool(b.mask[:, 0].any())
-        while len(seqs[0].output) < 9:
-            step(b)
-        assert seqs[0].output == solo[0][:9] and seqs[1].output == solo[1][:9]
-        assert len(seqs[2].output) == 4 and seqs[2].output == solo[2][:4]  # 1 from prefill + 3 steps, then left
-        assert len(seqs[3].output) == 7 and seqs[3].output == solo[3][:7]
+        step(b, 2)
+        b.keep([0, 2])  # a middle row leaves: the rows after it move
+        join(b, [4, 5, 7, 8, 9, 10])  # new rows take the freed places (4 and 7: one prompt, prefilled once): 8 rows
+        step(b, n_tokens - 1 - 7)
+        b.keep([])
+        join(b, [6])  # an emptied batch starts again
+        step(b, 3)
+    lengths = {0: n_tokens, 1: 8, 2: 4, 3: n_tokens - 2, 6: 4} | dict.fromkeys([4, 5, 7, 8, 9, 10], n_tokens - 7)
+    for i, (tokens, full) in enumerate(solo):
+        n = lengths[i]
+        assert len(got[i]) == n, (i, len(got[i]))
+        assert [int(lg.argmax()) for lg in got[i]] == tokens[:n], i
+        assert (torch.stack(got[i]) - full[:n]).abs().max().item() < 1e-4, i
+    assert len(b) == 1
 
 
 def test_prefill_groups_bound_padded_tokens():
@@ -670,6 +674,7 @@ def test_config_round_trips_through_the_server_command_line(monkeypatch):
     changed = EmbeddedServerConfig(
         model_path="other/model", dtype="bfloat16", device="cpu", max_running_requests=3, max_prefill_tokens=77,
         threads=2, context_length=512, return_original_logprob=True, decode_log_interval=0, log_level="debug",
+        fast_path=False,
     )  # fmt: skip
     same = [f.name for f in dataclasses.fields(changed) if getattr(changed, f.name) == getattr(default, f.name)]
     assert not same, f"give these new fields a non-default value in this test: {same}"

@@ -1,14 +1,19 @@
-"""The rows the scheduler generates, and the running batch that decodes them over one shared KV cache.
+"""The rows the scheduler generates, the running batch that decodes them over one shared KV cache, and the runner
+that computes them through the model's own forward.
 
 Design decisions
-- Left-padded batch KV cache. All rows share one `transformers.DynamicCache` whose per-layer tensors are
-  `[B, heads, T, head_dim]`. Rows of different lengths are *left*-padded so every row's newest token sits in the
-  last column; an attention mask marks padding, and explicit `position_ids` give each row its own positions, so
-  padding changes nothing numerically (greedy output is the same alone or batched).
-- Joining = pad the running cache and the newcomers' cache to a common length and concatenate along the batch
-  dimension; it happens only when newcomers arrive, so a steady batch pays nothing for it. Leaving =
-  `index_select` the surviving rows, then drop leading columns that are padding in every row, so the cache does
-  not keep the width of a long prompt that has already finished.
+- A runner owns the model arithmetic: `prefill(prompts)` -> (their keys/values, last logits), `decode(batch)` ->
+  next logits, `new_kv()` -> an empty cache for the running batch. `make_runner` picks `fastpath.FastRunner` (a
+  functional forward over a preallocated cache) for the architectures it reproduces and `HFRunner` (below, the
+  model's own forward) for every other model; the scheduler cannot tell them apart.
+- Left-padded batch KV cache, in both runners. Rows of different lengths are *left*-padded so every row's newest
+  token sits in the same (last) column; an attention mask marks padding, and explicit positions give each row its
+  own, so padding changes nothing numerically (greedy output is the same alone or batched).
+- `HFKV`, the HF runner's cache, is a `transformers.DynamicCache` with per-layer tensors `[B, heads, T, head_dim]`.
+  Joining = pad the running cache and the newcomers' cache to a common length and concatenate along the batch
+  dimension; it happens only when newcomers arrive. Leaving = `index_select` the surviving rows, then drop leading
+  columns that are padding in every row, so the cache does not keep the width of a long prompt that has finished.
+  (Each decode step still concatenates one column to every layer inside `DynamicCache`; the fast path does not.)
 - `GenerationState` is plain data the scheduler thread owns; the HTTP side reads it only after `on_done` fired.
 """
 
@@ -53,107 +58,141 @@ def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 class RunningBatch:
-    """B rows decoding together over one left-padded KV cache.
+    """B rows decoding together over one KV cache `kv` (the runner's: `HFKV` or `fastpath.StaticKV`).
 
-    Invariants: every per-layer key/value tensor is [B, heads, T, head_dim]; `mask` is [B, T] (False = padding);
-    `next_ids[b]` is row b's newest token, sampled but not yet fed to the model; `pos[b]` is its position
-    (= number of real tokens before it).
+    Invariants: `kv` holds B left-padded rows, in the order of `seqs`; `next_ids[b]` is row b's newest token,
+    sampled but not yet fed to the model; `pos[b]` is its position (= number of real tokens before it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kv: Any = None) -> None:
         self.seqs: list[GenerationState] = []
-        self.cache: Any = None
-        self.mask: Optional[torch.Tensor] = None
+        self.kv: Any = kv if kv is not None else HFKV()
         self.next_ids: Optional[torch.Tensor] = None
         self.pos: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def add(
-        self, seqs: list[GenerationState], cache: Any, mask: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor
-    ) -> None:
-        """Join newcomers (with their own prefilled cache) into the batch: pad both to a common length, concat."""
-        if not self.seqs:
-            self.seqs, self.cache, self.mask, self.next_ids, self.pos = list(seqs), cache, mask, next_ids, pos
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([left_pad(mine.keys, length, 2), left_pad(theirs.keys, length, 2)], dim=0)
-            mine.values = torch.cat([left_pad(mine.values, length, 2), left_pad(theirs.values, length, 2)], dim=0)
-        self.mask = torch.cat([left_pad(self.mask, length, 1), left_pad(mask, length, 1)], dim=0)
-        self.next_ids = torch.cat([self.next_ids, next_ids])
-        self.pos = torch.cat([self.pos, pos])
+    def add(self, seqs: list[GenerationState], part: Any, next_ids: torch.Tensor, pos: torch.Tensor) -> None:
+        """Join newcomers, with their prefilled keys/values `part` (one row each), into the batch."""
+        self.kv.join(part)
+        if self.seqs:
+            next_ids, pos = torch.cat([self.next_ids, next_ids]), torch.cat([self.pos, pos])
+        self.next_ids, self.pos = next_ids, pos
         self.seqs.extend(seqs)
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (finished or aborted rows leave), then drop columns that are padding in every row."""
+        """Keep only `rows` (finished or aborted rows leave); the cache drops columns that are padding in every row."""
         if len(rows) == len(self.seqs):
             return
+        self.kv.keep(rows)
         if not rows:
-            self.__init__()
+            self.seqs, self.next_ids, self.pos = [], None, None
             return
-        idx = torch.tensor(rows, device=self.mask.device)
+        idx = torch.tensor(rows, device=self.next_ids.device)
         self.seqs = [self.seqs[i] for i in rows]
-        self.mask = self.mask.index_select(0, idx)
         self.next_ids = self.next_ids.index_select(0, idx)
         self.pos = self.pos.index_select(0, idx)
-        # The longest row may have left: the first columns can now be padding for everyone.
+
+
+class HFKV:
+    """The cache of the model's own forward: a `DynamicCache` whose per-layer tensors are [B, heads, T, head_dim],
+    left-padded, and the mask [B, T] (False = padding). A prefill's output and the running batch's cache alike."""
+
+    def __init__(self, cache: Any = None, mask: Optional[torch.Tensor] = None) -> None:
+        self.cache, self.mask = cache, mask
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) rows `rows`."""
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.mask = self.mask.index_select(0, rows)
+
+    def join(self, part: "HFKV") -> None:
+        """Pad both caches to a common length and concatenate `part`'s rows after ours."""
+        if self.cache is None:
+            self.cache, self.mask = part.cache, part.mask
+            return
+        length = max(self.mask.shape[1], part.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, part.cache.layers):
+            mine.keys = torch.cat([left_pad(mine.keys, length, 2), left_pad(theirs.keys, length, 2)], dim=0)
+            mine.values = torch.cat([left_pad(mine.values, length, 2), left_pad(theirs.values, length, 2)], dim=0)
+        self.mask = torch.cat([left_pad(self.mask, length, 1), left_pad(part.mask, length, 1)], dim=0)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows`, then drop leading columns that are padding in every row (the longest row may have left)."""
+        if not rows:
+            self.cache = self.mask = None
+            return
+        self.select(torch.tensor(rows, device=self.mask.device))
         first = int(self.mask.any(dim=0).int().argmax())
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, idx)[:, :, first:]
-            layer.values = layer.values.index_select(0, idx)[:, :, first:]
+            layer.keys = layer.keys[:, :, first:]
+            layer.values = layer.values[:, :, first:]
 
 
-def select_cache_rows(cache: Any, rows: torch.Tensor) -> None:
-    """Keep (or repeat) the batch rows `rows` of every layer of `cache`, in place."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
+class HFRunner:
+    """Prefill and decode through the model's own forward (any causal LM `transformers` can run)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    def new_kv(self, max_rows: int = 0) -> HFKV:
+        return HFKV()
+
+    def refresh(self) -> None:
+        """Call after the model's weights changed in place (nothing is derived from them here)."""
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[HFKV, torch.Tensor]:
+        """Run `prompts` left-padded. Returns (their cache, last-position logits [B, V]), one row per prompt.
+        Identical prompts (the n > 1 samples of one prompt) are computed once and their rows copied."""
+        from transformers import DynamicCache
+
+        unique: dict[tuple, int] = {}
+        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        distinct = [list(p) for p in unique]
+        length = max(len(p) for p in distinct)
+        ids = torch.zeros(len(distinct), length, dtype=torch.long)
+        mask = torch.zeros(len(distinct), length, dtype=torch.bool)
+        for i, p in enumerate(distinct):  # left padding: every prompt ends in the last column
+            ids[i, length - len(p) :] = torch.tensor(p)
+            mask[i, length - len(p) :] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        part, logits = HFKV(cache, mask), out.logits[:, -1]
+        if row_of != list(range(len(prompts))):
+            expand = torch.tensor(row_of, device=self.device)
+            part.select(expand)
+            logits = logits.index_select(0, expand)
+        return part, logits
+
+    def decode(self, batch: RunningBatch) -> torch.Tensor:
+        """Feed every row's newest token (`next_ids`) to the model; returns the next logits [B, V]. Advances the mask
+        and positions; the caller samples the new `next_ids`."""
+        kv: HFKV = batch.kv
+        mask = torch.cat([kv.mask, kv.mask.new_ones(len(batch), 1)], dim=1)
+        out = self.model(
+            input_ids=batch.next_ids[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
+            past_key_values=kv.cache, use_cache=True,
+        )  # fmt: skip
+        kv.mask, batch.pos = mask, batch.pos + 1
+        return out.logits[:, -1]
 
 
-def prefill_forward(
-    model: Any, prompts: list[list[int]], device: torch.device
-) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """Run `prompts` through `model` left-padded. Returns (cache, mask [B, T], last-position logits [B, V]), one
-    row per prompt. Identical prompts (the n > 1 samples of one prompt) are computed once and their rows copied."""
-    from transformers import DynamicCache
+def make_runner(model: Any, fast: bool = True) -> Any:
+    """The fastest runner for `model`: `fastpath.FastRunner` where it reproduces the model's forward (and `fast`),
+    else `HFRunner`."""
+    from areal_lite.serve import fastpath
 
-    unique: dict[tuple, int] = {}
-    row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-    distinct = [list(p) for p in unique]
-    length = max(len(p) for p in distinct)
-    ids = torch.zeros(len(distinct), length, dtype=torch.long)
-    mask = torch.zeros(len(distinct), length, dtype=torch.bool)
-    for i, p in enumerate(distinct):  # left padding: every prompt ends in the last column
-        ids[i, length - len(p) :] = torch.tensor(p)
-        mask[i, length - len(p) :] = True
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
-    )
-    logits = out.logits[:, -1]
-    if row_of != list(range(len(prompts))):
-        expand = torch.tensor(row_of, device=device)
-        select_cache_rows(cache, expand)
-        mask = mask.index_select(0, expand)
-        logits = logits.index_select(0, expand)
-    return cache, mask, logits
-
-
-def decode_forward(model: Any, batch: RunningBatch) -> torch.Tensor:
-    """Feed every row's newest token (`next_ids`) to the model; returns the next logits [B, V]. Advances the mask
-    and positions; the caller samples the new `next_ids`."""
-    mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
-    out = model(
-        input_ids=batch.next_ids[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
-        past_key_values=batch.cache, use_cache=True,
-    )  # fmt: skip
-    batch.mask, batch.pos = mask, batch.pos + 1
-    return out.logits[:, -1]
+    return fastpath.FastRunner(model) if fast and fastpath.supports(model) else HFRunner(model)
 
 
 def prefill_groups(states: list[GenerationState], max_tokens: int) -> list[list[GenerationState]]:

@@ -151,13 +151,14 @@ async def _serve(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens, random_seed=args.random_seed, threads=args.threads,
         context_length=args.context_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096),
         return_original_logprob=args.return_original_logprob, decode_log_interval=args.decode_log_interval,
+        fast_path=args.fast_path,
     )  # fmt: skip
     scheduler.start()
     state.tokenizer, state.model_path, state.scheduler = tokenizer, path, scheduler
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"areal-lite serve: ready on http://{args.host}:{args.port} model={path} params={n_params / 1e6:.1f}M "
-        f"device={scheduler.device} dtype={args.dtype} threads={args.threads} "
+        f"device={scheduler.device} dtype={args.dtype} threads={args.threads} runner={type(scheduler.runner).__name__} "
         f"max_running={args.max_running_requests} (loaded in {time.perf_counter() - t0:.1f}s)",
         flush=True,
     )

@@ -9,7 +9,9 @@ Design decisions
 - Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) are applied before logprobs,
   as SGLang's penalizers are.
 - One batched draw per step: rows with different temperatures, top-k and top-p share one softmax and one
-  `torch.multinomial` call; greedy rows skip the draw.
+  `torch.multinomial` call; greedy rows skip the draw. When every row samples and logprobs are taken after
+  temperature, the draw's probabilities are the exp of those logprobs (no second softmax over the vocabulary), and
+  temperature 1 divides nothing.
 - Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
 """
 
@@ -31,19 +33,22 @@ def sample_tokens(
     for i, s in enumerate(seqs):
         if s.stop_ids and len(s.output) < s.params.min_new_tokens:
             logits[i, list(s.stop_ids)] = float("-inf")
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
-    temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs], device=logits.device)
-    scaled = logits / temps[:, None]
+    greedy = [s.params.greedy for s in seqs]
+    temps = [1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device)[:, None]
     logprobs_all = torch.log_softmax(logits if original_logprob else scaled, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    if not bool(greedy.all()):
-        rows = (~greedy).nonzero().flatten()
-        probs = torch.softmax(scaled.index_select(0, rows), dim=-1)
-        sub = [seqs[i] for i in rows.tolist()]
+    if not all(greedy):
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = [seqs[i] for i in rows]
+        if len(rows) == B and not original_logprob:
+            probs = logprobs_all.exp()  # softmax(scaled), from the pass already made
+        else:
+            probs = torch.softmax(scaled[rows] if len(rows) < B else scaled, dim=-1)
         if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in sub):
             probs = top_k_top_p(probs, sub)
         picked = torch.multinomial(probs, 1, generator=generator).flatten()
-        tokens = tokens.index_put((rows,), picked)
+        tokens[rows] = picked
     logprobs = logprobs_all.gather(1, tokens[:, None]).flatten()
     # JSON has no -inf; SGLang clamps the same way.
     logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)

@@ -11,6 +11,8 @@ Design decisions
 - Commands are explicit: each thread-safe method (`pause`, `continue_generation`, `abort`, `flush_cache`,
   `update_weights`, `submit`, `stop`) enqueues the bound method that handles it on the scheduler thread
   (`_on_pause`, ...), so every path from an HTTP route to the state it changes can be followed by name.
+- The arithmetic is the runner's (`batch.make_runner`: the fused fast path for Llama/Qwen2 models, the model's own
+  forward otherwise): the scheduler only decides who is prefilled, who decodes and who leaves.
 - Continuous batching. Each loop iteration (1) handles pending events, (2) admits waiting requests up to
   `max_running_requests`, prefilling all newcomers together (in groups of at most `max_prefill_tokens` padded
   tokens), (3) runs one decode step for the whole batch. Finished rows leave after the step in which they finish;
@@ -38,14 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_lite.serve.batch import (
-    GenerationState,
-    RunningBatch,
-    decode_forward,
-    prefill_forward,
-    prefill_groups,
-    select_cache_rows,
-)
+from areal_lite.serve.batch import GenerationState, RunningBatch, make_runner, prefill_groups
 from areal_lite.serve.protocol import DEFAULT_WEIGHT_VERSION, PromptSpec, WeightUpdate, weight_update_result
 from areal_lite.serve.sampling import sample_and_append
 from areal_lite.serve.weights import eos_ids, update_weights_from_disk
@@ -81,6 +76,7 @@ class Scheduler:
         threads: int = 1,
         return_original_logprob: bool = False,
         decode_log_interval: int = 40,
+        fast_path: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -100,7 +96,8 @@ class Scheduler:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         # Scheduler-thread state.
-        self.batch = RunningBatch()
+        self.runner = make_runner(model, fast=fast_path)
+        self.batch = RunningBatch(self.runner.new_kv(max_running_requests))
         self.waiting: list[GenerationState] = []  # admitted to the server, not yet prefilled
         self.held: list[GenerationState] = []  # arrived while paused; start on continue
         self.paused = False
@@ -267,6 +264,8 @@ class Scheduler:
         except Exception as e:  # the model is unchanged when loading fails (everything is checked first)
             fut.set_result(weight_update_result(False, f"Failed to update weights: {e}"))
             return
+        with torch.inference_mode():
+            self.runner.refresh()  # what the runner derived from the weights (a packed copy)
         self.model_path = request.model_path
         self.counters["weight_updates"] += 1
         msg = f"Succeeded to update model weights. Weight version updated to {self.weight_version}."
@@ -326,7 +325,7 @@ class Scheduler:
             raise
 
     def _prefill_group(self, states: list[GenerationState]) -> None:
-        cache, mask, logits = prefill_forward(self.model, [s.prompt for s in states], self.device)
+        part, logits = self.runner.prefill([s.prompt for s in states])
         self.counters["prefill_batches"] += 1
         self.counters["prompt_tokens"] += sum(len(p) for p in {tuple(s.prompt) for s in states})
         tokens = self._sample_and_record(logits, states)
@@ -334,15 +333,15 @@ class Scheduler:
         if not survivors:
             return
         idx = torch.tensor(survivors, device=self.device)
-        select_cache_rows(cache, idx)
+        part.select(idx)
         plen = torch.tensor([len(states[i].prompt) for i in survivors], device=self.device)
-        self.batch.add([states[i] for i in survivors], cache, mask.index_select(0, idx), tokens[idx], plen)
+        self.batch.add([states[i] for i in survivors], part, tokens[idx], plen)
         self.counters["max_running_batch"] = max(self.counters["max_running_batch"], len(self.batch))
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
         b = self.batch
-        logits = decode_forward(self.model, b)
+        logits = self.runner.decode(b)
         self.counters["decode_steps"] += 1
         self.counters["max_running_batch"] = max(self.counters["max_running_batch"], len(b))
         b.next_ids = self._sample_and_record(logits, b.seqs)
