@@ -190,15 +190,22 @@ def _vllm_env(env: dict, cfg: vLLMConfig, model_path: str, on_cpu: bool, tp_size
     if os.path.isdir(model_path):
         env.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch, and no waiting on a network
     if on_cpu:
-        from areal_lite.models import capped_threads
-
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        if cfg.threads > 0:
-            env["OMP_NUM_THREADS"] = str(capped_threads(cfg.threads))
+        threads = _server_threads(cfg.threads)  # capped as the embedded server's
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = threads
     else:  # the server's GPUs: base_gpu_id.. of the visible ones (the trainer keeps GPU 0 when there are two)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(base_gpu_id + tp_size)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[base_gpu_id : base_gpu_id + tp_size])
+
+
+def _server_threads(threads: int) -> Optional[str]:
+    """OMP_NUM_THREADS of a CPU server process: its config's count capped by the launcher's own OMP_NUM_THREADS
+    (a cap, not overridden: `make test` runs two notebooks on two cores); None (inherit) for torch's default."""
+    from areal_lite.models import capped_threads
+
+    return str(capped_threads(threads)) if threads > 0 else None
 
 
 def _server_configs(config: Any, backend: str) -> tuple[str, dict[str, Any], str, Optional[int]]:
@@ -260,13 +267,10 @@ def launch_server(
         path = resolve_model_path(path)
         on_cpu = not torch.cuda.is_available()
         cmd = _vllm_cmd(cfg, host, port, path, seed, on_cpu, tp_size)
-        env_threads = None  # _vllm_env sets them
+        env_threads = None  # _vllm_env sets them (CPU only)
     else:
-        from areal_lite.models import capped_threads
-
         cmd = _embedded_cmd(cfg, host, port, path, seed)
-        # The launcher's own OMP_NUM_THREADS is a cap, not overridden: `make test` runs two notebooks on two cores.
-        env_threads = str(capped_threads(cfg.threads)) if cfg.threads > 0 else None
+        env_threads = _server_threads(cfg.threads)
 
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), "areal-lite-logs")
     os.makedirs(log_dir, exist_ok=True)
