@@ -85,16 +85,23 @@ class StaticKV:
         return self.mask[: self.n, self.start : self.end]
 
     def _relayout(self, rows: int, cols: int, start: int) -> None:
-        """New zeroed buffers of `rows` x `cols`, the live window copied to begin at column `start`."""
+        """New zeroed buffers of `rows` x `cols`, the live window copied to begin at column `start`. Each old layer is
+        dropped once copied, so the old and the new cache are never held whole at once (the peak is the larger one
+        plus a layer, not their sum: what malloc keeps afterwards)."""
         n, s, e, w = self.n, self.start, self.end, self.width
         shape = (rows, self.kv_heads, cols, self.head_dim)
+        old = list(zip(self.keys, self.values))[::-1]  # popped from the end: layer 0 first
+        self.keys, self.values = [], []
         keys, values = [], []
-        for i in range(self.n_layers):
+        for _ in range(self.n_layers):
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if n and w:
-                k[:n, :, start : start + w] = self.keys[i][:n, :, s:e]
-                v[:n, :, start : start + w] = self.values[i][:n, :, s:e]
+            if old:
+                old_k, old_v = old.pop()
+                if n and w:
+                    k[:n, :, start : start + w] = old_k[:n, :, s:e]
+                    v[:n, :, start : start + w] = old_v[:n, :, s:e]
+                del old_k, old_v
             keys.append(k)
             values.append(v)
         mask = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
@@ -135,7 +142,10 @@ class StaticKV:
     def keep(self, rows: list[int]) -> None:
         """Keep only live rows `rows` (moved to the front), then drop columns that are padding in every row."""
         if not rows:
+            held = bool(self.keys)
             self.clear()
+            if held and self.device.type == "cpu":  # malloc keeps the freed buffers otherwise: an idle server (the
+                _return_freed_memory()  # trainer's turn in RL) would still hold the cache and prefill's transients
             return
         m, s, e = len(rows), self.start, self.end
         if rows != list(range(m)):
@@ -183,7 +193,7 @@ class _Linear:
     module's parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters)
     updates this matmul and the model's own forward still works. With `pack` = (lo, hi), a oneDNN-reordered copy of
     the weight serves inputs of lo..hi rows instead (a decode batch: 1.2-1.3x faster at 32 rows, 1.8x for the
-    lm_head's 49k outputs; slower than MKL for one row and for long prefills); `refresh()` rebuilds it."""
+    lm_head's 49k outputs; slower than MKL for one row and for long prefills); `refresh()` (re)builds it."""
 
     def __init__(self, modules: list[Any], transpose: bool = False, pack: Optional[tuple[int, int]] = None):
         weights = [m.weight.detach() for m in modules]
@@ -204,7 +214,7 @@ class _Linear:
                     m.bias = torch.nn.Parameter(self.bias[offset : offset + rows], requires_grad=False)
                 offset += rows
         self.pack = pack
-        self.refresh()
+        self.packed: Optional[torch.Tensor] = None  # built by `refresh()` (the runner's, once all weights are set)
 
     def refresh(self) -> None:
         """Rebuild the packed copy after the weights changed."""
@@ -234,6 +244,20 @@ class _Layer:
         self.scaling = float(attn.scaling)
 
 
+def _own_unfused_weights(model: Any, layers: list[_Layer]) -> None:
+    """Give the parameters and buffers the fusion left alone (embeddings, norms, an untied lm_head) a private copy.
+    Why: `from_pretrained` maps the safetensors file (one private mmap) and the parameters point into it; the fusion
+    reads every layer weight once, so all of the file becomes resident, and the mapping stays, pages and all (+540 MB
+    of RSS for SmolLM2-135M, beside the fused copies), as long as any tensor still points into it. Copied out, the
+    mapping goes. Costs a copy of the embeddings (113 MB); `.data` is swapped in place, so tied weights stay tied."""
+    linears = [lin for layer in layers for lin in layer.linears]
+    fused = {t.untyped_storage().data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None}
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.untyped_storage().data_ptr() not in fused:
+                t.data = t.data.clone()
+
+
 class FastRunner:
     """Prefill and decode for a `supports`-ed model (see the module docstring)."""
 
@@ -245,6 +269,8 @@ class FastRunner:
         # oneDNN copies (weights held twice) on CPU: decode batches of 8-256 rows; the lm_head at any size
         packed = cpu and torch.backends.mkldnn.is_available()
         self.layers = [_Layer(layer, cpu, PACKED_ROWS if packed else None) for layer in self.inner.layers]
+        if cpu:  # before the lm_head's `_Linear` takes its weight
+            _own_unfused_weights(model, self.layers)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -252,7 +278,8 @@ class FastRunner:
         self.lm_head = _Linear([model.lm_head], pack=(1, 1 << 62) if packed else None)
         weight = self.inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        _return_freed_memory()  # the weights' old storage, replaced by the fused one
+        self.refresh()  # packed only now: the file's pages and the packed copies are never resident together
+        _return_freed_memory()  # transients of the fusion and packing kept by malloc
 
     def refresh(self) -> None:
         """Call after the model's weights changed in place (a weight update)."""
