@@ -25,6 +25,7 @@ from areal_lite.serve import (
     sample_tokens,
 )
 from areal_lite.serve.batch import prefill_groups
+from areal_lite.serve.sampling import draw
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
 
@@ -573,6 +574,23 @@ def test_sample_tokens_units():
     # top_p keeps the smallest set whose mass reaches p: with p tiny only the argmax survives
     t, _ = sample_tokens(logits.clone(), [_seq(SamplingParams(temperature=1.0, top_p=1e-4))] * 4, gen)
     assert torch.equal(t, logits.argmax(-1))
+
+
+def test_draw_follows_each_rows_probabilities_and_never_picks_a_zero():
+    """`draw` (inverse CDF) against the exact probabilities: unnormalised rows (top-k/top-p zero entries without
+    renormalising), zeros at both ends and inside, one row with a single nonzero entry. A sampler off by one entry,
+    or one that ignores the row's total, fails the frequency check."""
+    rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.0] * 5 + [0.25], [1.0, 3.0, 0.0, 0.0, 2.0, 2.0]])
+    n = 20000
+    picked = draw(rows.repeat_interleave(n, 0), torch.Generator().manual_seed(0)).view(3, n)
+    for row, got in zip(rows, picked):
+        expected = row / row.sum()
+        freq = torch.bincount(got, minlength=6).double() / n
+        assert (freq[expected == 0] == 0).all()  # zero-probability entries are never drawn
+        sigma = (expected * (1 - expected) / n).sqrt()
+        assert ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
+    big = torch.softmax(torch.randn(4, 49152, generator=torch.Generator().manual_seed(1)) * 4, -1)
+    assert draw(big, torch.Generator().manual_seed(2)).max() < 49152
 
 
 @pytest.fixture(params=["hf", "fast"])

@@ -9,7 +9,7 @@ Design decisions
 - Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) are applied before logprobs,
   as SGLang's penalizers are.
 - One batched draw per step: rows with different temperatures, top-k and top-p share one softmax and one
-  `torch.multinomial` call; greedy rows skip the draw. When every row samples and logprobs are taken after
+  inverse-CDF draw (`draw`); greedy rows skip the draw. When every row samples and logprobs are taken after
   temperature, the draw's probabilities are the exp of those logprobs (no second softmax over the vocabulary), and
   temperature 1 divides nothing.
 - Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
@@ -47,13 +47,30 @@ def sample_tokens(
             probs = torch.softmax(scaled[rows] if len(rows) < B else scaled, dim=-1)
         if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in sub):
             probs = top_k_top_p(probs, sub)
-        picked = torch.multinomial(probs, 1, generator=generator).flatten()
+        picked = draw(probs, generator)
         tokens[rows] = picked
     logprobs = logprobs_all.gather(1, tokens[:, None]).flatten()
     # JSON has no -inf; SGLang clamps the same way.
     logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     assert tokens.shape == (B,)
     return tokens, logprobs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of `probs` [B, V] (rows need not sum to 1), drawn with probability proportional to its entry.
+
+    The inverse CDF: one uniform number per row and a binary search in the row's cumulative sum. It is the
+    distribution `torch.multinomial(probs, 1)` draws from, but on CPU that call draws an exponential variate for every
+    entry (B x V of them: 40-90 ms for 32 x 49k entries on one core, a sixth of a decode step) where this takes ~3 ms.
+    The sum is in float64, so rounding moves no probability mass that matters (float32 would move ~1e-7 per entry).
+    """
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    # strictly below the total: `right=True` then finds the first entry whose cumulative sum exceeds u, which has
+    # nonzero probability (a zeroed entry repeats the previous sum)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).flatten()
 
 
 def top_k_top_p(probs: torch.Tensor, seqs: list[GenerationState]) -> torch.Tensor:
