@@ -57,7 +57,7 @@ _RESET_TRIES, _RESET_PAUSE = 50, 0.1  # /reset_prefix_cache refused while blocks
 
 def completion_body(g: Any, input_ids: List[int], max_new_tokens: int, min_new_tokens: int, rid: str) -> dict:
     """The `/v1/completions` body of one chunk: the same sampling as `config.sampling_params` (SGLang's), in
-    vLLM's flat field names."""
+    vLLM's flat field names. Stop strings included: AReaL 1.0.4's `RemotevLLMEngine` leaves them out."""
     p = sampling_params(g, max_new_tokens=max_new_tokens)
     body = {
         "prompt": [int(t) for t in input_ids],

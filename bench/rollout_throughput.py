@@ -42,7 +42,7 @@ QUESTIONS = [
     "Explain in one line why the sky looks blue.", "List two facts about {c}.",
 ]  # fmt: skip
 COUNTRIES = ["France", "Peru", "Kenya", "Japan", "Norway", "Chile", "India", "Egypt"]
-# SmolLM2's own default system prompt, lengthened so that the chat prompts are 62-72 tokens long, as in issue 16
+# SmolLM2's own default system prompt, lengthened so that the chat prompts are 62-72 tokens long (a short agent turn)
 SYSTEM = (
     "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Think step by step about the question, "
     "check your reasoning carefully, then give your final answer in one short, precise sentence."

@@ -143,6 +143,22 @@ def test_completion_body_has_the_sampling_of_sglangs_params():
     assert greedy["temperature"] == 0.0 and "stop" not in greedy
 
 
+def test_areals_vllm_request_drops_stop_strings_ours_sends_them():
+    """AReaL 1.0.4's `RemotevLLMEngine` builds vLLM's request without `stop` (its SGLang backend sends it): under it
+    a turn runs past `</search>`. The kit's request has the same sampling fields, and the stop strings."""
+    from areal.api.cli_args import GenerationHyperparameters as AReaLGeneration
+    from areal.api.io_struct import ModelRequest as AReaLRequest
+    from areal.engine.vllm_remote import VLLMBackend
+
+    kw = dict(max_new_tokens=9, temperature=0.7, top_p=0.9, stop=["</search>"], stop_token_ids=[2])
+    theirs = VLLMBackend().build_generation_request(AReaLRequest(input_ids=PROMPT, gconfig=AReaLGeneration(**kw)),
+                                                    with_lora=False, version=0).payload  # fmt: skip
+    ours = completion_body(GenerationHyperparameters(**kw), PROMPT, 9, 0, "r1")
+    assert "stop" not in theirs and ours["stop"] == ["</search>"]
+    for key in ("prompt", "max_tokens", "temperature", "top_p", "stop_token_ids", "logprobs"):
+        assert theirs[key] == ours[key], key
+
+
 def test_parse_completion_and_its_errors():
     answer = {"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop",
                            "stop_reason": "."}]}  # fmt: skip
