@@ -14,7 +14,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-gpu vllm test-vllm lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-gpu vllm test-vllm vllm-notebooks lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -26,6 +26,7 @@ help:
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make vllm      - opt-in: the vLLM backend's own venv (.venv-vllm, ~2.5 GB)"
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
+	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -107,6 +108,13 @@ vllm: $(VLLM_VENV)/.installed
 test-vllm: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.prepare
 	$(BIN)/python -m pytest tests/test_vllm.py -m vllm -v -p no:cacheprovider --durations=10
+
+# Every notebook top to bottom on vLLM (~30 min on 2 cores): executed copies in runs/vllm-notebooks/; stops at the
+# first cell that raises. Outputs are not compared: sampled numbers differ by engine (07's comparison differs by design).
+vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.prepare
+	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
+	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/0*.ipynb
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info
