@@ -24,7 +24,7 @@ from areal_lite.serve import (
     parse_generate_body,
     sample_tokens,
 )
-from areal_lite.serve.batch import prefill_groups
+from areal_lite.serve.batch import prefill_distinct, prefill_groups
 from areal_lite.serve.sampling import draw
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
@@ -624,7 +624,7 @@ def test_running_batch_matches_separate_runs(runner, tiny):
     got: dict[int, list] = {i: [] for i in range(len(prompts))}
 
     def join(b, rows):
-        part, logits = runner.prefill([prompts[i] for i in rows])
+        part, logits = prefill_distinct(runner, [prompts[i] for i in rows])
         b.add([_seq(SamplingParams(), prompt=[i]) for i in rows], part, logits.argmax(-1),
               torch.tensor([len(prompts[i]) for i in rows]))  # fmt: skip
         for i, lg in zip(rows, logits):

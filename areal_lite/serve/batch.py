@@ -5,7 +5,8 @@ Design decisions
 - A runner owns the model arithmetic: `prefill(prompts)` -> (their keys/values, last logits), `decode(batch)` ->
   next logits, `new_kv()` -> an empty cache for the running batch. `make_runner` picks `fastpath.FastRunner` (a
   functional forward over a preallocated cache) for the architectures it reproduces and `HFRunner` (below, the
-  model's own forward) for every other model; the scheduler cannot tell them apart.
+  model's own forward) for every other model; the scheduler cannot tell them apart. Identical prompts (the n > 1
+  samples of one prompt) are computed once by `prefill_distinct`, above the runners, not by each of them.
 - Left-padded batch KV cache, in both runners. Rows of different lengths are *left*-padded so every row's newest
   token sits in the same (last) column; an attention mask marks padding, and explicit positions give each row its
   own, so padding changes nothing numerically (greedy output is the same alone or batched).
@@ -147,17 +148,13 @@ class HFRunner:
         """Call after the model's weights changed in place (nothing is derived from them here)."""
 
     def prefill(self, prompts: list[list[int]]) -> tuple[HFKV, torch.Tensor]:
-        """Run `prompts` left-padded. Returns (their cache, last-position logits [B, V]), one row per prompt.
-        Identical prompts (the n > 1 samples of one prompt) are computed once and their rows copied."""
+        """Run `prompts` left-padded. Returns (their cache, last-position logits [B, V]), one row per prompt."""
         from transformers import DynamicCache
 
-        unique: dict[tuple, int] = {}
-        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-        distinct = [list(p) for p in unique]
-        length = max(len(p) for p in distinct)
-        ids = torch.zeros(len(distinct), length, dtype=torch.long)
-        mask = torch.zeros(len(distinct), length, dtype=torch.bool)
-        for i, p in enumerate(distinct):  # left padding: every prompt ends in the last column
+        length = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), length, dtype=torch.long)
+        mask = torch.zeros(len(prompts), length, dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends in the last column
             ids[i, length - len(p) :] = torch.tensor(p)
             mask[i, length - len(p) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -167,12 +164,7 @@ class HFRunner:
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
             logits_to_keep=1,
         )  # fmt: skip
-        part, logits = HFKV(cache, mask), out.logits[:, -1]
-        if row_of != list(range(len(prompts))):
-            expand = torch.tensor(row_of, device=self.device)
-            part.select(expand)
-            logits = logits.index_select(0, expand)
-        return part, logits
+        return HFKV(cache, mask), out.logits[:, -1]
 
     def decode(self, batch: RunningBatch) -> torch.Tensor:
         """Feed every row's newest token (`next_ids`) to the model; returns the next logits [B, V]. Advances the mask
@@ -193,6 +185,19 @@ def make_runner(model: Any, fast: bool = True) -> Any:
     from areal_lite.serve import fastpath
 
     return fastpath.FastRunner(model) if fast and fastpath.supports(model) else HFRunner(model)
+
+
+def prefill_distinct(runner: Any, prompts: list[list[int]]) -> tuple[Any, torch.Tensor]:
+    """`runner.prefill` with each distinct prompt computed once (the n > 1 samples of one prompt share it), its
+    keys/values and logits then repeated: one row per prompt, in order. Runners prefill every row they are given."""
+    unique: dict[tuple, int] = {}
+    row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+    part, logits = runner.prefill([list(p) for p in unique])
+    if row_of != list(range(len(prompts))):
+        expand = torch.tensor(row_of, device=logits.device)
+        part.select(expand)
+        logits = logits.index_select(0, expand)
+    return part, logits
 
 
 def prefill_groups(states: list[GenerationState], max_tokens: int) -> list[list[GenerationState]]:

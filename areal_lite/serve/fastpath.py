@@ -312,12 +312,10 @@ class FastRunner:
         return self.lm_head(_rms_norm(x, self.inner.norm))
 
     def prefill(self, prompts: list[list[int]]) -> tuple[PrefillKV, torch.Tensor]:
-        """Run `prompts` (distinct ones once). Returns their keys/values and last-position logits [B, V]."""
-        unique: dict[tuple, int] = {}
-        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-        lens = [len(p) for p in unique]
+        """Run `prompts`. Returns their keys/values and last-position logits [B, V]."""
+        lens = [len(p) for p in prompts]
         B, L, dev = len(lens), max(lens), self.device
-        ids = torch.tensor([t for p in unique for t in p], device=dev)
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)
         pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
         slot = torch.cat([torch.arange(i * L + L - n, (i + 1) * L) for i, n in enumerate(lens)]).to(dev)
         mask = torch.zeros(B * L, dtype=torch.bool, device=dev).index_fill_(0, slot, True).view(B, L)
@@ -338,13 +336,7 @@ class FastRunner:
             out = out.transpose(1, 2).reshape(B * L, -1).index_select(0, slot)
             x = self._finish_layer(layer, x, out)
         last = torch.tensor(lens, device=dev).cumsum(0) - 1
-        logits = self._logits(x.index_select(0, last))
-        part = PrefillKV(keys, values, mask)
-        if row_of != list(range(len(prompts))):
-            expand = torch.tensor(row_of, device=dev)
-            part.select(expand)
-            logits = logits.index_select(0, expand)
-        return part, logits
+        return PrefillKV(keys, values, mask), self._logits(x.index_select(0, last))
 
     @staticmethod
     def _pad(t: torch.Tensor, slot: torch.Tensor, B: int, L: int) -> torch.Tensor:

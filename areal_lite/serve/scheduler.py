@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_lite.serve.batch import GenerationState, RunningBatch, make_runner, prefill_groups
+from areal_lite.serve.batch import GenerationState, RunningBatch, make_runner, prefill_distinct, prefill_groups
 from areal_lite.serve.protocol import DEFAULT_WEIGHT_VERSION, PromptSpec, WeightUpdate, weight_update_result
 from areal_lite.serve.sampling import sample_and_append
 from areal_lite.serve.weights import eos_ids, update_weights_from_disk
@@ -325,7 +325,7 @@ class Scheduler:
             raise
 
     def _prefill_group(self, states: list[GenerationState]) -> None:
-        part, logits = self.runner.prefill([s.prompt for s in states])
+        part, logits = prefill_distinct(self.runner, [s.prompt for s in states])
         self.counters["prefill_batches"] += 1
         self.counters["prompt_tokens"] += sum(len(p) for p in {tuple(s.prompt) for s in states})
         tokens = self._sample_and_record(logits, states)
