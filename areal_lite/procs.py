@@ -152,13 +152,15 @@ class _Spawner:
 _SPAWNER = _Spawner()
 
 
-def spawn(cmd: Sequence[str], log_path: str, env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
-    """Start `cmd` (an argv list) as a child server: stdout and stderr appended to `log_path`, stdin from
-    /dev/null, in its own process group, and (on Linux) sent SIGTERM if this process dies."""
+def spawn(
+    cmd: Sequence[str], log_path: str, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None
+) -> subprocess.Popen:
+    """Start `cmd` (an argv list) as a child server, in `cwd` (default: ours): stdout and stderr appended to
+    `log_path`, stdin from /dev/null, in its own process group, and (on Linux) sent SIGTERM if this process dies."""
     with open(log_path, "ab") as log:  # the child holds its own copy of the descriptor
         return _SPAWNER.popen(
             list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=None if env is None else dict(env),
+            env=None if env is None else dict(env), cwd=cwd,
             start_new_session=True,  # own process group: stop() reaches the child's children; Ctrl-C does not
             preexec_fn=_parent_death_preexec(),
         )  # fmt: skip

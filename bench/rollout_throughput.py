@@ -25,14 +25,14 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from typing import Callable, Optional
+
+from areal_lite.procs import ServerProcess, find_free_port, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -69,56 +69,31 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """A server process of one system; `generate(ids, n)` returns the number of tokens it produced."""
+    """A server process of one system (started, awaited and stopped with its process group by the kit's
+    `procs`); `generate(ids, n)` returns the number of tokens it produced."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_dir: str, cwd: Optional[str] = None):
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
-        # own session: the whole process group (vLLM starts an engine process) is stopped with it
-        self.proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.name = name
+        log = os.path.join(log_dir, f"{name}.log")
+        self.proc = ServerProcess(spawn(cmd, log, env, cwd=cwd), "127.0.0.1", port, log, cmd=cmd, label=name)
+        self.url = self.proc.url
 
     def wait_ready(self, timeout: float) -> None:
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        print(f"{self.name}: ready in {time.perf_counter() - t0:.0f}s", flush=True)
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; see {self.log.name}")
+        self.proc.wait_ready(timeout)
+        print(f"{self.name}: ready in {time.perf_counter() - t0:.0f}s", flush=True)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> int:
         raise NotImplementedError
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+        self.proc.stop(timeout=30)
 
 
 class EmbeddedServer(Server):
     def __init__(self, name: str, tree: str, path: str, threads: int, max_running: int, log_dir: str):
-        port = free_port()
+        port = find_free_port()
         env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(threads))
         cmd = [sys.executable, "-m", "areal_lite.serve", "--model-path", path, "--port", str(port), "--threads",
                str(threads), "--max-running-requests", str(max_running), "--log-level", "warning"]  # fmt: skip
@@ -132,7 +107,7 @@ class EmbeddedServer(Server):
 
 class VLLMServer(Server):
     def __init__(self, python: str, path: str, threads: int, log_dir: str):
-        port = free_port()
+        port = find_free_port()
         self.model = path
         # as areal_lite.launch runs it on CPU: OpenMP threads unbound (OMP_NUM_THREADS of them), a 1 GiB KV cache
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",

@@ -57,6 +57,15 @@ def test_find_free_ports():
     assert len(set(find_free_ports(4))) == 4
 
 
+def test_spawn_runs_the_child_in_cwd(tmp_path):
+    """`cwd` is the child's working directory (the throughput bench runs another source tree's server from it)."""
+    log, where = tmp_path / "cwd.log", tmp_path / "elsewhere"
+    where.mkdir()
+    proc = spawn([PY, "-c", "import os; print(os.getcwd(), flush=True)"], str(log), cwd=str(where))
+    assert proc.wait(timeout=60) == 0
+    assert log.read_text().strip() == str(where)
+
+
 def test_wait_ready_then_stop(tmp_path):
     port = find_free_port()
     log = str(tmp_path / "http.log")
