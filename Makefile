@@ -53,10 +53,10 @@ install: $(STAMP)
 install-dev: $(DEVSTAMP)
 
 prepare: $(STAMP)
-	$(BIN)/python -m areal_lite.prepare
+	$(BIN)/python -m areal_lite.kit.prepare
 
 demo: prepare
-	$(BIN)/python -m areal_lite.demo
+	$(BIN)/python -m areal_lite.kit.demo
 
 # Two workers: a notebook keeps about one core busy (its server and trainer mostly take turns), so two at once use a
 # 2-core machine fully. More workers would only oversubscribe the cores (each notebook also starts a server).
@@ -72,7 +72,7 @@ lint: $(DEVSTAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m areal_lite.prepare
+	$(BIN)/python -m areal_lite.kit.prepare
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
@@ -106,13 +106,13 @@ vllm: $(VLLM_VENV)/.installed
 
 # One vLLM server at a time (each takes ~5 GB of RAM), so no xdist; the notebook runs with backend=vllm inside.
 test-vllm: $(VLLM_VENV)/.installed $(DEVSTAMP)
-	$(BIN)/python -m areal_lite.prepare
+	$(BIN)/python -m areal_lite.kit.prepare
 	$(BIN)/python -m pytest tests/test_vllm.py -m vllm -v -p no:cacheprovider --durations=10
 
 # Every notebook top to bottom on vLLM (~30 min on 2 cores): executed copies in runs/vllm-notebooks/; stops at the
 # first cell that raises. Outputs are not compared: sampled numbers differ by engine (07's comparison differs by design).
 vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
-	$(BIN)/python -m areal_lite.prepare
+	$(BIN)/python -m areal_lite.kit.prepare
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
 	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/0*.ipynb
 

@@ -82,9 +82,9 @@ _export(
     "call_search_tool",
     "SearchToolError",
 )
-_export("rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
+_export("kit.rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
 _export(
-    "launch",
+    "kit.launch",
     "launch_server",
     "find_free_port",
     "find_free_ports",
@@ -126,7 +126,7 @@ _export("agent", "OpenAIAgentWorkflow")
 _export("actor", "PPOActor")
 _export("functional", "ppo_token_loss")
 _export(
-    "plot",
+    "kit.plot",
     "plot_rewards",
     "plot_response_length",
     "plot_time_breakdown",
@@ -134,9 +134,9 @@ _export(
     "save_png",
     "plot_turns",
 )
-_export("prepare", "prepare_all")
+_export("kit.prepare", "prepare_all")
 _export("train", "TrainConfig", "train")
-_export("checks", "check_cases")
+_export("kit.checks", "check_cases")
 
 __all__ = sorted(_EXPORTS)
 

@@ -64,7 +64,7 @@ from .chat_template import ChatTemplate
 from .config import GenerationHyperparameters
 from .interactions import Interaction, InteractionCache
 from .io_struct import ModelRequest, ModelResponse
-from .jsonhttp import json_errors_middleware, read_json
+from .kit.jsonhttp import json_errors_middleware, read_json
 from .toolcall import parse_tool_calls
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]

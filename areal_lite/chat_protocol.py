@@ -1,7 +1,7 @@
 """OpenAI's chat-completions wire format, pure: request bodies in, response bodies and stream chunks out.
 
 Design decisions
-- Pure functions and dataclasses, no HTTP and no model (like `areal_lite.serve.protocol`), so every rule is tested
+- Pure functions and dataclasses, no HTTP and no model (like `areal_lite.kit.serve.protocol`), so every rule is tested
   without a server and the handler in `areal_lite.chat` stays thin.
 - A bad body raises `ChatRequestError`, which carries OpenAI's error fields (`message`, `param`, `code`, HTTP
   status); the server answers `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`. Messages

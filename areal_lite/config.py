@@ -220,7 +220,7 @@ class SGLangConfig:
 
 @dataclass
 class EmbeddedServerConfig:
-    """Arguments of `python -m areal_lite.serve`, the small SGLang-compatible server for CPU (and CUDA without
+    """Arguments of `python -m areal_lite.kit.serve`, the small SGLang-compatible server for CPU (and CUDA without
     SGLang).
 
     The server's options are defined here and nowhere else: the server builds its command-line parser from these
@@ -242,7 +242,7 @@ class EmbeddedServerConfig:
     log_level: str = _f("info", "server log level", choices=("debug", "info", "warning", "error"))
 
     def cli_args(self) -> List[str]:
-        """This config as `python -m areal_lite.serve` flags: `--flag value` per field, booleans as `--flag` or
+        """This config as `python -m areal_lite.kit.serve` flags: `--flag value` per field, booleans as `--flag` or
         `--no-flag`. A field that is None or "" is left out, so the server's default (the same field's) applies."""
         args: List[str] = []
         for f in dataclasses.fields(self):
@@ -261,7 +261,7 @@ class EmbeddedServerConfig:
 class vLLMConfig:
     """Arguments of vLLM's OpenAI-compatible server (`backend=vllm`), run from its own interpreter (`make vllm`
     builds `.venv-vllm`: vLLM pins its own transformers). AReaL 1.0.4's class name, and its field names where
-    the two have the option; the kit-only fields come last. `areal_lite.launch` turns a config into the argv."""
+    the two have the option; the kit-only fields come last. `areal_lite.kit.launch` turns a config into the argv."""
 
     model: str = _f("", "model folder or alias; empty means the actor's path")
     seed: int = _f(1, "server sampling seed (a whole experiment config passes its own seed)")

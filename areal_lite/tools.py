@@ -166,7 +166,7 @@ async def _post_retrieve(session, url, payload, addr, timeout):
     except aiohttp.ClientConnectorError as e:
         raise SearchToolError(
             f"cannot connect to RAG server at {addr} ({e.os_error or e}); start one with "
-            "`python -m areal_lite.rag --corpus PATH --port N` and set AREAL_RAG_SERVER_ADDR"
+            "`python -m areal_lite.kit.rag --corpus PATH --port N` and set AREAL_RAG_SERVER_ADDR"
         ) from e
     except aiohttp.ClientError as e:
         raise SearchToolError(f"request to RAG server at {addr} failed: {type(e).__name__}: {e}") from e

@@ -184,7 +184,7 @@ class StatsLogger:
         os.makedirs(run_dir, exist_ok=True)
         kept: List[dict] = []
         if resume_step > 0 and os.path.exists(self.path):
-            from .plot import load_stats
+            from .kit.plot import load_stats
 
             kept = [r for r in load_stats(self.path) if r.get("step", -1) < resume_step]
         elif os.path.exists(self.path):
@@ -399,7 +399,7 @@ def train(
     from .actor import PPOActor
     from .data import cycle_dataloader
     from .engine import RemoteSGLangEngine
-    from .launch import launch_server
+    from .kit.launch import launch_server
     from .workflow import RLVRWorkflow
 
     random.seed(config.seed)
@@ -479,7 +479,7 @@ def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, st
 
 
 def _save_curve(config: Any, history: List[Dict[str, Any]], run_dir: str) -> None:
-    from .plot import plot_rewards, save_png
+    from .kit.plot import plot_rewards, save_png
 
     if history:
         title = f"{config.experiment_name} reward"

@@ -4,7 +4,7 @@
 notebook runs unchanged with `AREAL_LITE_OVERRIDES="backend=vllm"`). Everything above the wire -- retries, rid
 routing, interrupt and resume, versions, shutdown -- is `areal_lite.client.SGLangClient`'s; this class replaces only
 the calls that differ. The server is started by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1`
-(the pause, abort and RPC endpoints) and the kit's worker extension (`areal_lite/vllm_ext`).
+(the pause, abort and RPC endpoints) and the kit's worker extension (`areal_lite/kit/vllm_ext`).
 
 | what | SGLang-compatible server | vLLM 0.32 |
 | --- | --- | --- |
@@ -50,7 +50,7 @@ from .io_struct import WeightUpdateMeta
 
 __all__ = ["VLLMClient", "completion_body", "parse_completion", "is_vllm", "RELOAD_METHOD"]
 
-# The method of the kit's worker extension (areal_lite/vllm_ext, passed by the launcher) that reloads weights.
+# The method of the kit's worker extension (areal_lite/kit/vllm_ext, passed by the launcher) that reloads weights.
 RELOAD_METHOD = "areal_lite_reload_weights"
 _RESET_TRIES, _RESET_PAUSE = 50, 0.1  # /reset_prefix_cache refused while blocks are held: retry for ~5 s
 

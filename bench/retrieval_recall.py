@@ -27,7 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from areal_lite.data import build_factbook_corpus, build_factbook_qa  # noqa: E402
-from areal_lite.rag import build_index, load_corpus  # noqa: E402
+from areal_lite.kit.rag import build_index, load_corpus  # noqa: E402
 from areal_lite.reward import normalize_answer  # noqa: E402
 
 

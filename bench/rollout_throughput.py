@@ -6,7 +6,7 @@
 
 The workload is a rollout's: `--requests` chat prompts (62-72 tokens for SmolLM2) sent at once, each sampling
 `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, float32. For each `--threads` count:
-1. `embedded`: `python -m areal_lite.serve` of this tree, all requests at once (it batches them continuously);
+1. `embedded`: `python -m areal_lite.kit.serve` of this tree, all requests at once (it batches them continuously);
 2. `vllm`: vLLM's OpenAI server from `--vllm-python`'s venv (`--enforce-eager --dtype float32`, OMP_NUM_THREADS =
    the thread count) when that interpreter exists, through `POST /v1/completions` with token ids;
 3. `baseline`: the embedded server of another source tree (`--baseline-tree`, e.g. a `git worktree` of an older
@@ -32,7 +32,7 @@ import time
 import urllib.request
 from typing import Callable, Optional
 
-from areal_lite.procs import ServerProcess, find_free_port, spawn
+from areal_lite.kit.procs import ServerProcess, find_free_port, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -95,7 +95,10 @@ class EmbeddedServer(Server):
     def __init__(self, name: str, tree: str, path: str, threads: int, max_running: int, log_dir: str):
         port = find_free_port()
         env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "areal_lite.serve", "--model-path", path, "--port", str(port), "--threads",
+        # a baseline tree older than the kit package has the server at areal_lite/serve
+        kit = os.path.isdir(os.path.join(tree, "areal_lite", "kit", "serve"))
+        module = "areal_lite.kit.serve" if kit else "areal_lite.serve"
+        cmd = [sys.executable, "-m", module, "--model-path", path, "--port", str(port), "--threads",
                str(threads), "--max-running-requests", str(max_running), "--log-level", "warning"]  # fmt: skip
         super().__init__(name, cmd, env, port, log_dir, cwd=tree)  # `-m` imports from the working directory first
 
@@ -109,7 +112,7 @@ class VLLMServer(Server):
     def __init__(self, python: str, path: str, threads: int, log_dir: str):
         port = find_free_port()
         self.model = path
-        # as areal_lite.launch runs it on CPU: OpenMP threads unbound (OMP_NUM_THREADS of them), a 1 GiB KV cache
+        # as areal_lite.kit.launch runs it on CPU: OpenMP threads unbound (OMP_NUM_THREADS of them), a 1 GiB KV cache
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")  # fmt: skip
         # --generation-config vllm: the request's sampling parameters alone (not the model's defaults)

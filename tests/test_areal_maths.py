@@ -264,7 +264,7 @@ def _run_areal(tiny_model_path, batch, tmp_path):
     import subprocess
     import sys
 
-    from areal_lite.launch import find_free_port
+    from areal_lite.kit.launch import find_free_port
 
     path, out = tmp_path / "batch.pt", tmp_path / "areal.pt"
     torch.save(batch, path)

@@ -1,6 +1,6 @@
 """RemoteSGLangEngine against real embedded server processes: generation, interruption, weights, the executor.
 
-Every test talks HTTP to `python -m areal_lite.serve` processes on the tiny model (one torch thread each). There is
+Every test talks HTTP to `python -m areal_lite.kit.serve` processes on the tiny model (one torch thread each). There is
 no pytest-asyncio here, so async parts run under `asyncio.run` inside the test -- a foreign loop for the engine,
 exactly like a notebook's top-level `await`. Extra servers (a second one with different weights, a scratch one for
 weight updates, one to kill) are launched where a test needs them.
@@ -23,7 +23,7 @@ import torch
 from areal_lite.config import EmbeddedServerConfig, GenerationHyperparameters, InferenceEngineConfig
 from areal_lite.engine import ADDRS_ENV, EngineError, RemoteSGLangEngine
 from areal_lite.io_struct import ModelRequest, WeightUpdateMeta
-from areal_lite.launch import find_free_port, launch_server
+from areal_lite.kit.launch import find_free_port, launch_server
 from areal_lite.trajectory import check_trajectory, concat_padded_tensors
 
 PROMPT = [11, 523, 97, 1402, 36, 2210]

@@ -64,7 +64,7 @@ def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, 
 def test_embedded_server_on_cuda_logprobs_equal_forward_pass(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.launch import launch_server
+    from areal_lite.kit.launch import launch_server
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, device="cuda"), backend="embedded")
@@ -87,7 +87,7 @@ def test_embedded_server_on_cuda_logprobs_equal_forward_pass(tiny_model_path):
 def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path, tmp_path):
     import torch.distributed as dist
 
-    from areal_lite.launch import find_free_port
+    from areal_lite.kit.launch import find_free_port
 
     addr = f"tcp://127.0.0.1:{find_free_port()}"
     script = tmp_path / "receiver.py"

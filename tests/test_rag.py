@@ -1,4 +1,4 @@
-"""Tests for areal_lite.rag: a real server subprocess over HTTP, request validation, the client, recall."""
+"""Tests for areal_lite.kit.rag: a real server subprocess over HTTP, request validation, the client, recall."""
 
 import asyncio
 import importlib.util
@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from areal_lite.data import build_factbook_corpus
-from areal_lite.rag import MAX_BODY_BYTES, MAX_QUERIES, build_index, launch_rag_server, load_corpus
+from areal_lite.kit.rag import MAX_BODY_BYTES, MAX_QUERIES, build_index, launch_rag_server, load_corpus
 from areal_lite.tools import SearchToolError, call_search_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from areal_lite.config import EmbeddedServerConfig
-from areal_lite.serve import (
+from areal_lite.kit.serve import (
     BadRequest,
     GenerationState,
     RunningBatch,
@@ -24,8 +24,8 @@ from areal_lite.serve import (
     parse_generate_body,
     sample_tokens,
 )
-from areal_lite.serve.batch import prefill_distinct, prefill_groups
-from areal_lite.serve.sampling import draw
+from areal_lite.kit.serve.batch import prefill_distinct, prefill_groups
+from areal_lite.kit.serve.sampling import draw
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
 
@@ -72,7 +72,7 @@ def server(embedded_server):
 def private_server(tiny_model_path):
     """A server of our own for tests that pause it or change its weights (the shared one stays untouched)."""
     from areal_lite.config import EmbeddedServerConfig
-    from areal_lite.launch import launch_server
+    from areal_lite.kit.launch import launch_server
 
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
     try:
@@ -255,7 +255,7 @@ def test_stop_strings_stop_ids_and_length(server, tiny):
     assert out["meta_info"]["completion_tokens"] >= 3 and ids[0] not in out["output_ids"][:3]
 
     # EOS: the ChatML end token is a stop id (a random model rarely samples it, so check the set itself)
-    from areal_lite.serve import eos_ids
+    from areal_lite.kit.serve import eos_ids
 
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos_ids(tiny[0], tok)
 
@@ -598,8 +598,8 @@ def runner(request, tiny_model_path):
     """Each runner on its own copy of the tiny model (the fast one re-binds the model's weights as fused views)."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.serve.batch import HFRunner
-    from areal_lite.serve.fastpath import FastRunner, supports
+    from areal_lite.kit.serve.batch import HFRunner
+    from areal_lite.kit.serve.fastpath import FastRunner, supports
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     assert supports(model)  # the tiny Qwen2 (with q/k/v biases) takes the fast path in the server

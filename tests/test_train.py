@@ -169,7 +169,7 @@ async def _greedy(addr, ids, n=12):
 def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer):
     import asyncio
 
-    from areal_lite.launch import launch_server
+    from areal_lite.kit.launch import launch_server
 
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
     try:

@@ -129,7 +129,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def rag_server(tmp_path_factory):
-    from areal_lite.rag import launch_rag_server
+    from areal_lite.kit.rag import launch_rag_server
 
     path = tmp_path_factory.mktemp("rag") / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))

@@ -22,10 +22,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from areal_lite.jsonhttp import BadRequest, describe
+from areal_lite.kit.jsonhttp import BadRequest, describe
 
 if TYPE_CHECKING:
-    from areal_lite.serve.batch import GenerationState
+    from areal_lite.kit.serve.batch import GenerationState
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"

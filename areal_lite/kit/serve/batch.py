@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_lite.serve.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+from areal_lite.kit.serve.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
 
 
 @dataclass(eq=False)
@@ -182,7 +182,7 @@ class HFRunner:
 def make_runner(model: Any, fast: bool = True) -> Any:
     """The fastest runner for `model`: `fastpath.FastRunner` where it reproduces the model's forward (and `fast`),
     else `HFRunner`."""
-    from areal_lite.serve import fastpath
+    from areal_lite.kit.serve import fastpath
 
     return fastpath.FastRunner(model) if fast and fastpath.supports(model) else HFRunner(model)
 

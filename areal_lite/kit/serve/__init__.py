@@ -1,6 +1,6 @@
 """A small SGLang-compatible generation server: continuous batching with a KV cache, on CPU or one GPU.
 
-    python -m areal_lite.serve --model-path PATH_OR_ALIAS [--host 127.0.0.1] [--port 30000] [--threads 1]
+    python -m areal_lite.kit.serve --model-path PATH_OR_ALIAS [--host 127.0.0.1] [--port 30000] [--threads 1]
 
 It speaks the subset of SGLang's native HTTP API that RL rollout needs (`/generate`, `/health`, `/model_info`,
 `/pause_generation`, `/continue_generation`, `/abort_request`, `/update_weights_from_disk`, `/flush_cache`), with
@@ -22,20 +22,20 @@ The package, from the wire inwards:
 No prefix cache: `cached_tokens` is always 0 and `/flush_cache` has nothing to drop.
 """
 
-from areal_lite.jsonhttp import BadRequest
-from areal_lite.serve.app import ServerState, build_app
-from areal_lite.serve.batch import GenerationState, RunningBatch
-from areal_lite.serve.cli import build_parser, main, parse_args
-from areal_lite.serve.protocol import (
+from areal_lite.kit.jsonhttp import BadRequest
+from areal_lite.kit.serve.app import ServerState, build_app
+from areal_lite.kit.serve.batch import GenerationState, RunningBatch
+from areal_lite.kit.serve.cli import build_parser, main, parse_args
+from areal_lite.kit.serve.protocol import (
     PromptSpec,
     SamplingParams,
     parse_generate_body,
     parse_sampling_params,
     render_generate_response,
 )
-from areal_lite.serve.sampling import sample_tokens
-from areal_lite.serve.scheduler import Scheduler
-from areal_lite.serve.weights import eos_ids
+from areal_lite.kit.serve.sampling import sample_tokens
+from areal_lite.kit.serve.scheduler import Scheduler
+from areal_lite.kit.serve.weights import eos_ids
 
 __all__ = [
     "BadRequest",

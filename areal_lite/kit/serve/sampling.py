@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from areal_lite.serve.batch import GenerationState
+from areal_lite.kit.serve.batch import GenerationState
 
 
 def sample_tokens(

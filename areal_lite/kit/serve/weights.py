@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from areal_lite.serve.protocol import WeightUpdate
+from areal_lite.kit.serve.protocol import WeightUpdate
 
 log = logging.getLogger("areal_lite.serve")
 

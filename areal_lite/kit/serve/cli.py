@@ -61,7 +61,7 @@ def _add_config_option(parser: argparse.ArgumentParser, f: dataclasses.Field, tp
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m areal_lite.serve",
+        prog="python -m areal_lite.kit.serve",
         description=DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -89,7 +89,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> Optional[tuple[Any, Any, str]]:
     """(model, tokenizer, path) loaded on a daemon thread, or None if `stop` is set first. Raises a load error."""
-    from areal_lite.serve.weights import load_model
+    from areal_lite.kit.serve.weights import load_model
 
     loop = asyncio.get_running_loop()
     load: asyncio.Future = loop.create_future()
@@ -123,8 +123,8 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from areal_lite.serve.app import ServerState, build_app
-    from areal_lite.serve.scheduler import Scheduler
+    from areal_lite.kit.serve.app import ServerState, build_app
+    from areal_lite.kit.serve.scheduler import Scheduler
 
     state = ServerState(args)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests (no wasted decode).
@@ -172,7 +172,7 @@ async def _serve(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.exit_with_parent:
-        from areal_lite.procs import exit_with_parent
+        from areal_lite.kit.procs import exit_with_parent
 
         exit_with_parent(args.exit_with_parent, log=log)  # from the start: loading a model takes a while
     logging.basicConfig(

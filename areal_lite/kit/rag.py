@@ -1,6 +1,6 @@
 """A local retrieval (RAG) server speaking ASearcher's `/retrieve` + `/access` wire format.
 
-    python -m areal_lite.rag --corpus factbook.jsonl [--retriever bm25|dense] [--port 5001]
+    python -m areal_lite.kit.rag --corpus factbook.jsonl [--retriever bm25|dense] [--port 5001]
 
 Design decisions:
 - Corpus = JSONL, one passage a row: `id`, `title`, `wikipedia_title`, `contents` (missing ids/titles
@@ -18,14 +18,14 @@ Design decisions:
   corpus takes minutes: `--max-dense-docs N` serves only the first N rows. Embeddings are cached
   as .npy under `--index-cache` keyed by a hash of the served passages + model, so a restart is free.
 - The server is aiohttp on 127.0.0.1 by default. Retrieval is CPU work and runs on one worker
-  thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.jsonhttp`,
+  thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.kit.jsonhttp`,
   as the inference server's do: JSON `{"error": msg}` with a 4xx status (405 for a wrong method,
   404 for an unknown route, 413 for a body over 1 MiB), and the server stays up. Unknown request
   keys are refused: a typo like `top_k` would otherwise silently give 3 results.
 - `/access` maps a url to a "page": a corpus id, a doc's `url`, or a title (`.../wiki/Some_Title`
   works too) gives all passages with that title joined in corpus order; anything else is null.
 - `launch_rag_server` runs the server as a child process on a free loopback port through
-  `areal_lite.procs`, like the inference servers: a log file whose tail is put into the error if
+  `areal_lite.kit.procs`, like the inference servers: a log file whose tail is put into the error if
   the process dies, stopped at exit, and no orphan after a notebook kernel restart (the child gets
   SIGTERM when its parent dies on Linux, and also watches its parent itself: `--exit-with-parent`).
 """
@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from areal_lite.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
-from areal_lite.procs import ServerProcess, exit_with_parent, find_free_port, spawn
+from areal_lite.kit.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
+from areal_lite.kit.procs import ServerProcess, exit_with_parent, find_free_port, spawn
 
 __all__ = [
     "load_corpus",
@@ -390,7 +390,7 @@ def build_app(
 # ----------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m areal_lite.rag", description="Local RAG server (ASearcher wire format)."
+        prog="python -m areal_lite.kit.rag", description="Local RAG server (ASearcher wire format)."
     )
     p.add_argument("--corpus", required=True, help="JSONL with id, title, wikipedia_title, contents per line")
     p.add_argument("--retriever", choices=["bm25", "dense"], default="bm25", help="bm25 (default) or dense MiniLM")
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
 
 # ----------------------------------------------------------------------------- launcher
 class RAGServerHandle(ServerProcess):
-    """A running `python -m areal_lite.rag` child process (see `procs.ServerProcess`). `.address` is "host:port";
+    """A running `python -m areal_lite.kit.rag` child process (see `procs.ServerProcess`). `.address` is "host:port";
     `with launch_rag_server(...) as srv:` waits until it is ready and stops it at the end."""
 
     def __init__(self, process: subprocess.Popen, host: str, port: int, log_path: str):
@@ -458,7 +458,7 @@ def launch_rag_server(
     cmd = [
         sys.executable,
         "-m",
-        "areal_lite.rag",
+        "areal_lite.kit.rag",
         "--corpus",
         str(corpus),
         "--retriever",
@@ -478,7 +478,7 @@ def launch_rag_server(
         cmd += ["--max-dense-docs", str(max_dense_docs)]
     env = dict(os.environ)
     # The child must import this package even when it is not installed (running from a checkout).
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

