@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +27,7 @@ from areal_lite.kit.serve import (
     sample_tokens,
 )
 from areal_lite.kit.serve.batch import prefill_distinct, prefill_groups
-from areal_lite.kit.serve.sampling import draw
+from areal_lite.kit.serve.sampling import RowSeeds, draw
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
 
@@ -389,13 +391,43 @@ def _long(ids, n=3000, **kw):
     }
 
 
-def _wait_running(addr, count=1, timeout=30):
+def _wait_info(addr, ready, what: str, timeout=30) -> dict:
+    """Poll /server_info until `ready(info)`: tests wait on the server's observable state, never on a sleep."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if call(addr, "/server_info")[1]["num_running"] >= count:
-            return
+        info = call(addr, "/server_info")[1]
+        if ready(info):
+            return info
         time.sleep(0.02)
-    raise AssertionError("request never started")
+    raise AssertionError(f"the server never reached: {what} (last /server_info: {info})")
+
+
+def _wait_running(addr, count=1):
+    return _wait_info(addr, lambda i: i["num_running"] >= count, f"{count} running")
+
+
+def _start_together(addr, pool, bodies, rows=None):
+    """Send requests while generation is paused, wait until the server holds them all, then continue: the
+    scheduler admits held requests together, so they are all running before any later command is handled (the
+    scheduler handles commands between steps, in arrival order). No request can finish before the test acts."""
+    assert call(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
+    futures = [pool.submit(generate, addr, body) for body in bodies]
+    rows = len(bodies) if rows is None else rows  # a batch of prompts is one request, several rows
+    _wait_info(addr, lambda i: i["num_held"] == rows, f"{rows} rows held")
+    assert call(addr, "/continue_generation", {})[0] == 200
+    return futures
+
+
+def _counters_add_up(addr, before: dict, rows: list[dict]) -> None:
+    """Every row ended exactly once and every token it made was counted; nothing is left running or queued."""
+    info = _wait_info(addr, lambda i: i["num_running"] == 0, "idle")
+    finished = sum(r["meta_info"]["finish_reason"]["type"] != "abort" for r in rows)
+    assert info["finished_requests"] - before["finished_requests"] == finished
+    assert info["aborted_requests"] - before["aborted_requests"] == len(rows) - finished
+    assert info["generated_tokens"] - before["generated_tokens"] == sum(
+        r["meta_info"]["completion_tokens"] for r in rows
+    )
+    assert info["num_waiting"] == info["num_held"] == 0 and info["paused"] is False
 
 
 def test_pause_aborts_in_flight_and_holds_new_requests(private_server, tiny):
@@ -403,8 +435,7 @@ def test_pause_aborts_in_flight_and_holds_new_requests(private_server, tiny):
     model, _ = tiny
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         inflight = pool.submit(generate, addr, _long(PROMPTS[0], rid="long-1"))
-        _wait_running(addr)
-        time.sleep(0.2)
+        _wait_running(addr)  # prefilled, so its first token is already sampled
         status, clash = call(addr, "/generate", _long(PROMPTS[1], rid="long-1"))
         assert status == 400 and "already in flight" in clash["error"]
         status, out = call(addr, "/pause_generation", {"mode": "abort"})
@@ -420,9 +451,8 @@ def test_pause_aborts_in_flight_and_holds_new_requests(private_server, tiny):
         assert (got - want).abs().max().item() < 1e-3
 
         held = pool.submit(generate, addr, greedy(PROMPTS[2], 8, sp={"ignore_eos": True}))
-        time.sleep(0.5)
-        assert not held.done()
-        assert call(addr, "/server_info")[1]["num_held"] == 1
+        _wait_info(addr, lambda i: i["num_held"] == 1, "1 held")
+        assert not held.done() and call(addr, "/server_info")[1]["num_running"] == 0  # held, not started
         status, out = call(addr, "/continue_generation", {})
         assert status == 200 and out["status"] == "ok"
         done = held.result(timeout=30)
@@ -431,27 +461,29 @@ def test_pause_aborts_in_flight_and_holds_new_requests(private_server, tiny):
 
 
 def test_abort_request_by_rid_and_all(private_server):
+    """Abort by rid ends that request only (the other one runs on to its length); abort_all ends every row; the
+    server's counters add up across the aborts. The requests start together while the server is held (see
+    `_start_together`), so the test does not race the server on any machine."""
     addr = private_server.address
+    before = call(addr, "/server_info")[1]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        a = pool.submit(generate, addr, _long(PROMPTS[0], rid="victim"))
-        b = pool.submit(generate, addr, _long(PROMPTS[1], rid="bystander", n=40))
-        _wait_running(addr, 2)
+        a, b = _start_together(addr, pool, [_long(PROMPTS[0], rid="victim"), _long(PROMPTS[1], rid="bystander", n=40)])
         assert call(addr, "/abort_request", {"rid": "victim"})[0] == 200
-        ra = a.result(timeout=30)
-        assert ra["meta_info"]["finish_reason"]["type"] == "abort" and ra["meta_info"]["completion_tokens"] < 3000
-        assert b.result(timeout=30)["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
-        c = pool.submit(
-            generate,
-            addr,
-            {
-                "input_ids": [[1, 2], [3, 4]],
-                "rid": "grp",
-                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
-            },
-        )
-        _wait_running(addr, 2)
+        ra, rb = a.result(timeout=30), b.result(timeout=30)
+        assert ra["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < ra["meta_info"]["completion_tokens"] < 3000  # it ran, and it was cut short
+        assert rb["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+        group = {
+            "input_ids": [[1, 2], [3, 4]],
+            "rid": "grp",
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+        }
+        (c,) = _start_together(addr, pool, [group], rows=2)
         assert call(addr, "/abort_request", {"abort_all": True})[0] == 200
-        assert [r["meta_info"]["finish_reason"]["type"] for r in c.result(timeout=30)] == ["abort", "abort"]
+        rc = c.result(timeout=30)
+        assert [r["meta_info"]["finish_reason"]["type"] for r in rc] == ["abort", "abort"]
+        assert all(0 < r["meta_info"]["completion_tokens"] < 3000 for r in rc)
+    _counters_add_up(addr, before, [ra, rb, *rc])
 
 
 def test_client_disconnect_aborts_its_request(private_server):
@@ -459,11 +491,8 @@ def test_client_disconnect_aborts_its_request(private_server):
     aborted = call(addr, "/server_info")[1]["aborted_requests"]
     with pytest.raises((TimeoutError, urllib.error.URLError)):  # the client gives up and closes the connection
         call(addr, "/generate", _long(PROMPTS[3], n=4000, rid="gone"), timeout=0.5)
-    deadline = time.time() + 20
-    while call(addr, "/server_info")[1]["num_running"] and time.time() < deadline:
-        time.sleep(0.05)
-    info = call(addr, "/server_info")[1]
-    assert info["num_running"] == 0 and info["aborted_requests"] == aborted + 1  # aborted, not run to the end
+    info = _wait_info(addr, lambda i: i["num_running"] == 0, "idle")
+    assert info["aborted_requests"] == aborted + 1  # aborted, not run to the end
 
 
 def test_update_weights_from_disk(private_server, tiny, tmp_path):
@@ -509,15 +538,16 @@ def test_update_weights_from_disk(private_server, tiny, tmp_path):
     assert call(addr, "/model_info")[1]["weight_version"] == "7"
 
     # while a request runs (not paused): the update waits for it, so the response is from one version
+    orig_dir = tmp_path / "orig"
+    orig_dir.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+        str(orig_dir / "model.safetensors"),
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(generate, addr, _long(PROMPTS[0], n=400))
+        # long enough that the update (one HTTP call away) always arrives while it runs
+        running = pool.submit(generate, addr, _long(PROMPTS[0], n=1500))
         _wait_running(addr)
-        orig_dir = tmp_path / "orig"
-        orig_dir.mkdir()
-        save_file(
-            {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-            str(orig_dir / "model.safetensors"),
-        )
         status, out = call(addr, "/update_weights_from_disk", {"model_path": str(orig_dir)})  # no version: 7 -> 8
         assert status == 200 and out["success"], out
         r = running.result(timeout=60)
@@ -550,29 +580,36 @@ def test_parse_generate_body_units():
         parse_generate_body({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, **kw)
 
 
-def _seq(params: SamplingParams, output=(), stop_ids=(), prompt=(1,)) -> GenerationState:
-    return GenerationState("r", "r", list(prompt), params, True, frozenset(stop_ids), output=list(output))
+def _seq(params: SamplingParams, output=(), stop_ids=(), prompt=(1,), seed=0) -> GenerationState:
+    state = GenerationState("r", "r", list(prompt), params, True, frozenset(stop_ids), output=list(output))
+    state.rng = random.Random(seed)
+    return state
+
+
+def _uniforms(n: int, seed: int) -> torch.Tensor:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def test_sample_tokens_units():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    gen = torch.Generator().manual_seed(0)
     seqs = [
         _seq(SamplingParams(temperature=0.0)),
         _seq(SamplingParams(temperature=0.5, top_k=1)),
         _seq(SamplingParams(temperature=2.0)),
         _seq(SamplingParams(temperature=0.0, min_new_tokens=2), stop_ids=[int(logits[3].argmax())]),
     ]
-    tokens, lps = sample_tokens(logits.clone(), seqs, gen)
+    tokens, lps = sample_tokens(logits.clone(), seqs)
     assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()  # top_k=1 is greedy
     assert tokens[3] != logits[3].argmax()  # the stop id is masked until min_new_tokens
     assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[tokens[0]])
     assert torch.allclose(lps[2], torch.log_softmax(logits[2] / 2.0, -1)[tokens[2]])  # temperature applied (SGLang)
-    _, orig = sample_tokens(logits.clone(), seqs, torch.Generator().manual_seed(0), original_logprob=True)
+    for s in seqs:
+        s.rng.seed(0)  # the same draws again
+    _, orig = sample_tokens(logits.clone(), seqs, original_logprob=True)
     assert torch.allclose(orig[2], torch.log_softmax(logits[2], -1)[tokens[2]])
     # top_p keeps the smallest set whose mass reaches p: with p tiny only the argmax survives
-    t, _ = sample_tokens(logits.clone(), [_seq(SamplingParams(temperature=1.0, top_p=1e-4))] * 4, gen)
+    t, _ = sample_tokens(logits.clone(), [_seq(SamplingParams(temperature=1.0, top_p=1e-4))] * 4)
     assert torch.equal(t, logits.argmax(-1))
 
 
@@ -582,7 +619,7 @@ def test_draw_follows_each_rows_probabilities_and_never_picks_a_zero():
     or one that ignores the row's total, fails the frequency check."""
     rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.0] * 5 + [0.25], [1.0, 3.0, 0.0, 0.0, 2.0, 2.0]])
     n = 20000
-    picked = draw(rows.repeat_interleave(n, 0), torch.Generator().manual_seed(0)).view(3, n)
+    picked = draw(rows.repeat_interleave(n, 0), _uniforms(3 * n, 0)).view(3, n)
     for row, got in zip(rows, picked):
         expected = row / row.sum()
         freq = torch.bincount(got, minlength=6).double() / n
@@ -590,7 +627,83 @@ def test_draw_follows_each_rows_probabilities_and_never_picks_a_zero():
         sigma = (expected * (1 - expected) / n).sqrt()
         assert ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
     big = torch.softmax(torch.randn(4, 49152, generator=torch.Generator().manual_seed(1)) * 4, -1)
-    assert draw(big, torch.Generator().manual_seed(2)).max() < 49152
+    assert draw(big, _uniforms(4, 2)).max() < 49152
+    assert draw(rows, torch.tensor([1 - 2**-53] * 3, dtype=torch.float64)).tolist() == [4, 5, 5]  # u -> 1: last nonzero
+
+
+def test_row_seeds_streams():
+    """Each row's stream: identical requests get different streams, and the same ones in any arrival order; a
+    client's sampling_seed gives the same stream on any server (per sample index), and a server seed changes the
+    rest."""
+
+    def first_draws(seeds: RowSeeds, rows: list[GenerationState]) -> list[float]:
+        for r in rows:
+            seeds.assign(r)
+        return [r.rng.random() for r in rows]
+
+    def rows(order=(0, 1, 2, 3)):
+        specs = [([5, 6], SamplingParams()), ([5, 6], SamplingParams()), ([5, 6], SamplingParams(temperature=0.5)),
+                 ([7], SamplingParams())]  # fmt: skip
+        return [_seq(specs[i][1], prompt=specs[i][0]) for i in order]
+
+    a = first_draws(RowSeeds(1), rows())
+    assert len(set(a)) == 4  # identical requests (rows 0 and 1) still get different streams
+    b = first_draws(RowSeeds(1), rows((3, 1, 2, 0)))
+    # the same streams in another arrival order: the first of the identical pair to arrive gets the first stream
+    assert [b[1], b[3], b[2], b[0]] == a
+    assert set(first_draws(RowSeeds(2), rows())).isdisjoint(a)  # another server seed, other streams
+    seeded = [_seq(SamplingParams(sampling_seed=9), prompt=[5]) for _ in range(2)]
+    seeded[1].sample = 1
+    c = first_draws(RowSeeds(1), seeded)
+    assert c[0] != c[1] and first_draws(RowSeeds(2), [_seq(SamplingParams(sampling_seed=9), prompt=[8])]) == c[:1]
+    small = RowSeeds(1, remember=2)
+    first_draws(small, rows())  # four requests, three distinct: the oldest count is forgotten, nothing grows
+    assert len(small._seen) == 2
+
+
+def _run_rows(scheduler, rows: list[GenerationState], timeout: float = 120) -> None:
+    done = threading.Semaphore(0)
+    for r in rows:
+        r.on_done = lambda _row: done.release()
+    scheduler.submit(rows)
+    for _ in rows:
+        assert done.acquire(timeout=timeout), "a row never finished"
+
+
+def test_sampling_does_not_depend_on_batch_neighbours(tiny_model_path, tiny):
+    """The same sampled requests give the same tokens whether they run alone or among other rows, and in any
+    arrival order: each row draws from its own stream. A different server seed gives other samples."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.scheduler import Scheduler
+
+    tok = tiny[1]
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+
+    def outputs(seed: int, neighbours: int, reverse: bool) -> list[list[int]]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()  # the fast path
+        sched = Scheduler(model, tok, model_path="tiny", random_seed=seed, max_running_requests=16)  # rebinds it
+        sched.start()
+        try:
+            mine = [sched.new_state(_spec(p, sp), 0) for p in (PROMPTS[0], PROMPTS[0], PROMPTS[2])]
+            others = [sched.new_state(_spec([100 + i] * (i + 1), sp), 0) for i in range(neighbours)]
+            rows = others + (mine[::-1] if reverse else mine)
+            _run_rows(sched, rows)
+        finally:
+            sched.stop()
+        assert all(r.finish == {"type": "length", "length": 24} for r in rows)
+        return sorted(r.output for r in mine[:2]) + [mine[2].output]
+
+    alone = outputs(seed=3, neighbours=0, reverse=False)
+    assert alone[0] != alone[1]  # two samples of one prompt differ
+    assert outputs(seed=3, neighbours=9, reverse=True) == alone
+    assert outputs(seed=4, neighbours=0, reverse=False) != alone
+
+
+def _spec(ids, params):
+    from areal_lite.kit.serve.protocol import PromptSpec
+
+    return PromptSpec(f"r{random.random()}", list(ids), params, False)
 
 
 @pytest.fixture(params=["hf", "fast"])

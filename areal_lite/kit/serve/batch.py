@@ -20,6 +20,7 @@ Design decisions
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -39,6 +40,8 @@ class GenerationState:
     params: SamplingParams
     return_logprob: bool
     stop_ids: frozenset[int]  # EOS + stop_token_ids; empty when ignore_eos
+    sample: int = 0  # which of the request's n samples this row is
+    rng: Optional[random.Random] = None  # the row's own random stream (set by the scheduler on arrival)
     arrival: float = field(default_factory=time.perf_counter)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Per launch, not per config: the launcher picks a free port and passes the experiment's seed.
     p.add_argument("--host", default="127.0.0.1", help="address to bind (the default is loopback only)")
     p.add_argument("--port", type=int, default=30000, help="port to bind")
-    p.add_argument("--random-seed", type=int, default=1, help="seed of the server's sampling generator")
+    p.add_argument(
+        "--random-seed",
+        type=int,
+        default=1,
+        help="seed of the server's sampling (each row's random stream is derived from it)",
+    )
     # The launcher's pid: exit when it dies (the no-orphan fallback where the kernel cannot signal us, see procs).
     p.add_argument("--exit-with-parent", type=int, default=None, help=argparse.SUPPRESS)
     return p

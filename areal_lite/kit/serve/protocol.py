@@ -46,7 +46,7 @@ SGLANG_SAMPLING_KEYS = (
 NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
     "stop_regex": [], "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-    "logit_bias": {}, "sampling_seed": None, "custom_params": None, "beam_width": 1, "watermark": None,
+    "logit_bias": {}, "custom_params": None, "beam_width": 1, "watermark": None,
     "choice": [],
 }  # fmt: skip
 # Keys with no effect on this server's outputs (accepted with any well-typed value).
@@ -110,6 +110,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    sampling_seed: Optional[int] = None  # None: the server derives the row's seed (see sampling.RowSeeds)
 
     @property
     def greedy(self) -> bool:
@@ -136,7 +137,7 @@ def parse_sampling_params(raw: Any, vocab_size: int, where: str = "sampling_para
 
 def _set_sampling_field(sp: SamplingParams, key: str, v: Any, w: str, vocab_size: int) -> None:
     """Type-check one non-null `sampling_params` value and store it on `sp` (or check it is neutral)."""
-    if key in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+    if key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"):
         setattr(sp, key, want_int(w, v))
     elif key in ("temperature", "top_p"):
         setattr(sp, key, want_float(w, v))

@@ -9,14 +9,26 @@ Design decisions
 - Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) are applied before logprobs,
   as SGLang's penalizers are.
 - One batched draw per step: rows with different temperatures, top-k and top-p share one softmax and one
-  inverse-CDF draw (`draw`); greedy rows skip the draw. When every row samples and logprobs are taken after
-  temperature, the draw's probabilities are the exp of those logprobs (no second softmax over the vocabulary), and
-  temperature 1 divides nothing.
+  inverse-CDF draw (`draw`); greedy rows skip the draw. Each row brings its own uniform number, from its own
+  random stream (`GenerationState.rng`), so what a row samples does not depend on which other rows share its batch.
+- Reproducible by default (`RowSeeds`). A row's stream is seeded from the request's `sampling_seed` (SGLang's field)
+  and its sample index when the client sends one; otherwise from the server's `--random-seed`, the request's content
+  (prompt and sampling parameters) and how many identical requests came before it. The rollouts of a synchronous run
+  are then the same from run to run on the same machine, whatever the arrival order and batching of concurrent
+  requests: identical requests are interchangeable, so which of them gets which stream changes nothing. (SGLang
+  samples from one shared generator unless deterministic inference is on; a learner comparing two runs step by
+  step needs the same samples, and a test of learning must not depend on how requests happened to be batched.)
+- When every row samples and logprobs are taken after temperature, the draw's probabilities are the exp of those
+  logprobs (no second softmax over the vocabulary), and temperature 1 divides nothing.
 - Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import random
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
@@ -24,10 +36,40 @@ import torch
 from areal_lite.kit.serve.batch import GenerationState
 
 
+class RowSeeds:
+    """Gives each arriving row its random stream (see the module docstring); runs on the scheduler thread.
+
+    Identical requests are counted by a digest of their prompt and sampling parameters; the count is remembered for
+    the `remember` most recent distinct requests (a long run's unique multi-turn prompts must not grow it forever;
+    forgetting one restarts its count, which is as reproducible as the rest).
+    """
+
+    def __init__(self, server_seed: int, remember: int = 1 << 16):
+        self.server_seed = int(server_seed)
+        self.remember = remember
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+
+    def assign(self, s: GenerationState) -> None:
+        if s.params.sampling_seed is not None:
+            s.rng = random.Random(_digest(b"client", s.params.sampling_seed, s.sample))
+            return
+        key = _digest(b"request", s.prompt, dataclasses.astuple(s.params))
+        count = self._seen.pop(key, 0)
+        self._seen[key] = count + 1  # most recent last
+        if len(self._seen) > self.remember:
+            self._seen.popitem(last=False)
+        s.rng = random.Random(_digest(b"server", self.server_seed, key, count))
+
+
+def _digest(*parts: Any) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
 def sample_tokens(
-    logits: torch.Tensor, seqs: list[GenerationState], generator: torch.Generator, original_logprob: bool = False
+    logits: torch.Tensor, seqs: list[GenerationState], original_logprob: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of `logits` [B, V] (float32) and its logprob, with each row's own sampling parameters."""
+    """One token per row of `logits` [B, V] (float32) and its logprob, with each row's own sampling parameters and
+    random stream (`rng`, which sampled rows must have)."""
     B = logits.shape[0]
     # min_new_tokens: EOS and stop ids cannot be sampled yet (like SGLang's penalizer, before logprobs).
     for i, s in enumerate(seqs):
@@ -47,7 +89,8 @@ def sample_tokens(
             probs = torch.softmax(scaled[rows] if len(rows) < B else scaled, dim=-1)
         if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in sub):
             probs = top_k_top_p(probs, sub)
-        picked = draw(probs, generator)
+        uniforms = torch.tensor([s.rng.random() for s in sub], dtype=torch.float64, device=probs.device)
+        picked = draw(probs, uniforms)
         tokens[rows] = picked
     logprobs = logprobs_all.gather(1, tokens[:, None]).flatten()
     # JSON has no -inf; SGLang clamps the same way.
@@ -56,17 +99,18 @@ def sample_tokens(
     return tokens, logprobs
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row of `probs` [B, V] (rows need not sum to 1), drawn with probability proportional to its entry.
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of `probs` [B, V] (rows need not sum to 1), drawn with probability proportional to its entry,
+    given one uniform number in [0, 1) per row (`uniforms` [B], float64).
 
-    The inverse CDF: one uniform number per row and a binary search in the row's cumulative sum. It is the
+    The inverse CDF: a binary search for the row's uniform number in the row's cumulative sum. It is the
     distribution `torch.multinomial(probs, 1)` draws from, but on CPU that call draws an exponential variate for every
     entry (B x V of them: 40-90 ms for 32 x 49k entries on one core, a sixth of a decode step) where this takes ~3 ms.
     The sum is in float64, so rounding moves no probability mass that matters (float32 would move ~1e-7 per entry).
     """
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    u = uniforms.to(torch.float64).view(-1, 1) * total
     # strictly below the total: `right=True` then finds the first entry whose cumulative sum exceeds u, which has
     # nonzero probability (a zeroed entry repeats the previous sum)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
@@ -107,14 +151,13 @@ def finish_reason(s: GenerationState, tokenizer: Any, context_length: int) -> Op
 def sample_and_append(
     logits: torch.Tensor,
     states: list[GenerationState],
-    generator: torch.Generator,
     tokenizer: Any,
     context_length: int,
     original_logprob: bool = False,
 ) -> tuple[torch.Tensor, list[Optional[dict]]]:
     """Sample one token per row, append it (and its logprob, where asked for) to the row. Returns the tokens [B] and
     each row's finish_reason (None: the row goes on); finishing the row is the caller's business."""
-    tokens, logprobs = sample_tokens(logits, states, generator, original_logprob=original_logprob)
+    tokens, logprobs = sample_tokens(logits, states, original_logprob=original_logprob)
     tok_list = tokens.tolist()
     lp_list = logprobs.tolist() if any(s.return_logprob for s in states) else None  # one device sync, not B
     reasons = []

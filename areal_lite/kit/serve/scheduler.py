@@ -42,7 +42,7 @@ import torch
 
 from areal_lite.kit.serve.batch import GenerationState, RunningBatch, make_runner, prefill_distinct, prefill_groups
 from areal_lite.kit.serve.protocol import DEFAULT_WEIGHT_VERSION, PromptSpec, WeightUpdate, weight_update_result
-from areal_lite.kit.serve.sampling import sample_and_append
+from areal_lite.kit.serve.sampling import RowSeeds, sample_and_append
 from areal_lite.kit.serve.weights import eos_ids, update_weights_from_disk
 
 log = logging.getLogger("areal_lite.serve")
@@ -89,8 +89,7 @@ class Scheduler:
         self.return_original_logprob = return_original_logprob
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.eos_ids = frozenset(eos_ids(model, tokenizer))
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(random_seed)
+        self.seeds = RowSeeds(random_seed)
         self.weight_version = DEFAULT_WEIGHT_VERSION
 
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,7 +144,7 @@ class Scheduler:
         sp = spec.params
         stop_ids = frozenset() if sp.ignore_eos else self.eos_ids | frozenset(sp.stop_token_ids)
         rid = spec.rid if sp.n == 1 else f"{spec.rid}_{sample}"
-        return GenerationState(rid, spec.rid, spec.input_ids, sp, spec.return_logprob, stop_ids)
+        return GenerationState(rid, spec.rid, spec.input_ids, sp, spec.return_logprob, stop_ids, sample=sample)
 
     def stats(self) -> dict:
         return dict(
@@ -221,6 +220,8 @@ class Scheduler:
         self._stopping = True
 
     def _on_submit(self, states: list[GenerationState]) -> None:
+        for s in states:  # in arrival order, on this thread: the streams do not depend on the HTTP side's timing
+            self.seeds.assign(s)
         (self.held if self.paused else self.waiting).extend(states)
 
     def _on_abort(self, rid: str, abort_all: bool) -> int:
@@ -352,7 +353,7 @@ class Scheduler:
     def _sample_and_record(self, logits: torch.Tensor, states: list[GenerationState]) -> torch.Tensor:
         """Sample one token per row, append it (and its logprob), and finish rows that are done."""
         tokens, reasons = sample_and_append(
-            logits.float(), states, self.generator, self.tokenizer, self.context_length, self.return_original_logprob
+            logits.float(), states, self.tokenizer, self.context_length, self.return_original_logprob
         )
         for s, reason in zip(states, reasons):
             if reason is not None:
