@@ -226,13 +226,21 @@ def test_pause_holds_requests_until_resume(engine, server, session):
     engine.pause()
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=_post(server, {"max_tokens": 3}, session.api_key)))
+    requests_before = server.stats()["requests"]
     try:
         worker.start()
-        time.sleep(1.0)
+        # First the request reaches the endpoint (a fixed sleep could end before it was even sent, on a loaded
+        # machine); then a 3-token answer, which takes milliseconds unpaused, must still be held 0.5 s later.
+        deadline = time.monotonic() + 60
+        while server.stats()["requests"] == requests_before:
+            assert time.monotonic() < deadline, "the request never reached the chat endpoint"
+            time.sleep(0.01)
+        time.sleep(0.5)
         assert worker.is_alive() and not session.cache  # waiting on the engine, not answered
     finally:
         engine.resume()
     worker.join(60)
+    assert not worker.is_alive()
     assert result["r"].status_code == 200 and len(session.cache) == 1
 
 

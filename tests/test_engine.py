@@ -76,13 +76,29 @@ def _get_json(addr: str, endpoint: str) -> dict:
         return json.loads(r.read())
 
 
-async def _until_generated(addr: str, count: int, timeout: float = 30.0) -> None:
+async def _until_generated(addr: str, count: int, timeout: float = 60.0) -> None:
     """Wait until the server has generated `count` more tokens than now (interrupt mid-generation, by data)."""
     start = (await asyncio.to_thread(_get_json, addr, "/server_info"))["generated_tokens"]
     deadline = time.monotonic() + timeout
     while (await asyncio.to_thread(_get_json, addr, "/server_info"))["generated_tokens"] < start + count:
         assert time.monotonic() < deadline, "the server generated nothing"
         await asyncio.sleep(0.005)
+
+
+def _until_running(addr: str, count: int, timeout: float = 60.0) -> None:
+    """Wait until the server runs exactly `count` requests (0: idle, so token counts afterwards are ours alone; a
+    request left running by an earlier test on this shared server would otherwise advance `_until_generated`)."""
+    deadline = time.monotonic() + timeout
+    while _get_json(addr, "/server_info")["num_running"] != count:
+        assert time.monotonic() < deadline, f"the server never ran {count} requests: {_get_json(addr, '/server_info')}"
+        time.sleep(0.005)
+
+
+def _until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def _episode(resp, reward: float) -> dict:
@@ -99,12 +115,16 @@ def _episode(resp, reward: float) -> dict:
 
 
 class OneTurn:
-    """One generation per row. Row keys: i (reward = i unless `reward`), fail (raise), reject (return None)."""
+    """One generation per row. Row keys: i (reward = i unless `reward`), fail (raise), reject (return None), gate (a
+    threading.Event the episode waits for before generating: it runs, and cannot finish until the test opens it)."""
 
     def __init__(self, max_new_tokens: int = 6, greedy: bool = False):
         self.gconfig = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=greedy, ignore_eos=True)
 
     async def arun_episode(self, engine, data):
+        gate = data.get("gate")
+        while gate is not None and not gate.is_set():
+            await asyncio.sleep(0.01)
         prompt = PROMPT[:3] + [100 + data["i"]]
         resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=self.gconfig))
         if data.get("fail"):
@@ -201,12 +221,14 @@ def test_n_samples_must_be_one(make_engine, embedded_server):
 
 
 def test_client_error_is_immediate_and_server_stays_up(make_engine, embedded_server):
-    eng = make_engine(embedded_server.address, request_retries=5)
+    # 10 retries with backoff (0.1 s doubling, at most 5 s) would take over 26 s: the bound below tells a retried 4xx
+    # from one raised at once, with room for a loaded machine (5 retries took only 3.1 s: a bound cannot see them).
+    eng = make_engine(embedded_server.address, request_retries=10)
     t0 = time.monotonic()
     with pytest.raises(EngineError, match="top_p") as info:
         _gen(eng, gconfig=GenerationHyperparameters(max_new_tokens=4, top_p=0.0))
     assert info.value.status == 400
-    assert time.monotonic() - t0 < 5  # not retried with backoff
+    assert time.monotonic() - t0 < 15  # not retried with backoff
     assert _gen(eng, gconfig=_greedy(2)).output_len == 2
 
 
@@ -232,15 +254,20 @@ def test_rid_affinity_across_two_servers(make_engine, embedded_server, server_b)
 
 def test_pause_mid_generation_resumes_with_new_version(make_engine, embedded_server):
     eng = make_engine(embedded_server.address, pause_poll_interval=0.01)
-    n = 300
+    # The tiny model writes ~1700 tokens/s: 300 tokens left the pause a 0.15 s window to land in before the request
+    # finished. 1000 leave it half a second; the pause lands within ~10 tokens of the 20 awaited.
+    n = 1000
     reference = _gen(eng, gconfig=_greedy(n))
 
     async def scenario():
+        await asyncio.to_thread(_until_running, embedded_server.address, 0)
         progress = asyncio.ensure_future(_until_generated(embedded_server.address, 20))
         task = asyncio.ensure_future(eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_greedy(n))))
         await progress
         await asyncio.to_thread(eng.pause)
         eng.set_version(1)
+        # Kept: the request is held for 0.3 s (latency > 0.3 below); a request that wrongly re-sent while paused
+        # would finish in this time. A correct one cannot, however slow the machine.
         await asyncio.sleep(0.3)
         assert not task.done()  # an aborted request waits while the engine is paused
         await asyncio.to_thread(eng.resume)
@@ -269,10 +296,11 @@ def _post_json(addr: str, endpoint: str, body: dict) -> dict:
 def test_server_side_abort_is_resumed(make_engine, embedded_server):
     """An abort the engine did not ask for (here /abort_request by rid) is resumed too: nothing is lost."""
     eng = make_engine(embedded_server.address)
-    n = 300
+    n = 1000  # long enough that the abort lands mid-generation on a fast machine too (see the pause test)
     reference = _gen(eng, gconfig=_greedy(n))
 
     async def scenario():
+        await asyncio.to_thread(_until_running, embedded_server.address, 0)
         req = ModelRequest(rid="aborted-once", input_ids=PROMPT, gconfig=_greedy(n))
         info = await asyncio.to_thread(_get_json, embedded_server.address, "/server_info")
         aborted_before = info["aborted_requests"]
@@ -301,6 +329,8 @@ def test_update_weights_from_disk(make_engine, tiny_model_path, perturbed_path, 
         before = _gen(eng).output_tokens
         meta = WeightUpdateMeta.from_disk(str(tmp_path / "weights"))
         fut = eng.update_weights(meta)
+        # Kept: nothing can complete the future before v1 exists; the 0.3 s only gives a broken update (one that
+        # does not wait) time to show itself. The result is awaited by `fut.result` below, not by this sleep.
         time.sleep(0.3)
         assert not fut.done()  # waits for the trainer to publish v1
 
@@ -352,8 +382,9 @@ def test_server_killed_mid_rollout_raises_in_time(make_engine, tiny_model_path):
         eng = make_engine(victim.address, request_timeout=8.0, request_retries=3)
 
         async def scenario():
+            progress = asyncio.ensure_future(_until_generated(victim.address, 20))
             task = asyncio.ensure_future(eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_greedy(4000))))
-            await asyncio.sleep(0.5)
+            await progress  # mid-generation by data, not after a guessed 0.5 s (4000 tokens take seconds)
             assert not task.done()
             os.kill(_server_pid(victim), signal.SIGKILL)
             t0 = time.monotonic()
@@ -361,7 +392,7 @@ def test_server_killed_mid_rollout_raises_in_time(make_engine, tiny_model_path):
                 await asyncio.wait_for(task, timeout=30)
             return time.monotonic() - t0
 
-        assert asyncio.run(scenario()) < 9.0
+        assert asyncio.run(scenario()) < 9.0  # within the 8 s request budget (here: under 1 s)
     finally:
         victim.stop()
 
@@ -375,7 +406,7 @@ def test_initialize_errors(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=dead):
         RemoteSGLangEngine(_config(setup_timeout=1.0)).initialize(addr=dead)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15  # the 1 s setup_timeout, not the 60 s default (room for a loaded machine)
     assert set(threading.enumerate()) <= before  # the failed engine cleaned up its thread
 
 
@@ -386,14 +417,19 @@ def test_address_from_environment_and_destroy_is_idempotent(monkeypatch, embedde
     eng.initialize()
     assert eng.addresses == [embedded_server.address]
     assert _gen(eng, gconfig=_greedy(2)).output_len == 2
+    _until_running(embedded_server.address, 0)
     eng.submit({"i": 0}, OneTurn(max_new_tokens=2000))  # still running when destroyed: it gets cancelled
     pending = {}
     caller = threading.Thread(target=lambda: pending.setdefault("resp", _gen(eng, gconfig=_greedy(2000))))
     caller.start()  # a request from another thread's loop, in flight during destroy()
+    # Both requests on the server before counting tokens: 100 tokens could otherwise all be the episode's, with the
+    # caller's request not yet sent (then it has no output, or is refused as destroyed).
+    _until_running(embedded_server.address, 2)
     asyncio.run(_until_generated(embedded_server.address, 100))
     eng.destroy()
     eng.destroy()
-    caller.join(timeout=10)
+    caller.join(timeout=60)
+    assert not caller.is_alive()
     assert pending["resp"].stop_reason == "abort"  # handed back, not hung or raised
     assert 0 < pending["resp"].output_len < 2000
     assert set(threading.enumerate()) <= before
@@ -466,34 +502,35 @@ def test_workflow_exception_reaches_the_caller(make_engine, embedded_server):
 
 def test_wait_timeout_reports_counts_and_loses_nothing(make_engine, embedded_server):
     eng = make_engine(embedded_server.address)
-    eng.submit({"i": 7}, OneTurn(max_new_tokens=60))
-    with pytest.raises(TimeoutError, match="running 1"):
-        concat_padded_tensors(eng.wait(1, timeout=0.01))
+    gate = threading.Event()  # the episode cannot finish inside the 0.01 s wait, however fast the machine
+    try:
+        eng.submit({"i": 7, "gate": gate}, OneTurn(max_new_tokens=60))
+        _until(lambda: eng.stats()["running"] == 1, "the episode never started")  # started, not still queued
+        with pytest.raises(TimeoutError, match="running 1"):
+            concat_padded_tensors(eng.wait(1, timeout=0.01))
+    finally:
+        gate.set()
     assert concat_padded_tensors(eng.wait(1, timeout=60))["rewards"].tolist() == [7.0]
 
 
 def test_wait_takes_episodes_in_submission_order_even_when_a_later_one_finishes_first(make_engine, embedded_server):
     """A slow early episode is not passed over: otherwise it could be consumed more than eta versions stale."""
-
-    class SlowFirst(OneTurn):
-        async def arun_episode(self, engine, data):
-            if data.get("slow"):
-                await asyncio.sleep(1.5)  # rows 1 and 2 finish meanwhile
-            return await super().arun_episode(engine, data)
-
     eng = make_engine(
         embedded_server.address, consumer_batch_size=2, max_concurrent_rollouts=4, max_head_offpolicyness=1
     )
-    for row in ({"i": 0, "slow": True}, {"i": 1}, {"i": 2}):
-        eng.submit(row, SlowFirst(max_new_tokens=3))
-    deadline = time.monotonic() + 60
-    while eng.stats()["ready"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert eng.stats()["ready"] == 2 and eng.stats()["running"] == 1  # rows 1 and 2 done, row 0 still running
-    eng.pause()
-    with pytest.raises(RuntimeError, match="paused"):  # row 0 must go first, and it cannot finish while paused
-        concat_padded_tensors(eng.wait(2, timeout=60))
-    eng.resume()
+    # Row 0 is held by a gate until rows 1 and 2 are done (a fixed 1.5 s head start raced them on a loaded machine).
+    gate = threading.Event()
+    try:
+        for row in ({"i": 0, "gate": gate}, {"i": 1}, {"i": 2}):
+            eng.submit(row, OneTurn(max_new_tokens=3))
+        _until(lambda: eng.stats()["ready"] >= 2, "rows 1 and 2 did not finish")
+        assert eng.stats()["ready"] == 2 and eng.stats()["running"] == 1  # rows 1 and 2 done, row 0 still running
+        eng.pause()
+        with pytest.raises(RuntimeError, match="paused"):  # row 0 must go first, and it cannot finish while paused
+            concat_padded_tensors(eng.wait(2, timeout=60))
+        eng.resume()
+    finally:
+        gate.set()
     assert concat_padded_tensors(eng.wait(2, timeout=60))["rewards"].tolist() == [0.0, 1.0]
     assert concat_padded_tensors(eng.wait(1, timeout=60))["rewards"].tolist() == [2.0]
 
@@ -514,7 +551,7 @@ def test_prepare_batch_respects_staleness_bound(make_engine, embedded_server, et
         token_versions = batch["versions"][batch["loss_mask"].bool()]
         staleness.append(v - int(token_versions.min()))
         seen += batch["rewards"].tolist()
-        time.sleep(0.05)  # "training"
+        time.sleep(0.05)  # "training" (scenario, not synchronisation: every start is scheduled before a result)
         eng.set_version(v + 1)
     starts = eng.start_versions()
     for v in range(steps + 1):  # episodes started by version v never exceed (eta + v + 1) * B

@@ -132,13 +132,17 @@ def test_validation_and_config_defaults():
 
 
 class Echo:
-    """Returns row `i` as a one-token trajectory after `sleep` seconds; `reject` returns None, `fail` raises."""
+    """Returns row `i` as a one-token trajectory after `sleep` seconds, or once the threading.Event `gate` is set;
+    `reject` returns None, `fail` raises."""
 
     def __init__(self):
         self.engines = set()
 
     async def arun_episode(self, engine, data):
         self.engines.add(id(engine))
+        gate = data.get("gate")
+        while gate is not None and not gate.is_set():
+            await asyncio.sleep(0.005)
         await asyncio.sleep(data.get("sleep", 0.0))
         if data.get("fail"):
             raise ValueError(f"row {data['i']} failed")
@@ -193,8 +197,15 @@ def _counters_agree(ex: WorkflowExecutor) -> None:
 def test_workflows_get_the_engine_and_results_come_in_submission_order(make_executor):
     ex = make_executor(consumer_batch_size=3, max_head_offpolicyness=0, max_concurrent_rollouts=3)
     wf = Echo()
-    for row in ({"i": 0, "sleep": 0.3}, {"i": 1}, {"i": 2}):
+    gate = threading.Event()  # row 0 finishes last for certain: it is released once rows 1 and 2 are ready
+    for row in ({"i": 0, "gate": gate}, {"i": 1}, {"i": 2}):
         ex.submit(row, wf)
+    deadline = time.monotonic() + 10
+    while ex.stats()["ready"] < 2:
+        assert time.monotonic() < deadline, ex.explain()
+        time.sleep(0.005)
+    assert ex.stats()["running"] == 1
+    gate.set()
     assert _rewards(ex.wait(2, timeout=10)) == [0.0, 1.0]  # row 0 finished last but goes first
     assert _rewards(ex.wait(1, timeout=10)) == [2.0]
     assert wf.engines == {id(make_executor.engine)}
@@ -219,6 +230,7 @@ def test_the_bound_holds_episodes_until_set_version(make_executor):
 
 def test_rollout_batch_is_outside_the_bound_and_in_input_order(make_executor):
     ex = make_executor(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=2)
+    # The sleeps make later rows tend to finish first; input order holds however they finish.
     rows = [{"i": i, "sleep": 0.05 * (5 - i)} for i in range(5)] + [{"i": 5, "reject": True}]
     assert _rewards(ex.rollout_batch(rows, Echo())) == [0.0, 1.0, 2.0, 3.0, 4.0]
     st = ex.stats()
@@ -235,7 +247,7 @@ def test_prepare_batch_with_eta_one_runs_ahead_by_one_version(make_executor):
     seen = []
     for v in range(4):
         seen += _rewards(ex.prepare_batch(loader, Echo(), timeout=10))
-        time.sleep(0.02)
+        time.sleep(0.02)  # "training": lets the pipeline draw ahead; the asserted order does not depend on it
         ex.set_version(v + 1)
     assert seen == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 1.0]
     starts = ex.start_versions()

@@ -249,12 +249,15 @@ def test_per_turn_returns(engine, tok):
         (Agent(turns=1, reward=lambda ids: "good"), "zero", True, "reward_errors"),
         (Agent(turns=1, reward=lambda ids: {"chatcmpl-unknown": 1.0}), "zero", True, "reward_errors"),
         (Agent(turns=1, reward=lambda ids: float("inf")), "zero", True, "reward_errors"),
-        (Agent(turns=1, sleep=3.0), "zero", True, "agent_errors"),  # past the timeout
+        (Agent(turns=1, sleep=600.0), "zero", True, "agent_errors"),  # hangs after its turn: past the timeout
         (Agent(turns=0), "zero", False, "rejected_empty"),
     ],
 )
 def test_failures_never_kill_the_rollout(engine, tok, agent, on_error, trained, stat, caplog):
-    wf = _workflow(agent, tok, on_error=on_error, timeout=1.0 if agent.sleep else None)
+    # The hanging agent's one completion must come back inside the timeout (it is trained on); a 1 s timeout against
+    # a 3 s sleep raced that completion on a loaded machine. Now the sleep outlasts any timeout (it is cancelled),
+    # and 5 s leaves the completion, milliseconds unloaded, ample room.
+    wf = _workflow(agent, tok, on_error=on_error, timeout=5.0 if agent.sleep else None)
     try:
         batch = _run(wf, engine)
         assert wf.stats[stat] == 1

@@ -262,6 +262,15 @@ def test_requests_and_responses_fit_the_contract(api, embedded_server):
     assert "length" in seen_types
 
     # an aborted request (abort by rid on the shared server touches nobody else)
+    def until_running(count):
+        deadline = time.monotonic() + 60
+        while get(addr, "/server_info")["num_running"] != count:
+            assert time.monotonic() < deadline, f"the server never ran {count} requests"
+            time.sleep(0.02)
+
+    # Idle first, so that one running request below is ours: a request left by an earlier test on this shared
+    # server would end the wait at once and the abort would find no "c-abort" (which then runs to its length).
+    until_running(0)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(
             post,
@@ -274,9 +283,7 @@ def test_requests_and_responses_fit_the_contract(api, embedded_server):
                 "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
             },
         )
-        deadline = time.time() + 30
-        while get(addr, "/server_info")["num_running"] == 0 and time.time() < deadline:
-            time.sleep(0.02)
+        until_running(1)  # 3000 tokens take seconds: the abort lands mid-generation
         body = {"rid": "c-abort", "abort_all": False}
         api.AbortRequest.from_json_value(body)
         assert post(addr, "/abort_request", body)[0] == 200

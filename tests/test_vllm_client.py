@@ -53,7 +53,7 @@ class FakeVLLM:
         ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
         self.thread.start()
-        ready.wait(10)
+        assert ready.wait(60), "the stand-in server did not start"
 
     def _serve(self, ready):
         asyncio.set_event_loop(self.loop)
@@ -249,6 +249,8 @@ def test_pause_aborts_and_resume_continues_with_the_new_version(fake, engine):
             await asyncio.sleep(0.01)
         await asyncio.to_thread(engine.pause)
         engine.set_version(1)
+        # Kept: a correct client cannot finish while paused, however slow the machine; the 0.2 s gives a client
+        # that wrongly re-sent (the stand-in answers a re-send at once) time to show it.
         await asyncio.sleep(0.2)
         assert not task.done()  # aborted with 3 tokens, waiting for resume
         await asyncio.to_thread(engine.resume)
@@ -293,12 +295,13 @@ def test_destroy_aborts_by_vllms_internal_id(fake):
 
     worker = threading.Thread(target=run)
     worker.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while "cmpl-hold-2-0" not in fake.waiting:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     eng.destroy()
-    worker.join(10)
+    worker.join(60)
+    assert not worker.is_alive()
     assert dict(fake.calls)["/abort_requests"] == {"request_ids": ["cmpl-hold-2-0"]}
     resp = done["resp"]
     assert resp.stop_reason == "abort" and resp.output_tokens == [3, 4, 5]  # partial output, not resumed
