@@ -14,12 +14,13 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-gpu vllm test-vllm vllm-notebooks lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat test-gpu vllm test-vllm vllm-notebooks lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
 	@echo "make test      - install dev dependencies and run the whole suite (notebooks included)"
 	@echo "make lint      - ruff: lint and format check (make test runs it first)"
+	@echo "make test-repeat - the non-notebook tests REPEAT times (default 3), e.g. TESTS=\"tests/test_serve.py -k abort\" REPEAT=30"
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
@@ -83,6 +84,15 @@ test-zh: $(DEVSTAMP)
 
 test-fast: $(DEVSTAMP)
 	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm"
+
+# A flaky test blocks every landing: to check a fix, run it many times, under the same load as `make test` (two workers
+# running repetitions side by side). Stops at the first failure. Not part of `make test`.
+REPEAT ?= 3
+TESTS  ?= tests
+test-repeat: $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.kit.prepare
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm" --count $(REPEAT) -x -q \
+		-n $(TEST_WORKERS) --dist load -p no:cacheprovider
 
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
