@@ -501,6 +501,12 @@ class AsyncRewardWrapper:
                 self._pool = _start_pool(self.max_workers)
             return self._pool
 
+    async def _ready_pool(self):
+        """The pool; a missing one is started on a thread, since starting workers takes a second or more and the
+        event loop (the rollout's) must keep serving meanwhile."""
+        pool = self._pool
+        return pool if pool is not None and not self._closed else await asyncio.to_thread(self._get_pool)
+
     def _replace_pool(self, pool) -> None:
         """Kill `pool` (if still current) so the next call gets a fresh one."""
         with self._lock:
@@ -527,13 +533,16 @@ class AsyncRewardWrapper:
             job = (_call_by_value, self._payload, args, kwargs)
         else:
             job = (_call, self.reward_fn, args, kwargs)
-        deadline = time.monotonic() + self.timeout_seconds
+        # The timeout is the reward's: it counts time spent waiting on the call, not the start of a fresh pool
+        # (after a crash or a hang killed the last one), which would otherwise eat the next call's budget.
+        budget = self.timeout_seconds
         name = getattr(self.reward_fn, "__name__", repr(self.reward_fn))
         for attempt in range(self.max_retries + 1):
-            pool = self._get_pool()
+            pool = await self._ready_pool()
+            started = time.monotonic()
             try:
                 fut = loop.run_in_executor(pool, *job)
-                result = await asyncio.wait_for(fut, timeout=max(deadline - time.monotonic(), 0.01))
+                result = await asyncio.wait_for(fut, timeout=max(budget, 0.01))
             except asyncio.TimeoutError:
                 self._count("timeouts")
                 logger.warning("reward %s timed out after %.1f s; scoring 0.0", name, self.timeout_seconds)
@@ -542,7 +551,8 @@ class AsyncRewardWrapper:
             except BrokenProcessPool:
                 # A worker died (crash, or killed because another call hung); retry once.
                 self._replace_pool(pool)
-                if attempt < self.max_retries and time.monotonic() < deadline:
+                budget -= time.monotonic() - started
+                if attempt < self.max_retries and budget > 0:
                     continue
                 self._count("errors")
                 logger.warning("reward %s: worker process died; scoring 0.0", name)
@@ -577,7 +587,7 @@ class AsyncRewardWrapper:
     async def warmup(self) -> None:
         """Start all workers now, so the first real calls don't pay process start-up inside their timeout."""
         loop = asyncio.get_running_loop()
-        pool = self._get_pool()
+        pool = await self._ready_pool()
         await asyncio.gather(*[loop.run_in_executor(pool, time.sleep, 0.05) for _ in range(self.max_workers)])
 
     def shutdown(self) -> None:
