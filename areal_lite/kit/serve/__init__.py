@@ -24,9 +24,10 @@ No prefix cache: `cached_tokens` is always 0 and `/flush_cache` has nothing to d
 
 from areal_lite.kit.jsonhttp import BadRequest
 from areal_lite.kit.serve.app import ServerState, build_app
-from areal_lite.kit.serve.batch import GenerationState, RunningBatch
+from areal_lite.kit.serve.batch import RunningBatch
 from areal_lite.kit.serve.cli import build_parser, main, parse_args
 from areal_lite.kit.serve.protocol import (
+    GenerationState,
     PromptSpec,
     SamplingParams,
     parse_generate_body,

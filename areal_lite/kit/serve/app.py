@@ -26,9 +26,9 @@ from typing import Any, Optional
 from aiohttp import web
 
 from areal_lite.kit.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
-from areal_lite.kit.serve.batch import GenerationState
 from areal_lite.kit.serve.protocol import (
     DEFAULT_WEIGHT_VERSION,
+    GenerationState,
     PromptSpec,
     SamplingParams,
     parse_abort_body,

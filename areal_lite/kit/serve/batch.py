@@ -15,40 +15,15 @@ Design decisions
   dimension; it happens only when newcomers arrive. Leaving = `index_select` the surviving rows, then drop leading
   columns that are padding in every row, so the cache does not keep the width of a long prompt that has finished.
   (Each decode step still concatenates one column to every layer inside `DynamicCache`; the fast path does not.)
-- `GenerationState` is plain data the scheduler thread owns; the HTTP side reads it only after `on_done` fired.
 """
 
 from __future__ import annotations
 
-import random
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from areal_lite.kit.serve.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
-
-
-@dataclass(eq=False)
-class GenerationState:
-    """One row of generation: a prompt plus the tokens sampled for it so far (one sample of one prompt)."""
-
-    rid: str
-    parent: str  # the rid the client sent (differs from rid only for n > 1 samples)
-    prompt: list[int]
-    params: SamplingParams
-    return_logprob: bool
-    stop_ids: frozenset[int]  # EOS + stop_token_ids; empty when ignore_eos
-    sample: int = 0  # which of the request's n samples this row is
-    rng: Optional[random.Random] = None  # the row's own random stream (set by the scheduler on arrival)
-    arrival: float = field(default_factory=time.perf_counter)
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: Optional[dict] = None
-    weight_version: str = DEFAULT_WEIGHT_VERSION
-    finished_at: float = 0.0
-    on_done: Optional[Callable[["GenerationState"], None]] = None
+from areal_lite.kit.serve.protocol import GenerationState
 
 
 def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:

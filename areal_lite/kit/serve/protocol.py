@@ -10,6 +10,8 @@ Design decisions
   not silently get none.
 - Defaults are SGLang's: an unset `max_new_tokens` is 128, shortened to what still fits in the context; a batch with
   a single `rid` string gets `rid_0`, `rid_1`, ...; null means "default" for every sampling field.
+- `GenerationState`, one row of generation, is defined here with the request it comes from and the response it
+  renders into: plain data the scheduler thread owns; the HTTP side reads it only after `on_done` fired.
 - No torch here: parsing is tested without a model, and the event loop imports nothing heavy to validate a body.
 """
 
@@ -18,14 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from areal_lite.kit.jsonhttp import BadRequest, describe
-
-if TYPE_CHECKING:
-    from areal_lite.kit.serve.batch import GenerationState
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
@@ -192,6 +193,27 @@ class PromptSpec:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
+
+
+@dataclass(eq=False)
+class GenerationState:
+    """One row of generation: a prompt plus the tokens sampled for it so far (one sample of one prompt)."""
+
+    rid: str
+    parent: str  # the rid the client sent (differs from rid only for n > 1 samples)
+    prompt: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    stop_ids: frozenset[int]  # EOS + stop_token_ids; empty when ignore_eos
+    sample: int = 0  # which of the request's n samples this row is
+    rng: Optional[random.Random] = None  # the row's own random stream (set by the scheduler on arrival)
+    arrival: float = field(default_factory=time.perf_counter)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: Optional[dict] = None
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    finished_at: float = 0.0
+    on_done: Optional[Callable[["GenerationState"], None]] = None
 
 
 def parse_generate_body(

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from areal_lite.kit.serve.batch import GenerationState
+from areal_lite.kit.serve.protocol import GenerationState
 
 
 class RowSeeds:

@@ -40,8 +40,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_lite.kit.serve.batch import GenerationState, RunningBatch, make_runner, prefill_distinct, prefill_groups
-from areal_lite.kit.serve.protocol import DEFAULT_WEIGHT_VERSION, PromptSpec, WeightUpdate, weight_update_result
+from areal_lite.kit.serve.batch import RunningBatch, make_runner, prefill_distinct, prefill_groups
+from areal_lite.kit.serve.protocol import (
+    DEFAULT_WEIGHT_VERSION,
+    GenerationState,
+    PromptSpec,
+    WeightUpdate,
+    weight_update_result,
+)
 from areal_lite.kit.serve.sampling import RowSeeds, sample_and_append
 from areal_lite.kit.serve.weights import eos_ids, update_weights_from_disk
 
