@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
+from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.reward import (
-    AsyncRewardWrapper,
     areal_gsm8k_reward_fn,
     exact_match,
     extract_answer,
@@ -424,7 +424,7 @@ def _is_mp_helper(pid) -> bool:
 
 HUNG_AT_EXIT = """
 import asyncio, os, sys
-from areal_lite.reward import AsyncRewardWrapper
+from areal_lite.api.reward_api import AsyncRewardWrapper
 sys.path.insert(0, {tests!r})
 from test_reward import slow_reward
 
