@@ -25,7 +25,7 @@ def _export(module: str, *names: str) -> None:
 
 
 _export(
-    "config",
+    "api.cli_args",
     "ConfigError",
     "GenerationHyperparameters",
     "InferenceEngineConfig",
@@ -46,7 +46,7 @@ _export(
     "resolve_profile",
     "describe",
 )
-_export("io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
+_export("api.io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
 _export("models", "prepare_model", "resolve_model_path", "build_tiny_model", "pick_device", "load_tokenizer")
 _export(
     "data",
@@ -69,7 +69,6 @@ _export(
     "normalize_answer",
     "f1_score",
     "exact_match",
-    "AsyncRewardWrapper",
     "areal_gsm8k_reward_fn",
 )
 _export(
@@ -92,8 +91,10 @@ _export(
     "ServerLaunchError",
     "choose_backend",
 )
-_export("engine", "RemoteSGLangEngine", "RemotevLLMEngine", "EngineError")
-_export("executor", "StalenessManager", "WorkflowExecutor")
+_export("engine.sglang_remote", "RemoteSGLangEngine", "EngineError")
+_export("engine.vllm_remote", "RemotevLLMEngine")
+_export("infra.staleness_manager", "StalenessManager")
+_export("infra.workflow_executor", "WorkflowExecutor")
 _export(
     "trajectory",
     "concat_padded_tensors",
@@ -107,7 +108,6 @@ _export(
 )
 _export(
     "workflow",
-    "RolloutWorkflow",
     "RLVRWorkflow",
     "ReflectionWorkflow",
     "SearchAgentWorkflow",
@@ -118,13 +118,15 @@ _export(
     "discounted_returns",
     "PROMPT_TEMPLATE",
 )
+_export("api.workflow_api", "RolloutWorkflow")
+_export("api.reward_api", "AsyncRewardWrapper")
 _export("chat", "ChatServer", "ChatSession")
 _export("chat_template", "ChatTemplate")
 _export("toolcall", "parse_tool_calls")
 _export("interactions", "Interaction", "InteractionCache", "interactions_to_batch")
 _export("agent", "OpenAIAgentWorkflow")
-_export("actor", "PPOActor")
-_export("functional", "ppo_token_loss")
+_export("trainer.ppo.actor", "PPOActor")
+_export("utils.functional", "ppo_token_loss")
 _export(
     "kit.plot",
     "plot_rewards",

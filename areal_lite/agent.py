@@ -50,10 +50,11 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.workflow_api import RolloutWorkflow
+
 from .chat import ChatServer, ChatSession
-from .config import GenerationHyperparameters
 from .interactions import EXPORT_STYLES, interactions_to_batch
-from .workflow import RolloutWorkflow
 
 __all__ = ["OpenAIAgentWorkflow"]
 

@@ -187,7 +187,7 @@ def register_with_areal() -> None:
     """Make AReaL 1.0.4's engine accept the kit's workflows (`isinstance(wf, areal.api.RolloutWorkflow)`)."""
     from areal.api import RolloutWorkflow as AReaLRolloutWorkflow
 
-    from .workflow import RolloutWorkflow
+    from areal_lite.api.workflow_api import RolloutWorkflow
 
     if not issubclass(RolloutWorkflow, AReaLRolloutWorkflow):
         AReaLRolloutWorkflow.register(RolloutWorkflow)

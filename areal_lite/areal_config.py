@@ -94,7 +94,8 @@ def to_areal_config(path: str, profile: str = "cpu", config_cls: Any = None) -> 
     """
     from areal.api.cli_args import GRPOConfig as AReaLGRPOConfig
 
-    from .config import load_expr_config
+    from areal_lite.api.cli_args import load_expr_config
+
     from .models import resolve_model_path
 
     if config_cls is None:

@@ -50,6 +50,9 @@ import uuid
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
+from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.io_struct import ModelRequest, ModelResponse
+
 from .chat_protocol import (
     ChatRequest,
     ChatRequestError,
@@ -61,9 +64,7 @@ from .chat_protocol import (
     stream_events,
 )
 from .chat_template import ChatTemplate
-from .config import GenerationHyperparameters
 from .interactions import Interaction, InteractionCache
-from .io_struct import ModelRequest, ModelResponse
 from .kit.jsonhttp import json_errors_middleware, read_json
 from .toolcall import parse_tool_calls
 
@@ -373,7 +374,7 @@ class ChatServer:
         """The kit's JSON error rules (`jsonhttp`) with OpenAI's error body, and the endpoint's own errors."""
         from aiohttp import web
 
-        from .client import EngineError
+        from areal_lite.infra.remote_inf_engine import EngineError
 
         def render(status, message, kind, headers=None, param=None, code=None):
             self._stats["errors"] += 1

@@ -30,8 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from areal_lite.workflow import chat_prompt_ids
+
 from .toolcall import hermes_messages, native_tool_messages
-from .workflow import chat_prompt_ids
 
 __all__ = ["ChatTemplate", "Continuation"]
 

@@ -44,7 +44,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from .io_struct import ModelResponse
+from areal_lite.api.io_struct import ModelResponse
+
 from .trajectory import concat_padded_tensors
 
 __all__ = ["Interaction", "InteractionCache", "interactions_to_batch", "normalize_message"]

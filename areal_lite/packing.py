@@ -29,7 +29,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .config import MicroBatchSpec
+from areal_lite.api.cli_args import MicroBatchSpec
+
 from .trajectory import concat_padded_tensors
 
 __all__ = [

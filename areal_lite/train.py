@@ -52,9 +52,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from areal_lite.api.cli_args import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
+from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+
 from .atomic import atomic_dir, recover_dirs
-from .config import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
-from .io_struct import FinetuneSpec, WeightUpdateMeta
 from .trajectory import concat_padded_tensors
 
 __all__ = ["TrainConfig", "train", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
@@ -85,7 +86,7 @@ class TrainConfig(GRPOConfig):
 def resolve_reward(name: str) -> Callable:
     """`gsm8k` (also for arithmetic: both end in '#### N') or `package.module:function`."""
     if name in ("gsm8k", "arith", "math"):
-        from .reward import areal_gsm8k_reward_fn
+        from areal_lite.reward import areal_gsm8k_reward_fn
 
         return areal_gsm8k_reward_fn
     if ":" not in name:
@@ -96,7 +97,7 @@ def resolve_reward(name: str) -> Callable:
 
 def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None):
     """The training workflow named by `config.workflow`, grouped by `gconfig.n_samples` (GRPO)."""
-    from .workflow import GroupedWorkflow, MultiTurnFeedbackWorkflow, ReflectionWorkflow, RLVRWorkflow
+    from areal_lite.workflow import GroupedWorkflow, MultiTurnFeedbackWorkflow, ReflectionWorkflow, RLVRWorkflow
 
     reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
     kind = getattr(config, "workflow", "rlvr")
@@ -134,7 +135,7 @@ def evaluate(
 
     Runs through a fresh engine client, so its episodes never count against a training engine's staleness bound.
     """
-    from .engine import RemoteSGLangEngine
+    from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
     if not rows:
         return {}
@@ -396,11 +397,12 @@ def train(
     """
     from tqdm.auto import tqdm
 
-    from .actor import PPOActor
+    from areal_lite.engine.sglang_remote import RemoteSGLangEngine
+    from areal_lite.trainer.ppo.actor import PPOActor
+    from areal_lite.workflow import RLVRWorkflow
+
     from .data import cycle_dataloader
-    from .engine import RemoteSGLangEngine
     from .kit.launch import launch_server
-    from .workflow import RLVRWorkflow
 
     random.seed(config.seed)
     torch.manual_seed(config.seed)

@@ -36,8 +36,9 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from areal_lite.api.io_struct import WeightUpdateMeta
+
 from .atomic import atomic_dir
-from .io_struct import WeightUpdateMeta
 
 __all__ = [
     "TOKENIZER_PREFIXES",

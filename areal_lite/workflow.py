@@ -31,7 +31,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import copy
 import json
@@ -44,14 +43,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .config import GenerationHyperparameters
-from .io_struct import ModelRequest, ModelResponse
-from .reward import AsyncRewardWrapper, f1_score
+from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.io_struct import ModelRequest, ModelResponse
+from areal_lite.api.reward_api import AsyncRewardWrapper
+from areal_lite.api.workflow_api import RolloutWorkflow
+from areal_lite.reward import f1_score
+
 from .tools import SearchToolError, call_search_tool, format_search_results, parse_answer, parse_search_query
 from .trajectory import TrajectoryBuilder, concat_padded_tensors
 
 __all__ = [
-    "RolloutWorkflow",
     "RLVRWorkflow",
     "ReflectionWorkflow",
     "SearchAgentWorkflow",
@@ -224,19 +225,6 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> List[float]:
 
 
 # ------------------------------------------------------------------------------------------------ workflows
-
-
-class RolloutWorkflow(abc.ABC):
-    """Base class: one episode per call. Subclasses implement `arun_episode` (AReaL's abstract method).
-
-    An abstract base class, like AReaL's: `areal_lite.areal_compat.register_with_areal()` registers it as a virtual
-    subclass of `areal.api.RolloutWorkflow`, so AReaL's engine accepts every kit workflow.
-    """
-
-    @abc.abstractmethod
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> Optional[TensorDict]:
-        """Run one episode on `data`; return the tensor contract (or None to reject it)."""
-        raise NotImplementedError
 
 
 def default_data_extract_prompt_fn(data: Mapping[str, Any]) -> List[Dict[str, Any]]:
@@ -523,7 +511,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
     (1-based), reward r_k and return G_k. So what each policy version answered can be read back after training.
     Lines are written once the episode ends (its returns are known then), under a process-wide lock.
 
-    How per-turn returns reach the loss (the convention `areal_lite.actor` implements): when a batch has
+    How per-turn returns reach the loss (the convention `areal_lite.trainer.ppo.actor` implements): when a batch has
     `token_returns`, the actor uses it instead of broadcasting `rewards[i]` over row i. A turn is a maximal run of
     consecutive generated tokens (turns are separated by feedback tokens), and `token_returns` is constant on it.
     Each turn's return goes through the same reward shaping as `rewards` (`clip((G + bias) * scale)`), then

@@ -28,7 +28,7 @@ if ROOT not in sys.path:
 
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
-from areal_lite.config import (  # noqa: E402
+from areal_lite.api.cli_args import (  # noqa: E402
     DatasetConfig,
     EmbeddedServerConfig,
     GenerationHyperparameters,

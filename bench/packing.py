@@ -7,8 +7,9 @@ where the loss needs them.
 Same rows, same model, same loss (sum of next-token log-probs on the response tokens), one after the other:
 1. `padded`: rows in dataset order, `--rows-per-mb` rows per micro-batch, each padded to its longest row, with an
    attention mask (what a trainer without packing does);
-2. `packed`: `areal_lite.actor`'s own path: rows grouped first-fit-decreasing under a token budget, unpadded and
-   concatenated into one row per micro-batch with restarting position ids (block-diagonal causal attention);
+2. `packed`: `areal_lite.trainer.ppo.actor`'s own path: rows grouped first-fit-decreasing under a token budget,
+   unpadded and concatenated into one row per micro-batch with restarting position ids (block-diagonal causal
+   attention);
 3. `policy`: `packed`, but the LM head runs only at positions that predict a response token (what the actor's
    update does): prompts are most of the tokens, and the head over the vocabulary is a large share of a small model
    (SmolLM2: 28M of 135M weights). Printed as a second ratio, policy / packed.
@@ -33,8 +34,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
-from areal_lite.actor import PPOActor, next_token_logp, split_into_microbatches  # noqa: E402
-from areal_lite.config import MicroBatchSpec, PPOActorConfig  # noqa: E402
+from areal_lite.api.cli_args import MicroBatchSpec, PPOActorConfig  # noqa: E402
+from areal_lite.trainer.ppo.actor import PPOActor, next_token_logp, split_into_microbatches  # noqa: E402
 
 
 def ragged_batch(rows: int, vocab: int, max_len: int, seed: int = 0) -> dict:

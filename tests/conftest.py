@@ -67,7 +67,7 @@ def smollm_path() -> str:
 
 
 def _launch(model_path: str, **kw):
-    from areal_lite.config import EmbeddedServerConfig
+    from areal_lite.api.cli_args import EmbeddedServerConfig
     from areal_lite.kit.launch import launch_server
 
     cfg = EmbeddedServerConfig(model_path=model_path, threads=1, **kw)

@@ -1,9 +1,10 @@
 """PPOActor: formulas against independent float64 references, packing, micro-batching, checkpoints, FSDP2.
 
-The references here are written from the formulas stated in `areal_lite/functional.py`'s docstring, with plain
-Python loops over tokens; they share no code with `areal_lite.actor` or `areal_lite.functional` except the model
-forward (which we do not test). Gradients are read off an SGD step with lr = 1 and no clipping:
-theta_before - theta_after = grad. The formulas are imported from `areal_lite.actor`, their long-standing path.
+The references here are written from the formulas stated in `areal_lite/utils/functional.py`'s docstring, with
+plain Python loops over tokens; they share no code with `areal_lite.trainer.ppo.actor` or
+`areal_lite.utils.functional` except the model forward (which we do not test). Gradients are read off an SGD step
+with lr = 1 and no clipping: theta_before - theta_after = grad. The formulas are imported from
+`areal_lite.trainer.ppo.actor`, their long-standing path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import textwrap
 import pytest
 import torch
 
-from areal_lite.actor import (
+from areal_lite.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
+from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal_lite.trainer.ppo.actor import (
     PPOActor,
     grpo_advantages,
     kl_estimate,
@@ -25,8 +28,6 @@ from areal_lite.actor import (
     ppo_token_loss,
     split_into_microbatches,
 )
-from areal_lite.config import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
-from areal_lite.io_struct import FinetuneSpec, WeightUpdateMeta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -638,7 +639,7 @@ def test_destroy_keeps_files_it_did_not_write(tiny_model_path, tmp_path):
 RECEIVER = textwrap.dedent(
     """
     import sys, torch
-    from areal_lite.actor import _init_custom_process_group
+    from areal_lite.trainer.ppo.actor import _init_custom_process_group
     import torch.distributed as dist
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -658,8 +659,8 @@ RECEIVER = textwrap.dedent(
 def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_path):
     """The NCCL route's mechanics with gloo: a process outside the trainer's world joins a custom group and
     receives every parameter in `weight_update_specs()` order (the GPU route only swaps gloo for NCCL)."""
-    from areal_lite.actor import _init_custom_process_group
     from areal_lite.kit.launch import find_free_port
+    from areal_lite.trainer.ppo.actor import _init_custom_process_group
 
     actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
     with torch.no_grad():
@@ -698,9 +699,9 @@ FSDP_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     torch.set_num_threads(1)
-    from areal_lite.actor import PPOActor
-    from areal_lite.config import MicroBatchSpec, OptimizerConfig, PPOActorConfig
-    from areal_lite.io_struct import WeightUpdateMeta
+    from areal_lite.trainer.ppo.actor import PPOActor
+    from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
+    from areal_lite.api.io_struct import WeightUpdateMeta
 
     model_path, batch_path, out_path, n_mbs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     cfg = PPOActorConfig(path=model_path, device="cpu", threads=1, c_clip=3.0,

@@ -12,8 +12,8 @@ import sys
 import pytest
 import yaml
 
+from areal_lite.api.cli_args import load_expr_config
 from areal_lite.areal_config import to_areal_config
-from areal_lite.config import load_expr_config
 from areal_lite.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,8 +164,8 @@ def test_the_table_of_defaults_that_differ_from_areal_is_true_and_complete():
     real value, and nothing else is: no kit default differs silently."""
     from areal.api import cli_args as areal
 
-    from areal_lite import config as kit
-    from areal_lite.config import AREAL_DEFAULT_DIFFERENCES
+    from areal_lite.api import cli_args as kit
+    from areal_lite.api.cli_args import AREAL_DEFAULT_DIFFERENCES
 
     pairs = {}
     for kit_cls, areal_cls, prefix in [

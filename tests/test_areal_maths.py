@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from areal_lite.actor import normalize
-from areal_lite.config import NormConfig
+from areal_lite.api.cli_args import NormConfig
+from areal_lite.trainer.ppo.actor import normalize
 
 LEVELS = ["batch", "group", "none"]
 SETTINGS = [
@@ -70,7 +70,7 @@ def _batch(seed, B=4, L=9):
 
 
 def _ours(logp0, prox, behav, adv, mask, **kw):
-    from areal_lite.actor import ppo_token_loss
+    from areal_lite.trainer.ppo.actor import ppo_token_loss
 
     logp = logp0.clone().requires_grad_(True)
     per_token, _ = ppo_token_loss(logp, prox, behav, adv, mask, **kw)
@@ -130,7 +130,7 @@ def test_decoupled_loss_without_a_cap_differs_from_areal_by_the_behaviour_weight
 def test_kl_estimates_equal_areals_clamp_included(estimator):
     from areal.utils.data import KLEstimator
 
-    from areal_lite.actor import kl_estimate
+    from areal_lite.trainer.ppo.actor import kl_estimate
 
     g = torch.Generator().manual_seed(7)
     logp = -torch.rand(64, generator=g) * 20  # differences up to 20 nats: the [-10, 10] clamp matters
@@ -148,8 +148,8 @@ def _advantages_both_sides(loss_mask, attention_mask, rewards):
     from areal.api.cli_args import PPOActorConfig as AReaLPPOActorConfig
     from areal.trainer.ppo.actor import PPOActor as AReaLPPOActor
 
-    from areal_lite.actor import PPOActor
-    from areal_lite.config import PPOActorConfig
+    from areal_lite.api.cli_args import PPOActorConfig
+    from areal_lite.trainer.ppo.actor import PPOActor
 
     B, L = loss_mask.shape
     batch = dict(
@@ -226,9 +226,9 @@ torch.save({"logp": logp, "weights": {n: t.detach().cpu().clone() for n, t in st
 
 
 def _kit_actor(tiny_model_path):
-    from areal_lite.actor import PPOActor
-    from areal_lite.config import OptimizerConfig, PPOActorConfig
-    from areal_lite.io_struct import FinetuneSpec
+    from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig
+    from areal_lite.api.io_struct import FinetuneSpec
+    from areal_lite.trainer.ppo.actor import PPOActor
 
     opt = OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=1e9)
     actor = PPOActor(

@@ -305,7 +305,7 @@ ADD = {
 
 
 def test_engine_failures_and_bugs_are_answered_in_openai_shape_and_the_server_keeps_serving(tok):
-    from areal_lite.client import EngineError
+    from areal_lite.infra.remote_inf_engine import EngineError
 
     engine = ScriptedEngine(tok, [EngineError("server 127.0.0.1:1 refused"), KeyError("oops"), "Fine."])
     with ChatServer(engine, tok) as server:

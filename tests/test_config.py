@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from areal_lite.config import (
+from areal_lite.api.cli_args import (
     ConfigError,
     GenerationHyperparameters,
     GRPOConfig,

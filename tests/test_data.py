@@ -11,7 +11,7 @@ import datasets
 import pytest
 
 from areal_lite import data as D
-from areal_lite.config import DatasetConfig
+from areal_lite.api.cli_args import DatasetConfig
 
 ANSWER_RE = re.compile(r"#### (-?\d+)$")
 

@@ -20,9 +20,9 @@ import urllib.request
 import pytest
 import torch
 
-from areal_lite.config import EmbeddedServerConfig, GenerationHyperparameters, InferenceEngineConfig
-from areal_lite.engine import ADDRS_ENV, EngineError, RemoteSGLangEngine
-from areal_lite.io_struct import ModelRequest, WeightUpdateMeta
+from areal_lite.api.cli_args import EmbeddedServerConfig, GenerationHyperparameters, InferenceEngineConfig
+from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
+from areal_lite.engine.sglang_remote import ADDRS_ENV, EngineError, RemoteSGLangEngine
 from areal_lite.kit.launch import find_free_port, launch_server
 from areal_lite.trajectory import check_trajectory, concat_padded_tensors
 

@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 
-from areal_lite.config import InferenceEngineConfig
-from areal_lite.executor import StalenessManager, WorkflowExecutor
+from areal_lite.api.cli_args import InferenceEngineConfig
+from areal_lite.infra.staleness_manager import StalenessManager
+from areal_lite.infra.workflow_executor import WorkflowExecutor
 
 # ------------------------------------------------------------------------------------------------ StalenessManager
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_lite.io_struct import ModelResponse
+from areal_lite.api.io_struct import ModelResponse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

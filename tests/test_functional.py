@@ -1,4 +1,4 @@
-"""areal_lite.functional: the formulas that `tests/test_actor.py` does not already check through the actor.
+"""areal_lite.utils.functional: the formulas that `tests/test_actor.py` does not already check through the actor.
 
 Pure tensor functions, so every check here is a small float64 example worked by hand or by a loop.
 (`normalize`, `kl_estimate`, `ppo_token_loss`, `grpo_advantages` are checked in test_actor.py against loops, and in
@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-import areal_lite.actor as actor
-from areal_lite import functional as fn
-from areal_lite.config import NormConfig
+import areal_lite.trainer.ppo.actor as actor
+from areal_lite.api.cli_args import NormConfig
+from areal_lite.utils import functional as fn
 
 
 def test_actor_reexports_the_same_functions():
-    # Notebooks and tests import the formulas from areal_lite.actor: they must be these very objects.
+    # Notebooks and tests import the formulas from areal_lite.trainer.ppo.actor: they must be these very objects.
     for name in ("normalize", "kl_estimate", "next_token_logp", "ppo_token_loss", "grpo_advantages", "KL_CLAMP"):
         assert getattr(actor, name) is getattr(fn, name)
     assert actor._entropy is fn.entropy and actor._turn_runs is fn.turn_runs

@@ -17,9 +17,9 @@ import torch
 from test_actor import FSDP_SCRIPT, RECEIVER, make_batch, save_fsdp_batch
 from test_serve import PROMPTS, forward_logprobs, generate
 
-from areal_lite.actor import PPOActor, _init_custom_process_group
-from areal_lite.config import EmbeddedServerConfig, OptimizerConfig, PPOActorConfig
-from areal_lite.io_struct import WeightUpdateMeta
+from areal_lite.api.cli_args import EmbeddedServerConfig, OptimizerConfig, PPOActorConfig
+from areal_lite.api.io_struct import WeightUpdateMeta
+from areal_lite.trainer.ppo.actor import PPOActor, _init_custom_process_group
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from areal_lite.config import EmbeddedServerConfig, GRPOConfig, SGLangConfig
+from areal_lite.api.cli_args import EmbeddedServerConfig, GRPOConfig, SGLangConfig
 from areal_lite.kit.launch import (
     ENV_ADDRS,
     ServerLaunchError,
@@ -135,7 +135,7 @@ def test_exception_inside_with_stops_server(tiny_model_path):
 ENV_SCRIPT = r"""
 import os, sys
 os.environ["AREAL_LLM_SERVER_ADDRS"] = "10.0.0.9:30000"
-from areal_lite.config import EmbeddedServerConfig
+from areal_lite.api.cli_args import EmbeddedServerConfig
 from areal_lite.kit.launch import launch_server
 a = launch_server(EmbeddedServerConfig(model_path=sys.argv[1]), backend="embedded")
 b = launch_server(EmbeddedServerConfig(model_path=sys.argv[1]), backend="embedded")
@@ -157,7 +157,7 @@ def test_server_addrs_env_follows_live_servers(tiny_model_path):
 
 CHILD = r"""
 import sys, time
-from areal_lite.config import EmbeddedServerConfig
+from areal_lite.api.cli_args import EmbeddedServerConfig
 from areal_lite.kit.launch import launch_server
 h = launch_server(EmbeddedServerConfig(model_path=sys.argv[1], threads=1), backend="embedded")
 print("PID", h.pid, flush=True)

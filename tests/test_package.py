@@ -115,3 +115,56 @@ def test_kit_package_import_is_light():
     code = "import sys, areal_lite.kit; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# ---- layout: outside the kit, a module at an AReaL 1.0.4 path defines that AReaL module's names ------------------
+
+
+def _areal_root() -> str:
+    """The installed AReaL package's folder, found without importing it (its `__init__` is heavy)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("areal")
+    assert spec is not None and spec.origin, "AReaL 1.0.4 is a test dependency"
+    return os.path.dirname(spec.origin)
+
+
+def _areal_has(dotted: str) -> bool:
+    """Whether AReaL has a module or package at `dotted` (an `areal.` path)."""
+    path = os.path.join(os.path.dirname(_areal_root()), *dotted.split("."))
+    return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
+
+
+def test_modules_at_areal_paths_define_areal_names():
+    """`from areal_lite.X import N` converts to AReaL by the prefix alone: for every kit module outside `kit/` whose
+    path exists in AReaL, each `AREAL_NAMES` entry that names that AReaL module is defined at the kit's same path."""
+    from areal_lite.areal_compat import AREAL_NAMES
+
+    by_module: dict[str, set[str]] = {}
+    for name, target in AREAL_NAMES.items():
+        module, _, _other = target.partition(":")
+        by_module.setdefault(module, set()).add(name)
+    checked = set()
+    for name, _is_pkg, _tree in _modules():
+        if name == "areal_lite" or name == "areal_lite.kit" or name.startswith("areal_lite.kit."):
+            continue
+        areal_name = "areal" + name[len("areal_lite") :]
+        if not _areal_has(areal_name):
+            continue
+        for n in by_module.get(areal_name, ()):
+            assert hasattr(importlib.import_module(name), n), f"{n} is AReaL's {areal_name}.{n}: define it in {name}"
+            checked.add(n)
+    # the kit modules that mirror AReaL's paths cover these (a regression test for the layout, not a wish list)
+    assert {"GRPOConfig", "ModelRequest", "RolloutWorkflow", "RemoteSGLangEngine", "RemotevLLMEngine"} <= checked
+
+
+def test_areal_names_exist_at_the_same_path_in_areal():
+    """The other half: for those kit modules, AReaL 1.0.4 defines the same names at the same path."""
+    from areal_lite.areal_compat import AREAL_NAMES
+
+    for name, target in AREAL_NAMES.items():
+        module, _, other = target.partition(":")
+        kit = "areal_lite" + module[len("areal") :]
+        if other or not _is_module(kit):
+            continue
+        assert hasattr(importlib.import_module(module), name), f"AReaL's {module} has no {name}"

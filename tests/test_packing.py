@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import areal_lite.actor as actor
+import areal_lite.trainer.ppo.actor as actor
 from areal_lite import packing
 
 

@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
+from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.reward import (
-    AsyncRewardWrapper,
     areal_gsm8k_reward_fn,
     exact_match,
     extract_answer,
@@ -326,7 +326,7 @@ def test_wrapper_timeout_then_keeps_serving(wrapper):
 def test_wrapper_pool_start_is_not_charged_to_the_call(monkeypatch):
     """Starting a pool (after a crash or a hang killed the last one) can take seconds on a loaded machine: it runs
     off the event loop, which keeps serving, and it does not count against the reward's timeout."""
-    import areal_lite.reward as reward_module
+    import areal_lite.api.reward_api as reward_module
 
     real_start = reward_module._start_pool
 
@@ -462,7 +462,7 @@ def _is_mp_helper(pid) -> bool:
 
 HUNG_AT_EXIT = """
 import asyncio, os, sys
-from areal_lite.reward import AsyncRewardWrapper
+from areal_lite.api.reward_api import AsyncRewardWrapper
 sys.path.insert(0, {tests!r})
 from test_reward import slow_reward
 

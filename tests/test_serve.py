@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from areal_lite.config import EmbeddedServerConfig
+from areal_lite.api.cli_args import EmbeddedServerConfig
 from areal_lite.kit.serve import (
     BadRequest,
     GenerationState,
@@ -73,7 +73,7 @@ def server(embedded_server):
 @pytest.fixture(scope="module")
 def private_server(tiny_model_path):
     """A server of our own for tests that pause it or change its weights (the shared one stays untouched)."""
-    from areal_lite.config import EmbeddedServerConfig
+    from areal_lite.api.cli_args import EmbeddedServerConfig
     from areal_lite.kit.launch import launch_server
 
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from areal_lite.config import GenerationHyperparameters, SGLangConfig
+from areal_lite.api.cli_args import GenerationHyperparameters, SGLangConfig
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (

@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 import torch
 
-from areal_lite.config import (
+from areal_lite.api.cli_args import (
     ConfigError,
     DatasetConfig,
     EmbeddedServerConfig,
@@ -247,7 +247,7 @@ def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_pa
 
 
 def test_demo_config_loads_strictly():
-    from areal_lite.config import GRPOConfig
+    from areal_lite.api.cli_args import GRPOConfig
 
     demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
     for cls in (GRPOConfig, TrainConfig):

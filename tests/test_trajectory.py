@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_lite.io_struct import ModelResponse
+from areal_lite.api.io_struct import ModelResponse
 from areal_lite.trajectory import (
     TrajectoryBuilder,
     TrajectoryError,

@@ -29,12 +29,13 @@ import psutil
 import pytest
 import torch
 
-from areal_lite.config import GenerationHyperparameters, InferenceEngineConfig, vLLMConfig
-from areal_lite.engine import EngineError, RemoteSGLangEngine, RemotevLLMEngine
-from areal_lite.io_struct import ModelRequest, WeightUpdateMeta
+from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, vLLMConfig
+from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
+from areal_lite.engine.sglang_remote import EngineError, RemoteSGLangEngine
+from areal_lite.engine.vllm_client import VLLMClient
+from areal_lite.engine.vllm_remote import RemotevLLMEngine
 from areal_lite.kit.launch import _vllm_python, launch_server
 from areal_lite.kit.procs import ServerLaunchError
-from areal_lite.vllm_client import VLLMClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,12 +20,13 @@ import time
 import pytest
 from aiohttp import web
 
-from areal_lite.config import GenerationHyperparameters, InferenceEngineConfig, load_expr_config, vLLMConfig
-from areal_lite.engine import EngineError, RemoteSGLangEngine, RemotevLLMEngine
-from areal_lite.io_struct import ModelRequest, WeightUpdateMeta
+from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, load_expr_config, vLLMConfig
+from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
+from areal_lite.engine.sglang_remote import EngineError, RemoteSGLangEngine
+from areal_lite.engine.vllm_client import RELOAD_METHOD, VLLMClient, completion_body, parse_completion
+from areal_lite.engine.vllm_remote import RemotevLLMEngine
 from areal_lite.kit import launch
 from areal_lite.kit.launch import ServerLaunchError, find_free_port
-from areal_lite.vllm_client import RELOAD_METHOD, VLLMClient, completion_body, parse_completion
 
 PROMPT = [5, 6, 7]
 HELD = 3  # tokens a "hold-*" request generates before it waits to be aborted

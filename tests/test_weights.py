@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-import areal_lite.actor as actor
+import areal_lite.trainer.ppo.actor as actor
 from areal_lite import weights
-from areal_lite.io_struct import WeightUpdateMeta
+from areal_lite.api.io_struct import WeightUpdateMeta
 
 
 def _write(text: str):

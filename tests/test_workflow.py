@@ -20,9 +20,10 @@ import time
 import pytest
 import torch
 
-from areal_lite.config import GenerationHyperparameters, InferenceEngineConfig
-from areal_lite.io_struct import ModelRequest, ModelResponse
-from areal_lite.reward import AsyncRewardWrapper
+from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+from areal_lite.api.io_struct import ModelRequest, ModelResponse
+from areal_lite.api.reward_api import AsyncRewardWrapper
+from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.trajectory import TrajectoryError, check_trajectory, concat_padded_tensors, trajectory_segments
 from areal_lite.workflow import (
     PROMPT_TEMPLATE,
@@ -31,7 +32,6 @@ from areal_lite.workflow import (
     MultiTurnFeedbackWorkflow,
     ReflectionWorkflow,
     RLVRWorkflow,
-    RolloutWorkflow,
     SearchAgentWorkflow,
     chat_prompt_ids,
     chat_turn_fragments,
@@ -97,7 +97,7 @@ def tok(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def engine(embedded_server):
-    from areal_lite.engine import RemoteSGLangEngine
+    from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
     cfg = InferenceEngineConfig(consumer_batch_size=8, max_concurrent_rollouts=8, max_head_offpolicyness=100_000)
     eng = RemoteSGLangEngine(cfg)
@@ -619,7 +619,7 @@ def test_reflection_on_smollm_closes_turns_exactly(smollm_server, smollm_path, r
     """A real chat model stops on <|im_end|>: the next turn must add only "\\n", matching the chat template."""
     from transformers import AutoTokenizer
 
-    from areal_lite.engine import RemoteSGLangEngine
+    from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
     tok = AutoTokenizer.from_pretrained(smollm_path)
     eng = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=100))

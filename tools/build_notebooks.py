@@ -127,8 +127,9 @@ def _scrub(text: str) -> str:
 
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-# Python's default repr (`<areal_lite.engine.RemoteSGLangEngine at 0x7f...>`, the value of `engine.initialize(...)`;
-# `<IPython.core.display.HTML object>` beside rendered HTML): a class name and an address, nothing a reader learns from.
+# Python's default repr (`<areal_lite.engine.sglang_remote.RemoteSGLangEngine at 0x7f...>`, the value of
+# `engine.initialize(...)`; `<IPython.core.display.HTML object>` beside rendered HTML): a class name and an address,
+# nothing a reader learns from.
 BARE_REPR = re.compile(r"^<[\w.]+( object)?( at 0x[0-9a-f]+)?>$")
 
 

@@ -38,7 +38,8 @@ def config_path() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from ..config import load_expr_config
+    from areal_lite.api.cli_args import load_expr_config
+
     from ..train import TrainConfig, train
 
     argv = list(sys.argv[1:] if argv is None else argv)

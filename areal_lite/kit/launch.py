@@ -21,7 +21,7 @@ Design decisions
   (`.venv-vllm`: it pins its own transformers), whose interpreter runs `vllm.entrypoints.openai.api_server` (the
   `vllm` console script fails under the CPU build's distribution name). The server gets `VLLM_SERVER_DEV_MODE=1`
   (pause, abort and RPC endpoints), the kit's worker extension (`areal_lite/kit/vllm_ext` on its PYTHONPATH, nothing
-  else of the kit), logprobs after temperature, and `--generation-config vllm` (see `areal_lite.vllm_client`).
+  else of the kit), logprobs after temperature, and `--generation-config vllm` (see `areal_lite.engine.vllm_client`).
   Without CUDA it always runs eager (compiling takes minutes and its cache did not reload), with a KV cache of
   `cpu_kv_cache_gb` (vLLM would otherwise reserve 90% of the RAM) and unpinned OpenMP threads capped like the
   embedded server's (vLLM would pin its own threads to cores a trainer shares).
@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from areal_lite.config import EmbeddedServerConfig, SGLangConfig, vLLMConfig
+from areal_lite.api.cli_args import EmbeddedServerConfig, SGLangConfig, vLLMConfig
 from areal_lite.kit.procs import ServerLaunchError, ServerProcess, find_free_port, find_free_ports, spawn
 
 __all__ = ["ServerHandle", "ServerLaunchError", "find_free_port", "find_free_ports", "launch_server", "choose_backend"]

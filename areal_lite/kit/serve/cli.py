@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any, Optional
 
-from areal_lite.config import EmbeddedServerConfig
+from areal_lite.api.cli_args import EmbeddedServerConfig
 
 log = logging.getLogger("areal_lite.serve")
 

@@ -2,8 +2,9 @@
 
 `RemotevLLMEngine` uses it, and so does `RemoteSGLangEngine` when the servers it is given turn out to be vLLM (so a
 notebook runs unchanged with `AREAL_LITE_OVERRIDES="backend=vllm"`). Everything above the wire -- retries, rid
-routing, interrupt and resume, versions, shutdown -- is `areal_lite.client.SGLangClient`'s; this class replaces only
-the calls that differ. The server is started by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1`
+routing, interrupt and resume, versions, shutdown -- is `areal_lite.infra.remote_inf_engine.SGLangClient`'s; this
+class replaces only the calls that differ. The server is started by `launch_server(..., backend="vllm")` with
+`VLLM_SERVER_DEV_MODE=1`
 (the pause, abort and RPC endpoints) and the kit's worker extension (`areal_lite/kit/vllm_ext`).
 
 | what | SGLang-compatible server | vLLM 0.32 |
@@ -44,9 +45,9 @@ from typing import Any, List
 
 import aiohttp
 
-from .client import EngineError, SGLangClient
-from .config import sampling_params
-from .io_struct import WeightUpdateMeta
+from areal_lite.api.cli_args import sampling_params
+from areal_lite.api.io_struct import WeightUpdateMeta
+from areal_lite.infra.remote_inf_engine import EngineError, SGLangClient
 
 __all__ = ["VLLMClient", "completion_body", "parse_completion", "is_vllm", "RELOAD_METHOD"]
 

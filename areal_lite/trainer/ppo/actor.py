@@ -47,9 +47,23 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .config import NormConfig, OptimizerConfig, PPOActorConfig
-from .functional import KL_CLAMP as KL_CLAMP  # re-exported
-from .functional import (
+from areal_lite.api.cli_args import NormConfig, OptimizerConfig, PPOActorConfig
+from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal_lite.packing import (
+    INT_KEYS,
+    PACKED_SDPA,
+    as_long,
+    cast_long,
+    join_trajectories,
+    pack_rows,
+    packed_forward,
+    register_packed_sdpa,
+    split_into_microbatches,
+    split_trajectories,
+)
+from areal_lite.packing import packed_sdpa_attention as packed_sdpa_attention  # re-exported
+from areal_lite.utils.functional import KL_CLAMP as KL_CLAMP  # re-exported
+from areal_lite.utils.functional import (
     entropy,
     grpo_advantages,
     kl_estimate,
@@ -63,21 +77,7 @@ from .functional import (
     shape_rewards,
     turn_runs,
 )
-from .io_struct import FinetuneSpec, WeightUpdateMeta
-from .packing import (
-    INT_KEYS,
-    PACKED_SDPA,
-    as_long,
-    cast_long,
-    join_trajectories,
-    pack_rows,
-    packed_forward,
-    register_packed_sdpa,
-    split_into_microbatches,
-    split_trajectories,
-)
-from .packing import packed_sdpa_attention as packed_sdpa_attention  # re-exported
-from .weights import (
+from areal_lite.weights import (
     TOKENIZER_PREFIXES,
     WeightPublisher,
     broadcast_params,
@@ -373,7 +373,7 @@ class _TrainEngine:
         """Load the model, optimizer and LR schedule: AReaL's `initialize(None, ft_spec)` (or `ft_spec=` alone)."""
         if isinstance(addr, FinetuneSpec):
             addr, ft_spec = None, addr
-        from .models import pick_device, resolve_model_path, set_torch_threads
+        from areal_lite.models import pick_device, resolve_model_path, set_torch_threads
 
         cfg = self.config
         set_torch_threads(int(cfg.threads or 0))

@@ -5,9 +5,10 @@
 staleness bound allows right now.
 
 Design decisions
-- Three jobs, three modules, one facade. `areal_lite.client` talks HTTP (retries, rid routing, interrupt/resume,
-  weight-update calls), `areal_lite.executor` runs episodes under the staleness bound (`WorkflowExecutor`,
-  `StalenessManager`), and this module owns what they share -- the background thread and its event loop -- and
+- Three jobs, three modules, one facade. `areal_lite.infra.remote_inf_engine` talks HTTP (retries, rid routing,
+  interrupt/resume, weight-update calls), `areal_lite.infra.workflow_executor` runs episodes under the staleness
+  bound (`WorkflowExecutor`, with `areal_lite.infra.staleness_manager.StalenessManager`), and this module owns what they
+  share -- the background thread and its event loop -- and
   keeps AReaL 1.0.4's public API in one class, so a notebook cell moves between the two projects unchanged. AReaL
   keeps its workflow executor and staleness manager apart from the engine the same way.
 - One background thread owns one asyncio event loop, and every episode and every HTTP request runs on it. Notebook
@@ -20,7 +21,7 @@ Design decisions
 - Pausing raises two flags before the servers abort their requests: the executor's (no queued episode starts) and
   the client's (an aborted request waits instead of re-sending). Resuming lowers them after the servers continue.
 - One facade, two wire protocols. The client speaks SGLang's (`SGLangClient`: SGLang and the embedded server) or
-  vLLM's (`areal_lite.vllm_client.VLLMClient`); `RemotevLLMEngine` (AReaL's name) always uses the second, and
+  vLLM's (`areal_lite.engine.vllm_client.VLLMClient`); `RemotevLLMEngine` (AReaL's name) always uses the second, and
   `RemoteSGLangEngine` asks its servers on `initialize` (`GET /v1/models`, owned by "vllm") and switches to it
   when they are vLLM, so a notebook written with `RemoteSGLangEngine` runs unchanged on `backend=vllm`. (AReaL's
   own `RemoteSGLangEngine` would fail against a vLLM server.)
@@ -38,13 +39,21 @@ import uuid
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from .client import ADDRS_ENV, EngineError, SGLangClient, check_request, looks_like_addrs, parse_addrs
-from .config import InferenceEngineConfig
-from .executor import StalenessManager, WorkflowExecutor
-from .io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
-from .vllm_client import VLLMClient, is_vllm
+from areal_lite.api.cli_args import InferenceEngineConfig
+from areal_lite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.engine.vllm_client import VLLMClient, is_vllm
+from areal_lite.infra.remote_inf_engine import (
+    ADDRS_ENV,
+    EngineError,
+    SGLangClient,
+    check_request,
+    looks_like_addrs,
+    parse_addrs,
+)
+from areal_lite.infra.staleness_manager import StalenessManager
+from areal_lite.infra.workflow_executor import WorkflowExecutor
 
-__all__ = ["RemoteSGLangEngine", "RemotevLLMEngine", "EngineError", "ADDRS_ENV"]
+__all__ = ["RemoteSGLangEngine", "EngineError", "ADDRS_ENV"]
 
 logger = logging.getLogger("areal_lite.engine")
 
@@ -304,7 +313,8 @@ class RemoteSGLangEngine:
 
     def wait(self, count: int, timeout: Optional[float] = None, raise_timeout: bool = True) -> List[dict]:
         """The `count` earliest-submitted accepted episodes, once no episode submitted before them is still running
-        (this keeps staleness within eta: see `areal_lite.executor`). A list of trajectory dicts, as AReaL's.
+        (this keeps staleness within eta: see `areal_lite.infra.workflow_executor`). A list of trajectory dicts, as
+        AReaL's.
 
         Raises a workflow's exception, TimeoutError (with counts) after `timeout` seconds (or returns [] when
         `raise_timeout=False`), or RuntimeError when the results can never come (nothing running and the queue
@@ -373,14 +383,3 @@ class RemoteSGLangEngine:
     def explain(self) -> str:
         """What the staleness bound allows right now and why, in words with the numbers: `print(engine.explain())`."""
         return self._executor.explain()
-
-
-class RemotevLLMEngine(RemoteSGLangEngine):
-    """`RemoteSGLangEngine` for vLLM servers (AReaL 1.0.4's name): the same methods, arguments and behaviour over
-    vLLM's protocol (`areal_lite.vllm_client`). Start the server with `launch_server(config, backend="vllm")`.
-
-    Logprobs are taken after temperature, as SGLang's (the launcher passes `--logprobs-mode processed_logprobs`);
-    disk weight updates reload every layer, a tied output layer included, and reset the prefix cache; NCCL weight
-    updates are not implemented. `initialize` refuses a server that is not vLLM."""
-
-    _CLIENT = VLLMClient

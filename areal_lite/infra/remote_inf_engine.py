@@ -2,7 +2,7 @@
 
 `SGLangClient` is what `RemoteSGLangEngine.agenerate`, `pause`, `resume` and `update_weights` use underneath. It
 knows servers, requests and versions; it knows nothing about workflows, episodes or the staleness bound (that is
-`areal_lite.executor`). Every coroutine here runs on the engine's one background event loop.
+`areal_lite.infra.workflow_executor`). Every coroutine here runs on the engine's one background event loop.
 
 Design decisions
 - One aiohttp session and one connection pool, made on the background loop and closed by `close()`. aiohttp
@@ -50,8 +50,8 @@ from typing import Any, Callable, Coroutine, Dict, List, Optional
 
 import aiohttp
 
-from .config import InferenceEngineConfig, sampling_params
-from .io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.api.cli_args import InferenceEngineConfig, sampling_params
+from areal_lite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 
 __all__ = ["ADDRS_ENV", "EngineError", "SGLangClient", "parse_addrs"]
 

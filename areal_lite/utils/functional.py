@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .config import NormConfig
+from areal_lite.api.cli_args import NormConfig
 
 __all__ = [
     "KL_CLAMP",

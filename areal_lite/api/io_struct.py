@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .config import GenerationHyperparameters
+from areal_lite.api.cli_args import GenerationHyperparameters
 
 __all__ = ["ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec", "weight_dir"]
 

@@ -1,0 +1,294 @@
+"""`AsyncRewardWrapper` (AReaL 1.0.4's `areal.api.reward_api`): `await AsyncRewardWrapper(fn)(*args, **kwargs)` runs a
+picklable reward in a worker process with a timeout, so a slow or hanging reward cannot stall the event loop.
+
+Design decisions:
+- `AsyncRewardWrapper` (AReaL's name) runs a picklable reward in a `ProcessPoolExecutor` with the
+  *forkserver* context (fork is unsafe once the engine's threads run; forkserver forks from a clean
+  server that preloads this module, so new workers start in milliseconds). It awaits through
+  `loop.run_in_executor` on whatever loop is running, so it works from the notebook's loop and from
+  the rollout executor's background-thread loop. A timeout kills the pool's workers (a hung worker
+  would otherwise hold its slot forever) and starts a fresh pool; calls caught in the kill, and
+  calls hit by a crashed worker (BrokenProcessPool), are retried on the new pool (up to `max_retries` times).
+  Functions defined in a notebook or script (`__main__`) cannot be imported by a worker, so they
+  are shipped by value with cloudpickle; anything else must pickle by reference (module-level).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures.process import BrokenProcessPool
+
+__all__ = ["AsyncRewardWrapper"]
+
+logger = logging.getLogger(__name__)
+
+
+# ============================================================================ async wrapper
+def _worker_init():
+    import signal
+
+    # Ctrl-C in the notebook interrupts the cell, not the reward workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _call_by_value(payload: bytes, args, kwargs):
+    import cloudpickle  # noqa: F401  (unpickling a cloudpickled function needs it importable)
+
+    return pickle.loads(payload)(*args, **kwargs)
+
+
+def _call(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+def _needs_by_value(fn) -> bool:
+    # A worker cannot import a notebook's (or a script's) __main__ by name.
+    return getattr(fn, "__module__", None) == "__main__"
+
+
+def _mp_context():
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        # Only takes effect before the forkserver starts; harmless otherwise.
+        ctx.set_forkserver_preload(["areal_lite.api.reward_api", "areal_lite.reward", "math_verify"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def _main_script_hidden():
+    """Hide the running script from multiprocessing while worker processes start.
+
+    A forkserver or spawn worker is told the path of `__main__` and imports it again, which re-runs every line of a
+    script without an `if __name__ == "__main__":` guard (setup, server launches) in every worker. The workers never
+    need `__main__`: reward functions defined there travel by value (cloudpickle). Notebooks have no script path.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    if main is not None and saved.get("__file__"):
+        main.__dict__.pop("__file__")
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
+def _noop() -> None:
+    return None
+
+
+def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """A pool whose workers are all started now, with the script hidden (see `_main_script_hidden`): a worker is
+    started inside `submit`, so `max_workers` concurrent no-op calls start every one of them."""
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=max_workers, mp_context=_mp_context(), initializer=_worker_init
+    )
+    with _main_script_hidden():
+        warmups = [pool.submit(_noop) for _ in range(max_workers)]
+    concurrent.futures.wait(warmups)
+    return pool
+
+
+def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Kill a pool's workers now (a hung reward would keep `shutdown()` waiting forever)."""
+    processes = list(getattr(pool, "_processes", {}).values())  # private, but stable since 3.8
+    for p in processes:
+        try:
+            p.kill()
+        except Exception:
+            pass
+    # No cancel_futures: queued calls must fail with BrokenProcessPool (and be retried), not be
+    # cancelled, which would look like the caller's own cancellation.
+    pool.shutdown(wait=False)
+    for p in processes:
+        try:
+            p.join(timeout=2)
+        except Exception:
+            pass
+
+
+_LIVE_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _shutdown_all():
+    for wrapper in list(_LIVE_WRAPPERS):
+        wrapper.shutdown()
+
+
+# concurrent.futures joins pool workers at exit, which would wait forever on a hung reward. Its hook
+# runs from threading's exit hooks, newest first, so registering there (after importing it) lets us
+# kill our workers before it waits. atexit stays as the fallback if that private hook is missing.
+try:
+    threading._register_atexit(_shutdown_all)
+except (AttributeError, RuntimeError):
+    atexit.register(_shutdown_all)
+
+
+class AsyncRewardWrapper:
+    """`await AsyncRewardWrapper(fn)(*args, **kwargs) -> float`, run in a worker process with a timeout.
+
+    Hangs, crashes and non-numeric results give 0.0, are counted in `.stats` and logged. AReaL 1.0.4's constructor;
+    its behaviour differs on purpose: AReaL retries a timed-out call `max_retries` times and re-raises the reward's
+    exception on the last try (one crashing reward then fails the whole rollout). The kit scores a hang or a crash
+    0.0 at once -- a retry of a hanging reward only waits again -- and uses `max_retries` for a worker pool that
+    died (it is rebuilt and the call tried again). `max_workers=None`: up to 2 worker processes.
+    """
+
+    def __init__(self, reward_fn, timeout_seconds: float = 15, max_workers: int | None = None, max_retries: int = 3):
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        if max_workers is None:
+            max_workers = max(1, min(2, os.cpu_count() or 1))
+        if timeout_seconds <= 0 or max_workers < 1 or max_retries < 0:
+            raise ValueError("timeout_seconds must be > 0, max_workers >= 1 and max_retries >= 0")
+        self.reward_fn = reward_fn
+        self.timeout_seconds = float(timeout_seconds)
+        self.max_workers = int(max_workers)
+        self.max_retries = int(max_retries)
+        self._payload = None
+        if _needs_by_value(reward_fn):
+            try:
+                import cloudpickle
+            except ImportError as e:
+                raise TypeError(
+                    "reward functions defined in a notebook need `cloudpickle` to reach worker "
+                    "processes; install it or define the function in a module"
+                ) from e
+            self._payload = cloudpickle.dumps(reward_fn)
+        else:
+            try:
+                pickle.dumps(reward_fn)
+            except Exception as e:
+                raise TypeError(f"reward_fn must be picklable to run in a worker process: {e}") from e
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._closed = False
+        self._stats = {"calls": 0, "timeouts": 0, "errors": 0, "pool_restarts": 0}
+        _LIVE_WRAPPERS.add(self)
+
+    # -- pool management
+    def _get_pool(self):
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("AsyncRewardWrapper has been shut down")
+            if self._pool is None:
+                self._pool = _start_pool(self.max_workers)
+            return self._pool
+
+    async def _ready_pool(self):
+        """The pool; a missing one is started on a thread, since starting workers takes a second or more and the
+        event loop (the rollout's) must keep serving meanwhile."""
+        pool = self._pool
+        return pool if pool is not None and not self._closed else await asyncio.to_thread(self._get_pool)
+
+    def _replace_pool(self, pool) -> None:
+        """Kill `pool` (if still current) so the next call gets a fresh one."""
+        with self._lock:
+            if self._pool is not pool:
+                return  # someone else already replaced it
+            self._pool = None
+            self._stats["pool_restarts"] += 1
+        _kill_pool(pool)
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._stats[key] += 1
+
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    # -- calling
+    async def __call__(self, *args, **kwargs) -> float:
+        self._count("calls")
+        loop = asyncio.get_running_loop()
+        if self._payload is not None:
+            job = (_call_by_value, self._payload, args, kwargs)
+        else:
+            job = (_call, self.reward_fn, args, kwargs)
+        # The timeout is the reward's: it counts time spent waiting on the call, not the start of a fresh pool
+        # (after a crash or a hang killed the last one), which would otherwise eat the next call's budget.
+        budget = self.timeout_seconds
+        name = getattr(self.reward_fn, "__name__", repr(self.reward_fn))
+        for attempt in range(self.max_retries + 1):
+            pool = await self._ready_pool()
+            started = time.monotonic()
+            try:
+                fut = loop.run_in_executor(pool, *job)
+                result = await asyncio.wait_for(fut, timeout=max(budget, 0.01))
+            except asyncio.TimeoutError:
+                self._count("timeouts")
+                logger.warning("reward %s timed out after %.1f s; scoring 0.0", name, self.timeout_seconds)
+                self._replace_pool(pool)
+                return 0.0
+            except BrokenProcessPool:
+                # A worker died (crash, or killed because another call hung); retry once.
+                self._replace_pool(pool)
+                budget -= time.monotonic() - started
+                if attempt < self.max_retries and budget > 0:
+                    continue
+                self._count("errors")
+                logger.warning("reward %s: worker process died; scoring 0.0", name)
+                return 0.0
+            except asyncio.CancelledError:
+                # Our own cancellation propagates; a future cancelled by a pool kill is a broken pool.
+                task = asyncio.current_task()
+                if (task is not None and task.cancelling()) or attempt == self.max_retries:
+                    raise
+                self._replace_pool(pool)
+                continue
+            except Exception as e:
+                self._count("errors")
+                logger.warning("reward %s raised %s: %s; scoring 0.0", name, type(e).__name__, e)
+                return 0.0
+            return self._as_reward(result, name)
+        return 0.0  # max_retries pool restarts were all cancelled
+
+    def _as_reward(self, result, name: str) -> float:
+        try:
+            if isinstance(result, (str, bytes)):
+                raise TypeError("a string")
+            value = float(result)
+            if not math.isfinite(value):
+                raise ValueError("not finite")
+            return value
+        except (TypeError, ValueError) as e:
+            self._count("errors")
+            logger.warning("reward %s returned %r (%s), not a number; scoring 0.0", name, result, e)
+            return 0.0
+
+    async def warmup(self) -> None:
+        """Start all workers now, so the first real calls don't pay process start-up inside their timeout."""
+        loop = asyncio.get_running_loop()
+        pool = await self._ready_pool()
+        await asyncio.gather(*[loop.run_in_executor(pool, time.sleep, 0.05) for _ in range(self.max_workers)])
+
+    def shutdown(self) -> None:
+        """Stop the worker processes. Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            _kill_pool(pool)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
