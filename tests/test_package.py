@@ -1,6 +1,7 @@
 """The public API: every exported name resolves, from the package itself, to the object its module defines."""
 
 import ast
+import graphlib
 import importlib
 import os
 import subprocess
@@ -109,6 +110,16 @@ def test_outside_the_kit_only_the_listed_modules_import_it():
         if kit:
             found[name] = kit
     assert found == IMPORTS_OF_KIT, "a module outside the kit imports it: move it into the kit or list it here"
+
+
+def test_no_import_cycles():
+    """No module imports, directly or through others, one that imports it back. Imports inside functions count too:
+    they cycle at run time just the same, and two modules that need each other are one job split in two."""
+    graph = {name: _imported(name, is_pkg, tree) - {name} for name, is_pkg, tree in _modules()}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        raise AssertionError(f"import cycle: {' -> '.join(e.args[1])}") from None
 
 
 def test_kit_package_import_is_light():

@@ -3,10 +3,11 @@ that computes them through the model's own forward.
 
 Design decisions
 - A runner owns the model arithmetic: `prefill(prompts)` -> (their keys/values, last logits), `decode(batch)` ->
-  next logits, `new_kv()` -> an empty cache for the running batch. `make_runner` picks `fastpath.FastRunner` (a
-  functional forward over a preallocated cache) for the architectures it reproduces and `HFRunner` (below, the
-  model's own forward) for every other model; the scheduler cannot tell them apart. Identical prompts (the n > 1
-  samples of one prompt) are computed once by `prefill_distinct`, above the runners, not by each of them.
+  next logits, `new_kv()` -> an empty cache for the running batch. `fastpath.make_runner` picks
+  `fastpath.FastRunner` (a functional forward over a preallocated cache) for the architectures it reproduces and
+  `HFRunner` (below, the model's own forward) for every other model; the scheduler cannot tell them apart.
+  Identical prompts (the n > 1 samples of one prompt) are computed once by `prefill_distinct`, above the runners,
+  not by each of them.
 - Left-padded batch KV cache, in both runners. Rows of different lengths are *left*-padded so every row's newest
   token sits in the same (last) column; an attention mask marks padding, and explicit positions give each row its
   own, so padding changes nothing numerically (greedy output is the same alone or batched).
@@ -155,14 +156,6 @@ class HFRunner:
         )  # fmt: skip
         kv.mask, batch.pos = mask, batch.pos + 1
         return out.logits[:, -1]
-
-
-def make_runner(model: Any, fast: bool = True) -> Any:
-    """The fastest runner for `model`: `fastpath.FastRunner` where it reproduces the model's forward (and `fast`),
-    else `HFRunner`."""
-    from areal_lite.kit.serve import fastpath
-
-    return fastpath.FastRunner(model) if fast and fastpath.supports(model) else HFRunner(model)
 
 
 def prefill_distinct(runner: Any, prompts: list[list[int]]) -> tuple[Any, torch.Tensor]:

@@ -11,7 +11,7 @@ Design decisions
 - Commands are explicit: each thread-safe method (`pause`, `continue_generation`, `abort`, `flush_cache`,
   `update_weights`, `submit`, `stop`) enqueues the bound method that handles it on the scheduler thread
   (`_on_pause`, ...), so every path from an HTTP route to the state it changes can be followed by name.
-- The arithmetic is the runner's (`batch.make_runner`: the fused fast path for Llama/Qwen2 models, the model's own
+- The arithmetic is the runner's (`fastpath.make_runner`: the fused fast path for Llama/Qwen2 models, the model's own
   forward otherwise): the scheduler only decides who is prefilled, who decodes and who leaves.
 - Continuous batching. Each loop iteration (1) handles pending events, (2) admits waiting requests up to
   `max_running_requests`, prefilling all newcomers together (in groups of at most `max_prefill_tokens` padded
@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_lite.kit.serve.batch import RunningBatch, make_runner, prefill_distinct, prefill_groups
+from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
+from areal_lite.kit.serve.fastpath import make_runner
 from areal_lite.kit.serve.protocol import (
     DEFAULT_WEIGHT_VERSION,
     GenerationState,
