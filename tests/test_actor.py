@@ -646,7 +646,7 @@ RECEIVER = textwrap.dedent(
 
     addr, path = sys.argv[1], sys.argv[2]
     model = AutoModelForCausalLM.from_pretrained(path)  # the "server": same architecture, stale weights
-    group = _init_custom_process_group("gloo", addr, world_size=2, rank=1, group_name="weights")
+    group = _init_custom_process_group("gloo", addr, world_size=2, rank=1, group_name=f"weights-{addr}")
     for name, p in model.named_parameters():
         buf = torch.empty_like(p.data)
         dist.broadcast(buf, src=0, group=group)
@@ -677,7 +677,8 @@ def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_pat
         text=True,
     )
     try:
-        group = _init_custom_process_group("gloo", addr, world_size=2, rank=0, group_name="weights")
+        # a group name is registered for the life of the process: one per run, so the test can run again in it
+        group = _init_custom_process_group("gloo", addr, world_size=2, rank=0, group_name=f"weights-{addr}")
         actor._broadcast_params(group)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
     finally:
