@@ -700,6 +700,35 @@ def test_sampling_does_not_depend_on_batch_neighbours(tiny_model_path, tiny):
     assert outputs(seed=4, neighbours=0, reverse=False) != alone
 
 
+def test_counters_include_a_row_when_its_client_is_answered(tiny_model_path, tiny):
+    """`on_done` answers the client, who may read /server_info at once: by then the counters must hold every token
+    and the end of the row (they were once updated after it, so a test's counter deltas were off by a step)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.scheduler import Scheduler
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    sched = Scheduler(model, tiny[1], model_path="tiny")
+    seen = []
+    rows = [
+        sched.new_state(_spec(p, SamplingParams(max_new_tokens=n, ignore_eos=True)), 0)
+        for p, n in ((PROMPTS[0], 5), (PROMPTS[1], 9))
+    ]
+    sched.start()
+    try:
+        done = threading.Semaphore(0)
+        for r in rows:
+            r.on_done = lambda row: (seen.append((len(row.output), dict(sched.counters))), done.release())
+        sched.submit(rows)
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        sched.stop()
+    (first_len, at_first), (second_len, at_second) = seen
+    assert (first_len, second_len) == (5, 9)
+    assert at_first["generated_tokens"] == 2 * 5 and at_first["finished_requests"] == 1  # both rows ran 5 steps
+    assert at_second["generated_tokens"] == 5 + 9 and at_second["finished_requests"] == 2
+
+
 def _spec(ids, params):
     from areal_lite.kit.serve.protocol import PromptSpec
 

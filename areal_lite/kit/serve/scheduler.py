@@ -362,10 +362,11 @@ class Scheduler:
         tokens, reasons = sample_and_append(
             logits.float(), states, self.tokenizer, self.context_length, self.return_original_logprob
         )
+        # Counted before any row is finished: finishing answers the client, which may read /server_info at once.
+        self.counters["generated_tokens"] += len(states)
         for s, reason in zip(states, reasons):
             if reason is not None:
                 self._finish(s, reason)
-        self.counters["generated_tokens"] += len(states)
         return tokens
 
 
