@@ -47,86 +47,32 @@ _export(
     "describe",
 )
 _export("api.io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
-_export("models", "prepare_model", "resolve_model_path", "build_tiny_model", "pick_device", "load_tokenizer")
+_export("api.workflow_api", "RolloutWorkflow")
+_export("api.reward_api", "AsyncRewardWrapper")
+_export("dataset.arithmetic", "load_arithmetic")
+_export("dataset.common", "to_messages")
 _export(
-    "data",
-    "load_gsm8k",
-    "load_arithmetic",
-    "to_messages",
+    "dataset.factbook",
     "build_factbook_corpus",
     "build_factbook_qa",
     "build_factbook_qa_splits",
     "load_search_dataset",
-    "load_dataset_from_config",
-    "make_dataloader",
-    "cycle_dataloader",
 )
-_export(
-    "reward",
-    "extract_answer",
-    "math_equal",
-    "gsm8k_reward_fn",
-    "normalize_answer",
-    "f1_score",
-    "exact_match",
-    "areal_gsm8k_reward_fn",
-)
-_export(
-    "tools",
-    "parse_search_query",
-    "parse_answer",
-    "parse_boxed",
-    "parse_access_url",
-    "format_search_results",
-    "call_search_tool",
-    "SearchToolError",
-)
-_export("kit.rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
-_export(
-    "kit.launch",
-    "launch_server",
-    "find_free_port",
-    "find_free_ports",
-    "ServerHandle",
-    "ServerLaunchError",
-    "choose_backend",
-)
-_export("engine.sglang_remote", "RemoteSGLangEngine", "EngineError")
+_export("dataset.gsm8k", "load_gsm8k")
+_export("dataset.loader", "load_dataset_from_config")
+_export("engine.fsdp_engine", "FSDPPPOActor")
+_export("engine.sglang_remote", "RemoteSGLangEngine")
 _export("engine.vllm_remote", "RemotevLLMEngine")
+_export("experimental.openai.cache", "Interaction", "InteractionCache", "interactions_to_batch")
+_export("experimental.openai.chat_template", "ChatTemplate")
+_export("experimental.openai.proxy.server", "ChatServer", "ChatSession")
+_export("experimental.openai.proxy.workflow", "OpenAIAgentWorkflow")
+_export("experimental.openai.tool_call_parser", "parse_tool_calls")
+_export("infra.remote_inf_engine", "EngineError")
 _export("infra.staleness_manager", "StalenessManager")
 _export("infra.workflow_executor", "WorkflowExecutor")
-_export(
-    "trajectory",
-    "concat_padded_tensors",
-    "check_trajectory",
-    "TrajectoryError",
-    "TrajectoryBuilder",
-    "Segment",
-    "show_trajectory",
-    "trajectory_to_text",
-    "trajectory_to_html",
-)
-_export(
-    "workflow",
-    "RLVRWorkflow",
-    "ReflectionWorkflow",
-    "SearchAgentWorkflow",
-    "MultiTurnFeedbackWorkflow",
-    "GroupedWorkflow",
-    "chat_prompt_ids",
-    "chat_turn_fragments",
-    "discounted_returns",
-    "PROMPT_TEMPLATE",
-)
-_export("api.workflow_api", "RolloutWorkflow")
-_export("api.reward_api", "AsyncRewardWrapper")
-_export("chat", "ChatServer", "ChatSession")
-_export("chat_template", "ChatTemplate")
-_export("toolcall", "parse_tool_calls")
-_export("interactions", "Interaction", "InteractionCache", "interactions_to_batch")
-_export("agent", "OpenAIAgentWorkflow")
-_export("trainer.ppo.actor", "PPOActor")
-_export("utils.functional", "ppo_token_loss")
+_export("kit.checks", "check_cases")
+_export("kit.launch", "launch_server", "ServerHandle", "choose_backend")
 _export(
     "kit.plot",
     "plot_rewards",
@@ -137,8 +83,35 @@ _export(
     "plot_turns",
 )
 _export("kit.prepare", "prepare_all")
-_export("train", "TrainConfig", "train")
-_export("kit.checks", "check_cases")
+_export("kit.procs", "find_free_port", "find_free_ports", "ServerLaunchError")
+_export("kit.rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
+_export("kit.train", "TrainConfig", "train")
+_export("kit.viewer", "show_trajectory", "trajectory_to_text", "trajectory_to_html")
+_export("reward.gsm8k", "gsm8k_reward_fn")
+_export("reward.math_answer", "extract_answer", "math_equal", "answer_reward")
+_export("reward.search_qa", "normalize_answer", "f1_score", "exact_match")
+_export("utils.data", "cycle_dataloader", "concat_padded_tensors")
+_export("utils.dataloader", "make_dataloader")
+_export("utils.device", "pick_device")
+_export("utils.functional", "discounted_returns", "ppo_token_loss")
+_export("utils.hf_utils", "chat_prompt_ids", "chat_turn_fragments")
+_export("utils.model_store", "prepare_model", "resolve_model_path", "build_tiny_model", "load_tokenizer")
+_export(
+    "utils.search_tool",
+    "parse_search_query",
+    "parse_answer",
+    "parse_boxed",
+    "parse_access_url",
+    "format_search_results",
+    "call_search_tool",
+    "SearchToolError",
+)
+_export("utils.trajectory", "check_trajectory", "TrajectoryError", "TrajectoryBuilder", "Segment")
+_export("workflow.grouped", "GroupedWorkflow")
+_export("workflow.multi_turn_feedback", "MultiTurnFeedbackWorkflow")
+_export("workflow.reflection", "ReflectionWorkflow")
+_export("workflow.rlvr", "RLVRWorkflow")
+_export("workflow.search_agent", "SearchAgentWorkflow", "PROMPT_TEMPLATE")
 
 __all__ = sorted(_EXPORTS)
 
@@ -149,7 +122,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'areal_lite' has no attribute {name!r}")
     mod = importlib.import_module(f".{module}", __name__)
     # Bind every export of that module now. Importing a submodule also sets the package attribute of the same
-    # name (`areal_lite.train` the module), which would shadow an export called like it (`train` the function).
+    # name (`areal_lite.kit.train` the module), which would shadow an export called like it (`train` the function).
     for other, where in _EXPORTS.items():
         if where == module:
             globals()[other] = getattr(mod, other)

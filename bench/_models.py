@@ -12,10 +12,10 @@ import tempfile
 
 def bench_model_path(name: str) -> str:
     if name != "tiny":
-        from areal_lite.models import resolve_model_path
+        from areal_lite.utils.model_store import resolve_model_path
 
         return resolve_model_path(name)
-    from areal_lite.models import build_tiny_model
+    from areal_lite.utils.model_store import build_tiny_model
 
     folder = os.path.join(tempfile.gettempdir(), "areal-lite-bench", "tiny-256x4")
     return build_tiny_model(folder, seed=0, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2)

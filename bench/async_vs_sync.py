@@ -3,7 +3,7 @@
     .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2-135m-instruct|PATH] [--steps 8]
         [--max-new-tokens 48] [--etas 1 2] [--threads 1]
 
-The same model, data, workflow, batch and step count run through `areal_lite.train.train` three (or more) times,
+The same model, data, workflow, batch and step count run through `areal_lite.kit.train.train` three (or more) times,
 one after the other: synchronous (`rollout_batch`, eta = 0), then asynchronous (`prepare_batch`) with each eta.
 Server and trainer each get `--threads` torch threads (1 + 1 on a 2-core machine) in every mode.
 From the synchronous run's phase times, g = generation and t = training (logp + update + weight sync) per step:
@@ -37,12 +37,13 @@ from areal_lite.api.cli_args import (  # noqa: E402
     OptimizerConfig,
     PPOActorConfig,
 )
-from areal_lite.train import TrainConfig, train  # noqa: E402
-from areal_lite.workflow import GroupedWorkflow, TokenRangeWorkflow  # noqa: E402
+from areal_lite.kit.train import TrainConfig, train  # noqa: E402
+from areal_lite.workflow.grouped import GroupedWorkflow  # noqa: E402
+from areal_lite.workflow.token_range import TokenRangeWorkflow  # noqa: E402
 
 
 def run(path: str, args, eta: int, async_training: bool, root: str) -> list[dict]:
-    from areal_lite.models import load_tokenizer
+    from areal_lite.utils.model_store import load_tokenizer
 
     G = args.group_size
     g = GenerationHyperparameters(n_samples=G, max_new_tokens=args.max_new_tokens, temperature=1.0)

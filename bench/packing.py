@@ -7,7 +7,7 @@ where the loss needs them.
 Same rows, same model, same loss (sum of next-token log-probs on the response tokens), one after the other:
 1. `padded`: rows in dataset order, `--rows-per-mb` rows per micro-batch, each padded to its longest row, with an
    attention mask (what a trainer without packing does);
-2. `packed`: `areal_lite.trainer.ppo.actor`'s own path: rows grouped first-fit-decreasing under a token budget,
+2. `packed`: `areal_lite.engine.fsdp_engine`'s own path: rows grouped first-fit-decreasing under a token budget,
    unpadded and concatenated into one row per micro-batch with restarting position ids (block-diagonal causal
    attention);
 3. `policy`: `packed`, but the LM head runs only at positions that predict a response token (what the actor's
@@ -35,7 +35,9 @@ import torch  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 from areal_lite.api.cli_args import MicroBatchSpec, PPOActorConfig  # noqa: E402
-from areal_lite.trainer.ppo.actor import PPOActor, next_token_logp, split_into_microbatches  # noqa: E402
+from areal_lite.engine.fsdp_engine import FSDPPPOActor  # noqa: E402
+from areal_lite.engine.fsdp_utils.packing import split_into_microbatches  # noqa: E402
+from areal_lite.utils.functional import next_token_logp  # noqa: E402
 
 
 def ragged_batch(rows: int, vocab: int, max_len: int, seed: int = 0) -> dict:
@@ -73,7 +75,7 @@ def run_padded(model, batch, rows_per_mb: int) -> float:
     return time.perf_counter() - t
 
 
-def run_packed(actor: PPOActor, batch, budget: int, policy_only: bool = False) -> float:
+def run_packed(actor: FSDPPPOActor, batch, budget: int, policy_only: bool = False) -> float:
     valid = batch["attention_mask"]
     lengths = [int(valid[i].sum()) for i in range(valid.shape[0])]
     t = time.perf_counter()
@@ -102,7 +104,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     path = bench_model_path(args.model)
-    actor = PPOActor(PPOActorConfig(path=path, device="cpu", threads=args.threads)).initialize()
+    actor = FSDPPPOActor(PPOActorConfig(path=path, device="cpu", threads=args.threads)).initialize()
     model = actor.model
     batch = ragged_batch(args.rows, model.config.vocab_size, args.max_len)
     real = int(batch["attention_mask"].sum())

@@ -8,7 +8,7 @@ from is in the top-k; stricter, since other passages may hold the answer). BM25 
 dense runs over a subset, every passage of a few random countries (embedding all ~76k passages takes many
 minutes on a CPU), with BM25 measured on the same subset beside it. Embeddings are cached, so a second run is fast.
 
-The corpus and QA come from `areal_lite.data` (`build_factbook_corpus`, `build_factbook_qa`):
+The corpus and QA come from `areal_lite.dataset.factbook` (`build_factbook_corpus`, `build_factbook_qa`):
 passages "Country. Section - Field: text", questions on capitals, currencies, official languages
 and regions, each with its gold passage id.
 """
@@ -26,13 +26,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from areal_lite.data import build_factbook_corpus, build_factbook_qa  # noqa: E402
+from areal_lite.dataset.factbook import build_factbook_corpus, build_factbook_qa  # noqa: E402
 from areal_lite.kit.rag import build_index, load_corpus  # noqa: E402
-from areal_lite.reward import normalize_answer  # noqa: E402
+from areal_lite.reward.search_qa import normalize_answer  # noqa: E402
 
 
 def load_factbook() -> tuple[str, list[dict], list[dict]]:
-    """(corpus JSONL path, corpus rows, QA items) built (and cached) by areal_lite.data."""
+    """(corpus JSONL path, corpus rows, QA items) built (and cached) by areal_lite.dataset.factbook."""
     corpus_path = build_factbook_corpus()
     with open(build_factbook_qa(), encoding="utf-8") as f:
         qa = [json.loads(line) for line in f if line.strip()]
@@ -61,7 +61,7 @@ def _fmt(r: dict, k: int) -> str:
 
 
 def by_template(qa: list[dict]) -> dict[str, list[dict]]:
-    """QA items grouped by question template (areal_lite.data ids look like "capital-fr")."""
+    """QA items grouped by question template (areal_lite.dataset.factbook ids look like "capital-fr")."""
     groups: dict[str, list[dict]] = {}
     for item in qa:
         groups.setdefault(str(item.get("id", "all")).split("-")[0], []).append(item)

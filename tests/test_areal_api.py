@@ -22,8 +22,8 @@ import nbformat
 import pytest
 
 import areal_lite
-from areal_lite import areal_compat
-from areal_lite.areal_compat import AREAL_NAMES, AREAL_VERSION, KIT_ONLY, register_with_areal, to_areal_cell
+from areal_lite.kit import areal_compat
+from areal_lite.kit.areal_compat import AREAL_NAMES, AREAL_VERSION, KIT_ONLY, register_with_areal, to_areal_cell
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "*.ipynb")))
@@ -55,7 +55,7 @@ METHODS = {
     "GenerationHyperparameters": ["new", "new_with_stop_and_pad_token_ids"],
     "WeightUpdateMeta": ["with_version"],
     "ModelRequest": ["copy"],
-    "PPOActor": [
+    "FSDPPPOActor": [
         "initialize",
         "create_process_group",
         "connect_engine",
@@ -181,18 +181,32 @@ def _cells(path):
     return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
 
 
-def _kit_imports(source: str) -> list[str]:
-    names = []
+def _kit_imports(source: str) -> list[tuple[str, str]]:
+    """(module, name) of every `from areal_lite... import name` in a cell."""
+    found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module == "areal_lite" and node.level == 0:
-            names += [a.name for a in node.names]
-    return names
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "areal_lite":
+            found += [(node.module, a.name) for a in node.names]
+    return found
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_every_kit_name_a_notebook_imports_is_listed(path):
-    unlisted = sorted({n for src in _cells(path) for n in _kit_imports(src) if n not in AREAL_NAMES | KIT_ONLY})
-    assert not unlisted, f"list these in areal_lite.areal_compat (AREAL_NAMES or KIT_ONLY): {unlisted}"
+    names = {n for src in _cells(path) for m, n in _kit_imports(src) if m.split(".")[:2] != ["areal_lite", "kit"]}
+    unlisted = sorted(n for n in names if n not in AREAL_NAMES | KIT_ONLY)
+    assert not unlisted, f"list these in areal_lite.kit.areal_compat (AREAL_NAMES or KIT_ONLY): {unlisted}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_a_notebook_imports_areal_names_from_their_areal_path(path):
+    """A cell converts by its prefix alone: every name with an AReaL twin is imported from `areal_lite.<P>`, and AReaL
+    1.0.4 defines the same name at `areal.<P>`."""
+    for module, name in {i for src in _cells(path) for i in _kit_imports(src)}:
+        if name not in AREAL_NAMES:
+            continue
+        assert module != "areal_lite", f"import {name} from its AReaL-shaped path ({AREAL_NAMES[name]}), not the root"
+        areal_module = "areal" + module[len("areal_lite") :]
+        assert hasattr(importlib.import_module(areal_module), name), f"AReaL's {areal_module} has no {name}"
 
 
 def _import_lines(source: str) -> set[int]:
@@ -223,12 +237,22 @@ def test_areal_version_of_every_cell_differs_only_in_imports(path):
 
 
 def test_to_areal_cell_rewrites_imports_only():
-    source = "from areal_lite import ModelRequest, launch_server\nreq = ModelRequest(input_ids=[1])\n"
-    out = to_areal_cell(source)
-    assert out.splitlines() == [
-        "from areal.api.io_struct import ModelRequest",
+    source = (
+        "from areal_lite.api.io_struct import ModelRequest\n"
+        "from areal_lite.reward.math_answer import answer_reward\n"
+        "from areal_lite import GRPOConfig, launch_server\n"
+        "from areal_lite.kit.areal_compat import to_areal_cell\n"
+        "req = ModelRequest(input_ids=[1])\n"
+    )
+    assert to_areal_cell(source).splitlines() == [
+        "from areal.api.io_struct import ModelRequest",  # the prefix swapped
+        "from areal_lite.reward.math_answer import answer_reward",  # kit-only: kept
+        "from areal.api.cli_args import GRPOConfig",  # from the root: to its AReaL module
         "from areal_lite import launch_server",
+        "from areal_lite.kit.areal_compat import to_areal_cell",  # the kit package: kept
         "req = ModelRequest(input_ids=[1])",
     ]
     with pytest.raises(KeyError, match="neither AREAL_NAMES nor KIT_ONLY"):
         to_areal_cell("from areal_lite import not_a_listed_name\n")
+    with pytest.raises(KeyError, match="neither AREAL_NAMES nor KIT_ONLY"):
+        to_areal_cell("from areal_lite.utils.data import not_a_listed_name\n")

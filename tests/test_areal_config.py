@@ -1,4 +1,4 @@
-"""Every YAML in configs/ becomes an AReaL 1.0.4 config through `areal_lite.areal_config` (the one documented
+"""Every YAML in configs/ becomes an AReaL 1.0.4 config through `areal_lite.kit.areal_config` (the one documented
 step), AReaL's own `load_expr_config` loads it, the shared values are the kit's, and nothing is dropped silently.
 """
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from areal_lite.api.cli_args import load_expr_config
-from areal_lite.areal_config import to_areal_config
-from areal_lite.train import TrainConfig
+from areal_lite.kit.areal_config import to_areal_config
+from areal_lite.kit.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -72,7 +72,7 @@ def test_cli_writes_an_areal_yaml(tmp_path):
         [
             sys.executable,
             "-m",
-            "areal_lite.areal_config",
+            "areal_lite.kit.areal_config",
             os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"),
             "-o",
             str(out),
@@ -91,9 +91,14 @@ def test_cli_writes_an_areal_yaml(tmp_path):
 def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
     """What notebook 07 does with notebook 04's cells, on a small workflow cell: the script imports under AReaL (its
     workflow is an AReaL RolloutWorkflow, its imports rewritten) and AReaL loads the YAML written beside it."""
-    from areal_lite.areal_compat import export_areal_experiment
+    from areal_lite.kit.areal_compat import export_areal_experiment
 
-    imports = "import torch\n\nfrom areal_lite import ModelRequest, RolloutWorkflow, concat_padded_tensors\n"
+    imports = (
+        "import torch\n\n"
+        "from areal_lite.api.io_struct import ModelRequest\n"
+        "from areal_lite.api.workflow_api import RolloutWorkflow\n"
+        "from areal_lite.utils.data import concat_padded_tensors\n"
+    )
     agent = (
         "class EchoAgent(RolloutWorkflow):\n"
         "    def __init__(self, tokenizer, gconfig, greeting):\n"
@@ -114,7 +119,7 @@ def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
     )
     script = open(paths["script"]).read()
     assert "from areal.api.io_struct import ModelRequest" in script
-    assert "from areal.api import RolloutWorkflow" in script
+    assert "from areal.api.workflow_api import RolloutWorkflow" in script
     assert "from areal.utils.data import concat_padded_tensors" in script and "from areal_lite" not in script
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]); import echo_areal as m\n"

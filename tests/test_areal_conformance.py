@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from areal_lite import check_trajectory, concat_padded_tensors
-from areal_lite.areal_compat import register_with_areal
+from areal_lite.kit.areal_compat import register_with_areal
 
 G = 2  # group size
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from areal_lite.api.cli_args import NormConfig
-from areal_lite.trainer.ppo.actor import normalize
+from areal_lite.utils.functional import normalize
 
 LEVELS = ["batch", "group", "none"]
 SETTINGS = [
@@ -70,7 +70,7 @@ def _batch(seed, B=4, L=9):
 
 
 def _ours(logp0, prox, behav, adv, mask, **kw):
-    from areal_lite.trainer.ppo.actor import ppo_token_loss
+    from areal_lite.utils.functional import ppo_token_loss
 
     logp = logp0.clone().requires_grad_(True)
     per_token, _ = ppo_token_loss(logp, prox, behav, adv, mask, **kw)
@@ -130,7 +130,7 @@ def test_decoupled_loss_without_a_cap_differs_from_areal_by_the_behaviour_weight
 def test_kl_estimates_equal_areals_clamp_included(estimator):
     from areal.utils.data import KLEstimator
 
-    from areal_lite.trainer.ppo.actor import kl_estimate
+    from areal_lite.utils.functional import kl_estimate
 
     g = torch.Generator().manual_seed(7)
     logp = -torch.rand(64, generator=g) * 20  # differences up to 20 nats: the [-10, 10] clamp matters
@@ -149,7 +149,7 @@ def _advantages_both_sides(loss_mask, attention_mask, rewards):
     from areal.trainer.ppo.actor import PPOActor as AReaLPPOActor
 
     from areal_lite.api.cli_args import PPOActorConfig
-    from areal_lite.trainer.ppo.actor import PPOActor
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
 
     B, L = loss_mask.shape
     batch = dict(
@@ -173,7 +173,9 @@ def _advantages_both_sides(loss_mask, attention_mask, rewards):
     )
     theirs = AReaLPPOActor(theirs_cfg, engine=None)._compute_advantages(dict(batch))["advantages"]
     ours_batch = dict(batch)
-    PPOActor(PPOActorConfig(path="unused", reward_norm=NormConfig(**norm), group_size=B)).compute_advantages(ours_batch)
+    FSDPPPOActor(PPOActorConfig(path="unused", reward_norm=NormConfig(**norm), group_size=B)).compute_advantages(
+        ours_batch
+    )
     # AReaL's position t holds the advantage of token t + 1 (rolled); the kit's holds token t's own
     return ours_batch["advantages"], torch.roll(theirs, shifts=1, dims=-1)
 
@@ -228,10 +230,10 @@ torch.save({"logp": logp, "weights": {n: t.detach().cpu().clone() for n, t in st
 def _kit_actor(tiny_model_path):
     from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig
     from areal_lite.api.io_struct import FinetuneSpec
-    from areal_lite.trainer.ppo.actor import PPOActor
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
 
     opt = OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=1e9)
-    actor = PPOActor(
+    actor = FSDPPPOActor(
         PPOActorConfig(
             path=tiny_model_path,
             dtype="float32",
@@ -264,7 +266,7 @@ def _run_areal(tiny_model_path, batch, tmp_path):
     import subprocess
     import sys
 
-    from areal_lite.kit.launch import find_free_port
+    from areal_lite.kit.procs import find_free_port
 
     path, out = tmp_path / "batch.pt", tmp_path / "areal.pt"
     torch.save(batch, path)

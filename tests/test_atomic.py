@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from areal_lite import atomic
-from areal_lite.atomic import atomic_dir, atomic_file, recover_dir, recover_dirs
-from areal_lite.train import _latest_checkpoint, save_checkpoint
+from areal_lite.kit.train import _latest_checkpoint, save_checkpoint
+from areal_lite.utils import atomic
+from areal_lite.utils.atomic import atomic_dir, atomic_file, recover_dir, recover_dirs
 
 
 def write(name: str, text: str):
@@ -100,7 +100,7 @@ class _Loader:
 
 
 class _Actor:
-    """Writes a checkpoint the way PPOActor.save does (a folder), or fails half way."""
+    """Writes a checkpoint the way FSDPPPOActor.save does (a folder), or fails half way."""
 
     def __init__(self, text: str, fail: bool = False):
         self.text, self.fail = text, fail

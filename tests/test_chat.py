@@ -1,4 +1,4 @@
-"""The OpenAI-compatible chat endpoint (`areal_lite.chat`), driven by the official `openai` SDK.
+"""The OpenAI-compatible chat endpoint (`experimental.openai.proxy.server`), driven by the official `openai` SDK.
 
 Against the kit's real embedded server on the tiny model: models, completions, `n > 1`, streaming, 20+ malformed
 bodies (each a 4xx in OpenAI's error shape, the server still serving), pause/resume, token exactness over three
@@ -21,9 +21,9 @@ import requests
 import torch
 
 from areal_lite import GenerationHyperparameters, ModelResponse, check_trajectory
-from areal_lite.agent import OpenAIAgentWorkflow
-from areal_lite.chat import ChatServer
-from areal_lite.chat_protocol import ChatRequestError, parse_chat_request
+from areal_lite.experimental.openai.proxy.protocol import ChatRequestError, parse_chat_request
+from areal_lite.experimental.openai.proxy.server import ChatServer
+from areal_lite.experimental.openai.proxy.workflow import OpenAIAgentWorkflow
 
 # ------------------------------------------------------------------------------------------------ protocol (pure)
 
@@ -429,7 +429,7 @@ def test_openai_agents_sdk_runs_a_tool_agent_against_the_endpoint(tok, streamed)
 
 
 def test_workflow_rolls_out_groups_and_trains_one_grpo_step(engine, tok, tiny_model_path):
-    from areal_lite import OptimizerConfig, PPOActor, PPOActorConfig, concat_padded_tensors
+    from areal_lite import FSDPPPOActor, OptimizerConfig, PPOActorConfig, concat_padded_tensors
 
     wf = OpenAIAgentWorkflow(CountingAgent(), tok, GenerationHyperparameters(max_new_tokens=6))
     try:
@@ -443,7 +443,7 @@ def test_workflow_rolls_out_groups_and_trains_one_grpo_step(engine, tok, tiny_mo
     cfg = PPOActorConfig(
         path=tiny_model_path, device="cpu", threads=1, group_size=2, optimizer=OptimizerConfig(type="sgd", lr=1e-3)
     )
-    actor = PPOActor(cfg).initialize()
+    actor = FSDPPPOActor(cfg).initialize()
     try:
         batch["prox_logp"] = actor.compute_logp(batch)
         actor.compute_advantages(batch)

@@ -22,9 +22,12 @@ import torch
 
 from areal_lite.api.cli_args import EmbeddedServerConfig, GenerationHyperparameters, InferenceEngineConfig
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
-from areal_lite.engine.sglang_remote import ADDRS_ENV, EngineError, RemoteSGLangEngine
-from areal_lite.kit.launch import find_free_port, launch_server
-from areal_lite.trajectory import check_trajectory, concat_padded_tensors
+from areal_lite.engine.sglang_remote import RemoteSGLangEngine
+from areal_lite.infra.remote_inf_engine import ADDRS_ENV, EngineError
+from areal_lite.kit.launch import launch_server
+from areal_lite.kit.procs import find_free_port
+from areal_lite.utils.data import concat_padded_tensors
+from areal_lite.utils.trajectory import check_trajectory
 
 PROMPT = [11, 523, 97, 1402, 36, 2210]
 

@@ -247,7 +247,8 @@ def test_search_loop_check_rejects_a_wrong_loop(search_ns, mistake):
 # ---------------------------------------------------------------------------------------------- 03: the agent
 # Four exercises in order: RLVR workflow, reflection workflow, grouped wrapper, advantages + loss. Each check compares
 # the learner's code with the package's; here the server is a scripted engine (real ModelResponses, replies in turn,
-# a short sleep so that concurrent episodes really overlap) and the trainer a PPOActor that only computes advantages.
+# a short sleep so that concurrent episodes really overlap) and the trainer an FSDPPPOActor that
+# only computes advantages.
 
 WRONG_AGENT = {
     0: {  # MyRLVRWorkflow
@@ -332,7 +333,7 @@ def agent_ns(smollm_path):
     """What notebook 03 has defined before its first exercise, with the scripted engine and a small actor."""
     import torch
 
-    from areal_lite import GenerationHyperparameters, NormConfig, PPOActor, PPOActorConfig, load_tokenizer
+    from areal_lite import FSDPPPOActor, GenerationHyperparameters, NormConfig, PPOActorConfig, load_tokenizer
 
     G = 2
     cells = code_cells(AGENT)
@@ -345,7 +346,7 @@ def agent_ns(smollm_path):
         "rows": AGENT_ROWS,
         "data": iter([AGENT_ROWS] * 100),
         "engine": ScriptedReplies(tokenizer),
-        "actor": PPOActor(
+        "actor": FSDPPPOActor(
             PPOActorConfig(
                 group_size=G, reward_norm=NormConfig("group", "group"), adv_norm=NormConfig("batch", "batch")
             )

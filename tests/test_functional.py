@@ -12,17 +12,8 @@ import math
 import pytest
 import torch
 
-import areal_lite.trainer.ppo.actor as actor
 from areal_lite.api.cli_args import NormConfig
 from areal_lite.utils import functional as fn
-
-
-def test_actor_reexports_the_same_functions():
-    # Notebooks and tests import the formulas from areal_lite.trainer.ppo.actor: they must be these very objects.
-    for name in ("normalize", "kl_estimate", "next_token_logp", "ppo_token_loss", "grpo_advantages", "KL_CLAMP"):
-        assert getattr(actor, name) is getattr(fn, name)
-    assert actor._entropy is fn.entropy and actor._turn_runs is fn.turn_runs
-    assert actor._scatter_next_token_logp is fn.scatter_next_token_logp
 
 
 def test_next_token_logp_is_the_shift_and_scatter_agrees():

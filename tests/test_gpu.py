@@ -19,7 +19,8 @@ from test_serve import PROMPTS, forward_logprobs, generate
 
 from areal_lite.api.cli_args import EmbeddedServerConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import WeightUpdateMeta
-from areal_lite.trainer.ppo.actor import PPOActor, _init_custom_process_group
+from areal_lite.engine.fsdp_engine import FSDPPPOActor
+from areal_lite.engine.fsdp_utils.weights import init_custom_process_group
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,9 +34,9 @@ def cuda():
 
 def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, vocab, tmp_path):
     batch = make_batch(vocab, B=6, seed=3)
-    cpu = PPOActor(PPOActorConfig(path=tiny_model_path, device="cpu", dtype="float32", threads=1)).initialize()
+    cpu = FSDPPPOActor(PPOActorConfig(path=tiny_model_path, device="cpu", dtype="float32", threads=1)).initialize()
     want = cpu.compute_logp(batch)
-    actor = PPOActor(
+    actor = FSDPPPOActor(
         PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-3))
     ).initialize()
     assert next(actor.model.parameters()).is_cuda and next(actor.model.parameters()).dtype == torch.bfloat16
@@ -87,7 +88,7 @@ def test_embedded_server_on_cuda_logprobs_equal_forward_pass(tiny_model_path):
 def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path, tmp_path):
     import torch.distributed as dist
 
-    from areal_lite.kit.launch import find_free_port
+    from areal_lite.kit.procs import find_free_port
 
     addr = f"tcp://127.0.0.1:{find_free_port()}"
     script = tmp_path / "receiver.py"
@@ -99,7 +100,7 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
     )
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "received"
-    actor = PPOActor(PPOActorConfig(path=tiny_model_path, device="cuda:0")).initialize()
+    actor = FSDPPPOActor(PPOActorConfig(path=tiny_model_path, device="cuda:0")).initialize()
     with torch.no_grad():
         for p in actor.model.parameters():
             p.add_(0.01)  # weights the receiver does not have yet
@@ -107,7 +108,7 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
         [sys.executable, str(script), addr, tiny_model_path, str(out)], env=env, stderr=subprocess.PIPE, text=True
     )
     try:
-        group = _init_custom_process_group("nccl", addr, world_size=2, rank=0, group_name="weights")
+        group = init_custom_process_group("nccl", addr, world_size=2, rank=0, group_name="weights")
         actor._broadcast_params(group)
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
         dist.destroy_process_group(group)

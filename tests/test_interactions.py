@@ -1,4 +1,4 @@
-"""The interaction cache (`areal_lite.interactions`) and the agent workflow (`areal_lite.agent`).
+"""The interaction cache (`experimental.openai.cache`) and the agent workflow (`...openai.proxy.workflow`).
 
 The cache is checked on hand-built interactions (rewards, discount, tree, rows) and, where AReaL 1.0.4 is installed,
 against AReaL's own `InteractionCache`. The workflow runs real agents written with the official `openai` SDK
@@ -14,9 +14,9 @@ import asyncio
 import pytest
 
 from areal_lite import GenerationHyperparameters, ModelResponse, check_trajectory
-from areal_lite.agent import OpenAIAgentWorkflow
-from areal_lite.interactions import Interaction, InteractionCache, interactions_to_batch
-from areal_lite.workflow import GroupedWorkflow
+from areal_lite.experimental.openai.cache import Interaction, InteractionCache, interactions_to_batch
+from areal_lite.experimental.openai.proxy.workflow import OpenAIAgentWorkflow
+from areal_lite.workflow.grouped import GroupedWorkflow
 
 # ------------------------------------------------------------------------------------------------ hand-built cache
 

@@ -15,14 +15,8 @@ import psutil
 import pytest
 
 from areal_lite.api.cli_args import EmbeddedServerConfig, GRPOConfig, SGLangConfig
-from areal_lite.kit.launch import (
-    ENV_ADDRS,
-    ServerLaunchError,
-    choose_backend,
-    find_free_port,
-    find_free_ports,
-    launch_server,
-)
+from areal_lite.kit.launch import ENV_ADDRS, choose_backend, launch_server
+from areal_lite.kit.procs import ServerLaunchError, find_free_port, find_free_ports
 
 
 def alive(pid: int) -> bool:
@@ -51,7 +45,7 @@ def test_the_launched_command_carries_every_config_option(tiny_model_path, monke
     import dataclasses
 
     from areal_lite.kit.launch import _embedded_cmd
-    from areal_lite.kit.serve import parse_args
+    from areal_lite.kit.serve.cli import parse_args
 
     monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
     config = cfg("ignored", max_prefill_tokens=123, return_original_logprob=True, decode_log_interval=5)

@@ -1,4 +1,4 @@
-"""Tests for areal_lite.models: the tiny offline Qwen2, the SmolLM2 GGUF conversion, path resolution, devices."""
+"""utils.model_store and utils.device: the tiny offline Qwen2, the SmolLM2 GGUF conversion, path resolution, devices."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from areal_lite import models
-from areal_lite.models import (
+from areal_lite.utils import model_store as models
+from areal_lite.utils.device import pick_device
+from areal_lite.utils.model_store import (
     MARKER,
     TAG_TOKENS,
     build_tiny_model,
     build_tiny_tokenizer,
     load_tokenizer,
-    pick_device,
     prepare_model,
     resolve_model_path,
 )
@@ -85,7 +85,7 @@ def test_tiny_build_is_deterministic_across_processes(tiny_model_path, tmp_path)
     # The session fixture built seed 0 in this process; rebuild it in a fresh interpreter (different hash seed).
     other = tmp_path / "again"
     proc = _run_python(
-        f"from areal_lite.models import build_tiny_model; build_tiny_model({str(other)!r}, seed=0)",
+        f"from areal_lite.utils.model_store import build_tiny_model; build_tiny_model({str(other)!r}, seed=0)",
         {"PYTHONHASHSEED": "12345"},
     )
     out, err = proc.communicate(timeout=300)
@@ -202,7 +202,7 @@ def fresh_smollm(tmp_path_factory):
     cache = tmp_path_factory.mktemp("areal-cache")
     code = """
         import json
-        from areal_lite import models
+        from areal_lite.utils import model_store as models
         convert = models.MODEL_REGISTRY["smollm2-135m-instruct"]
         ran = []
         models.MODEL_REGISTRY["smollm2-135m-instruct"] = lambda out: (ran.append(1), convert(out))
@@ -301,7 +301,7 @@ def test_pick_device():
 
 
 def test_set_torch_threads_is_capped_by_omp_num_threads(monkeypatch):
-    from areal_lite.models import set_torch_threads
+    from areal_lite.utils.device import set_torch_threads
 
     before = torch.get_num_threads()
     try:

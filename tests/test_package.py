@@ -34,10 +34,10 @@ def test_import_is_light():
 
 
 def test_export_named_like_its_module_is_the_function():
-    """`from areal_lite import train` is the function even after `areal_lite.train` (the module) was imported."""
+    """`from areal_lite import train` is the function even after `areal_lite.kit.train` (the module) was imported."""
     code = (
         "import sys\nfrom areal_lite import TrainConfig\nfrom areal_lite import train\n"
-        "print(callable(train) and train is sys.modules['areal_lite.train'].train)"
+        "print(callable(train) and train is sys.modules['areal_lite.kit.train'].train)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
@@ -48,16 +48,23 @@ def test_export_named_like_its_module_is_the_function():
 PACKAGE = os.path.dirname(os.path.abspath(areal_lite.__file__))
 
 # What AReaL 1.0.4 has no counterpart of: the embedded server and vLLM's worker extension, the RAG server, the
-# launcher and its child processes, the servers' JSON errors, plots, notebook checks, preparation and the demo.
-KIT_MODULES = ["serve", "vllm_ext", "rag", "launch", "procs", "jsonhttp", "plot", "checks", "prepare", "demo"]
-
-# The modules outside the kit that import from it (module -> kit modules it imports): everything else outside
-# `areal_lite/kit/` stands without the kit. `train` starts the server and plots the run; `chat` answers errors as the
-# other servers do. The package's `__init__` re-exports kit names lazily and is not counted.
-IMPORTS_OF_KIT = {
-    "areal_lite.chat": {"areal_lite.kit.jsonhttp"},
-    "areal_lite.train": {"areal_lite.kit.launch", "areal_lite.kit.plot"},
-}
+# launcher and its child processes, plots, the trajectory viewer, notebook checks, preparation, the demo, the CPU
+# training script and the bridge to AReaL (cell conversion, config export).
+KIT_MODULES = [
+    "serve",
+    "vllm_ext",
+    "rag",
+    "launch",
+    "procs",
+    "plot",
+    "viewer",
+    "checks",
+    "prepare",
+    "demo",
+    "train",
+    "areal_compat",
+    "areal_config",
+]
 
 
 def _modules():
@@ -101,15 +108,17 @@ def test_kit_only_modules_live_in_the_kit_package():
     assert kit_exports <= {f"kit.{m}" for m in KIT_MODULES}, kit_exports
 
 
-def test_outside_the_kit_only_the_listed_modules_import_it():
+def test_nothing_outside_the_kit_imports_it():
+    """The kit is built on the AReaL-shaped modules, never the reverse: every module outside `areal_lite/kit/` stands
+    without it (the package's `__init__` re-exports kit names lazily and is not counted)."""
     found = {}
     for name, is_pkg, tree in _modules():
         if name == "areal_lite" or name == "areal_lite.kit" or name.startswith("areal_lite.kit."):
             continue
-        kit = {m for m in _imported(name, is_pkg, tree) if m.startswith("areal_lite.kit.") and m.count(".") == 2}
+        kit = {m for m in _imported(name, is_pkg, tree) if m.startswith("areal_lite.kit.")}
         if kit:
             found[name] = kit
-    assert found == IMPORTS_OF_KIT, "a module outside the kit imports it: move it into the kit or list it here"
+    assert not found, f"modules outside the kit import it (move them into the kit): {found}"
 
 
 def test_no_import_cycles():
@@ -146,36 +155,31 @@ def _areal_has(dotted: str) -> bool:
     return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
 
 
-def test_modules_at_areal_paths_define_areal_names():
-    """`from areal_lite.X import N` converts to AReaL by the prefix alone: for every kit module outside `kit/` whose
-    path exists in AReaL, each `AREAL_NAMES` entry that names that AReaL module is defined at the kit's same path."""
-    from areal_lite.areal_compat import AREAL_NAMES
+def test_every_areal_name_is_defined_at_its_areal_path_in_the_kit():
+    """`from areal_lite.<P> import N` converts to AReaL by the prefix alone: every name with an AReaL twin
+    (`AREAL_NAMES[N] == "areal.<P>"`) is defined at `areal_lite.<P>`, and the package root exports it from there."""
+    from areal_lite.kit.areal_compat import AREAL_NAMES
 
-    by_module: dict[str, set[str]] = {}
-    for name, target in AREAL_NAMES.items():
-        module, _, _other = target.partition(":")
-        by_module.setdefault(module, set()).add(name)
-    checked = set()
-    for name, _is_pkg, _tree in _modules():
-        if name == "areal_lite" or name == "areal_lite.kit" or name.startswith("areal_lite.kit."):
-            continue
-        areal_name = "areal" + name[len("areal_lite") :]
-        if not _areal_has(areal_name):
-            continue
-        for n in by_module.get(areal_name, ()):
-            assert hasattr(importlib.import_module(name), n), f"{n} is AReaL's {areal_name}.{n}: define it in {name}"
-            checked.add(n)
-    # the kit modules that mirror AReaL's paths cover these (a regression test for the layout, not a wish list)
-    assert {"GRPOConfig", "ModelRequest", "RolloutWorkflow", "RemoteSGLangEngine", "RemotevLLMEngine"} <= checked
+    for name, areal_module in AREAL_NAMES.items():
+        kit = "areal_lite" + areal_module[len("areal") :]
+        assert _is_module(kit), f"{name} is AReaL's {areal_module}.{name}: the kit has no module {kit}"
+        assert hasattr(importlib.import_module(kit), name), (
+            f"{name} is AReaL's {areal_module}.{name}: define it in {kit}"
+        )
+        assert areal_lite._EXPORTS[name] == kit[len("areal_lite.") :], f"`from areal_lite import {name}`: export {kit}"
+
+
+def test_the_top_level_holds_only_packages():
+    """The tree shows the architecture: AReaL's roles (api, engine, workflow, ...) and the kit, no loose modules."""
+    loose = [f for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py"]
+    assert not loose, f"move these into the package of their role: {loose}"
+    roles = {d for d in os.listdir(PACKAGE) if _is_module(f"areal_lite.{d}")}
+    assert roles - {"kit"} <= {d for d in roles if _areal_has(f"areal.{d}")}, "a role package AReaL does not have"
 
 
 def test_areal_names_exist_at_the_same_path_in_areal():
-    """The other half: for those kit modules, AReaL 1.0.4 defines the same names at the same path."""
-    from areal_lite.areal_compat import AREAL_NAMES
+    """The other half: AReaL 1.0.4 defines each of those names at that path."""
+    from areal_lite.kit.areal_compat import AREAL_NAMES
 
-    for name, target in AREAL_NAMES.items():
-        module, _, other = target.partition(":")
-        kit = "areal_lite" + module[len("areal") :]
-        if other or not _is_module(kit):
-            continue
+    for name, module in AREAL_NAMES.items():
         assert hasattr(importlib.import_module(module), name), f"AReaL's {module} has no {name}"

@@ -1,4 +1,4 @@
-"""areal_lite.packing: packed rows, the packed forward, and AReaL's list of trajectories <-> one batch.
+"""engine.fsdp_utils.packing: packed rows, the packed forward, and AReaL's list of trajectories <-> one batch.
 
 (Micro-batch splitting and packed log-probs equal to per-sequence ones are checked in test_actor.py.)
 """
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import areal_lite.trainer.ppo.actor as actor
-from areal_lite import packing
+from areal_lite.engine.fsdp_utils import packing
 
 
 def _batch():
@@ -18,12 +17,6 @@ def _batch():
         "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool),
         "x": torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 0.5, 9.0, 9.0], [0.6, 0.7, 0.8, 0.9]]),
     }
-
-
-def test_actor_reexports():
-    assert actor.split_into_microbatches is packing.split_into_microbatches
-    assert actor.packed_sdpa_attention is packing.packed_sdpa_attention and actor.PACKED_SDPA == "packed_sdpa"
-    assert actor._join is packing.join_trajectories and actor._split is packing.split_trajectories
 
 
 def test_pack_rows_unpads_and_restarts_positions():

@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from areal_lite.data import build_factbook_corpus
+from areal_lite.dataset.factbook import build_factbook_corpus
 from areal_lite.kit.rag import MAX_BODY_BYTES, MAX_QUERIES, build_index, launch_rag_server, load_corpus
-from areal_lite.tools import SearchToolError, call_search_tool
+from areal_lite.utils.search_tool import SearchToolError, call_search_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

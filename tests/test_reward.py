@@ -1,4 +1,5 @@
-"""Tests for areal_lite.reward: extraction, math equivalence, F1/EM, and the process-pool wrapper."""
+"""areal_lite.reward (math_answer, gsm8k, search_qa): extraction, math equivalence, F1/EM, the process-pool
+wrapper."""
 
 import asyncio
 import os
@@ -9,15 +10,9 @@ import psutil
 import pytest
 
 from areal_lite.api.reward_api import AsyncRewardWrapper
-from areal_lite.reward import (
-    areal_gsm8k_reward_fn,
-    exact_match,
-    extract_answer,
-    f1_score,
-    gsm8k_reward_fn,
-    math_equal,
-    normalize_answer,
-)
+from areal_lite.reward.gsm8k import gsm8k_reward_fn
+from areal_lite.reward.math_answer import answer_reward, extract_answer, math_equal
+from areal_lite.reward.search_qa import exact_match, f1_score, normalize_answer
 
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -180,12 +175,12 @@ def test_math_equal_off_main_thread():
     ],
 )
 def test_gsm8k_reward_fn(completion, answer, expected):
-    assert gsm8k_reward_fn(completion, answer) == expected
+    assert answer_reward(completion, answer) == expected
 
 
 def test_areal_signature_adapter():
-    assert areal_gsm8k_reward_fn("prompt", "\\boxed{72}", [1, 2], [3], GSM8K_SOLUTION, extra=1) == 1.0
-    assert areal_gsm8k_reward_fn("prompt", "\\boxed{7}", [1, 2], [3], answer=GSM8K_SOLUTION) == 0.0
+    assert gsm8k_reward_fn("prompt", "\\boxed{72}", [1, 2], [3], GSM8K_SOLUTION, extra=1) == 1.0
+    assert gsm8k_reward_fn("prompt", "\\boxed{7}", [1, 2], [3], answer=GSM8K_SOLUTION) == 0.0
 
 
 # ----------------------------------------------------------------------------- F1 / EM
@@ -396,7 +391,7 @@ def test_wrapper_runs_real_reward_inside_running_loop():
             await w("The answer is 72", GSM8K_SOLUTION),
         ]
 
-    with AsyncRewardWrapper(gsm8k_reward_fn, timeout_seconds=10) as w:
+    with AsyncRewardWrapper(answer_reward, timeout_seconds=10) as w:
         assert asyncio.run(go(w)) == [1.0, 0.0, 1.0]
         assert w.stats["errors"] == 0
 
@@ -526,7 +521,7 @@ def test_last_number_reads_latex_fractions_whole(text, expected):
 
 
 def test_latex_fraction_completion_is_rewarded():
-    assert gsm8k_reward_fn(r"She has $\frac{144}{2}$ clips", "#### 72") == 1.0
+    assert answer_reward(r"She has $\frac{144}{2}$ clips", "#### 72") == 1.0
 
 
 UNGUARDED_SCRIPT = """

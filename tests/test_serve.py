@@ -16,18 +16,11 @@ import pytest
 import torch
 
 from areal_lite.api.cli_args import EmbeddedServerConfig
-from areal_lite.kit.serve import (
-    BadRequest,
-    GenerationState,
-    RunningBatch,
-    SamplingParams,
-    build_parser,
-    parse_args,
-    parse_generate_body,
-    sample_tokens,
-)
-from areal_lite.kit.serve.batch import prefill_distinct, prefill_groups
-from areal_lite.kit.serve.sampling import RowSeeds, draw
+from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
+from areal_lite.kit.serve.cli import build_parser, parse_args
+from areal_lite.kit.serve.protocol import GenerationState, SamplingParams, parse_generate_body
+from areal_lite.kit.serve.sampling import RowSeeds, draw, sample_tokens
+from areal_lite.utils.jsonhttp import BadRequest
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
 
@@ -257,7 +250,7 @@ def test_stop_strings_stop_ids_and_length(server, tiny):
     assert out["meta_info"]["completion_tokens"] >= 3 and ids[0] not in out["output_ids"][:3]
 
     # EOS: the ChatML end token is a stop id (a random model rarely samples it, so check the set itself)
-    from areal_lite.kit.serve import eos_ids
+    from areal_lite.kit.serve.weights import eos_ids
 
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos_ids(tiny[0], tok)
 

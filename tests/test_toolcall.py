@@ -1,4 +1,5 @@
-"""Hermes tool calls (`areal_lite.toolcall`) and the token-exact chat template (`areal_lite.chat_template`).
+"""Hermes tool calls (`experimental.openai.tool_call_parser`) and the token-exact chat template
+(`experimental.openai.chat_template`).
 
 Parsing is checked on hand-written completions (the model's output is under our control only as text); the template
 on SmolLM2's real tokenizer, whose plain ChatML template ignores `tools` and so exercises the Hermes rewriting.
@@ -10,8 +11,8 @@ import json
 
 import pytest
 
-from areal_lite.chat_template import ChatTemplate
-from areal_lite.toolcall import (
+from areal_lite.experimental.openai.chat_template import ChatTemplate
+from areal_lite.experimental.openai.tool_call_parser import (
     hermes_messages,
     native_tool_messages,
     parse_tool_calls,

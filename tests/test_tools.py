@@ -1,4 +1,4 @@
-"""Tests for areal_lite.tools: tag parsers (example- and property-based), the results block, client errors."""
+"""areal_lite.utils.search_tool: tag parsers (example- and property-based), the results block, client errors."""
 
 import asyncio
 import socket
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_lite.tools import (
+from areal_lite.utils.search_tool import (
     SearchToolError,
     call_search_tool,
     format_search_results,

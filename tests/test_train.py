@@ -38,8 +38,10 @@ from areal_lite.api.cli_args import (
     SaverConfig,
     load_expr_config,
 )
-from areal_lite.train import TrainConfig, main, train
-from areal_lite.workflow import GroupedWorkflow, TokenRangeWorkflow, chat_prompt_ids
+from areal_lite.kit.train import TrainConfig, main, train
+from areal_lite.utils.hf_utils import chat_prompt_ids
+from areal_lite.workflow.grouped import GroupedWorkflow
+from areal_lite.workflow.token_range import TokenRangeWorkflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LO, HI = 100, 1124
@@ -77,7 +79,7 @@ def make_config(tmp_path, tiny_model_path, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
-    from areal_lite.models import load_tokenizer
+    from areal_lite.utils.model_store import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
 
@@ -215,7 +217,7 @@ def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer
 
 
 def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_path, capsys):
-    """`python -m areal_lite.train --config configs/arith_grpo_demo.yaml ...` (in-process), then --resume."""
+    """`python -m areal_lite.kit.train --config configs/arith_grpo_demo.yaml ...` (in-process), then --resume."""
     demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
     args = [
         "--config",

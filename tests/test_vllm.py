@@ -31,9 +31,10 @@ import torch
 
 from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, vLLMConfig
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
-from areal_lite.engine.sglang_remote import EngineError, RemoteSGLangEngine
+from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.engine.vllm_client import VLLMClient
 from areal_lite.engine.vllm_remote import RemotevLLMEngine
+from areal_lite.infra.remote_inf_engine import EngineError
 from areal_lite.kit.launch import _vllm_python, launch_server
 from areal_lite.kit.procs import ServerLaunchError
 
@@ -90,7 +91,7 @@ def tokenizer(smollm_path):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from areal_lite.workflow import chat_prompt_ids
+    from areal_lite.utils.hf_utils import chat_prompt_ids
 
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
 

@@ -22,11 +22,12 @@ from aiohttp import web
 
 from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, load_expr_config, vLLMConfig
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
-from areal_lite.engine.sglang_remote import EngineError, RemoteSGLangEngine
+from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.engine.vllm_client import RELOAD_METHOD, VLLMClient, completion_body, parse_completion
 from areal_lite.engine.vllm_remote import RemotevLLMEngine
+from areal_lite.infra.remote_inf_engine import EngineError
 from areal_lite.kit import launch
-from areal_lite.kit.launch import ServerLaunchError, find_free_port
+from areal_lite.kit.procs import ServerLaunchError, find_free_port
 
 PROMPT = [5, 6, 7]
 HELD = 3  # tokens a "hold-*" request generates before it waits to be aborted

@@ -1,4 +1,4 @@
-"""areal_lite.weights: version folders, pruning, clean-up, NCCL metadata, checkpoints.
+"""areal_lite.engine.fsdp_utils.weights: version folders, pruning, clean-up, NCCL metadata, checkpoints.
 
 The actor's use of them (loadable folders, FSDP, the gloo broadcast, a save/load round trip) is checked in
 test_actor.py; here each piece on its own, with a small model and no actor.
@@ -13,9 +13,8 @@ import random
 import pytest
 import torch
 
-import areal_lite.trainer.ppo.actor as actor
-from areal_lite import weights
 from areal_lite.api.io_struct import WeightUpdateMeta
+from areal_lite.engine.fsdp_utils import weights
 
 
 def _write(text: str):
@@ -29,11 +28,6 @@ def _write(text: str):
 def _read(d: str) -> str:
     with open(os.path.join(d, "f.txt")) as f:
         return f.read()
-
-
-def test_actor_reexports():
-    assert actor._init_custom_process_group is weights.init_custom_process_group
-    assert actor._remove_weight_dirs is weights.remove_weight_dirs
 
 
 def test_versions_are_swapped_in_pruned_and_removed_on_close(tmp_path):

@@ -24,19 +24,16 @@ from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineCo
 from areal_lite.api.io_struct import ModelRequest, ModelResponse
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
-from areal_lite.trajectory import TrajectoryError, check_trajectory, concat_padded_tensors, trajectory_segments
-from areal_lite.workflow import (
-    PROMPT_TEMPLATE,
-    REFLECTION_PROMPT,
-    GroupedWorkflow,
-    MultiTurnFeedbackWorkflow,
-    ReflectionWorkflow,
-    RLVRWorkflow,
-    SearchAgentWorkflow,
-    chat_prompt_ids,
-    chat_turn_fragments,
-    discounted_returns,
-)
+from areal_lite.kit.viewer import trajectory_segments
+from areal_lite.utils.data import concat_padded_tensors
+from areal_lite.utils.functional import discounted_returns
+from areal_lite.utils.hf_utils import chat_prompt_ids, chat_turn_fragments
+from areal_lite.utils.trajectory import TrajectoryError, check_trajectory
+from areal_lite.workflow.grouped import GroupedWorkflow
+from areal_lite.workflow.multi_turn_feedback import MultiTurnFeedbackWorkflow
+from areal_lite.workflow.reflection import REFLECTION_PROMPT, ReflectionWorkflow
+from areal_lite.workflow.rlvr import RLVRWorkflow
+from areal_lite.workflow.search_agent import PROMPT_TEMPLATE, SearchAgentWorkflow
 
 # ---------------------------------------------------------------------------------------------- reward functions
 # Module-level so worker processes can import them. AReaL's signature: (prompt, completions, prompt_ids,
@@ -292,9 +289,9 @@ def test_rlvr_direct_episode(tok, engine, rewards):
 
 
 def test_rlvr_through_rollout_batch_with_real_reward(tok, engine):
-    from areal_lite.reward import areal_gsm8k_reward_fn
+    from areal_lite.reward.gsm8k import gsm8k_reward_fn
 
-    wf = RLVRWorkflow(areal_gsm8k_reward_fn, _gconfig(), tok)
+    wf = RLVRWorkflow(gsm8k_reward_fn, _gconfig(), tok)
     data = [{"messages": _msgs(f"What is {i} + 1?"), "answer": f"#### {i + 1}"} for i in range(3)]
     batch = concat_padded_tensors(engine.rollout_batch(data, workflow=wf))
     assert batch["input_ids"].shape[0] == 3 and batch["rewards"].shape == (3,)
@@ -422,7 +419,7 @@ def test_grouped_reflection_through_rollout_batch(tok, engine, rewards):
 
 
 def test_multi_turn_feedback_turn_level_returns(tok, engine, rewards, tmp_path):
-    from areal_lite.workflow import FEEDBACK_WRONG
+    from areal_lite.workflow.multi_turn_feedback import FEEDBACK_WRONG
 
     wf = MultiTurnFeedbackWorkflow(rewards["nth"], _gconfig(), tok, num_turns=4, turn_discount=0.5)
     data = {"messages": _msgs(), "answer": f"{tmp_path / 'calls'}|3"}  # wrong, wrong, correct -> stop
@@ -440,7 +437,7 @@ def test_multi_turn_feedback_turn_level_returns(tok, engine, rewards, tmp_path):
 
 
 def test_multi_turn_feedback_seed_mode_runs_all_turns(tok, engine, rewards):
-    from areal_lite.workflow import FEEDBACK_CORRECT
+    from areal_lite.workflow.multi_turn_feedback import FEEDBACK_CORRECT
 
     wf = MultiTurnFeedbackWorkflow(
         rewards["one"], _gconfig(), tok, num_turns=2, turn_discount=0.9, stop_on_correct=False

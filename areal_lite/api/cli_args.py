@@ -586,7 +586,7 @@ def resolve_profile(requested: str) -> tuple[str, str]:
 
 # Kit defaults that differ from AReaL 1.0.4's, with AReaL's value and why the kit keeps its own (a one-machine run,
 # no reference model by default). `load_expr_config` prints the ones a config leaves at the kit default;
-# `areal_lite.areal_config` writes the kit's value explicitly into the AReaL YAML; tests/test_areal_config.py checks
+# `areal_lite.kit.areal_config` writes the kit's value explicitly into the AReaL YAML; tests/test_areal_config.py checks
 # this table against the installed AReaL, and that it is complete.
 AREAL_DEFAULT_DIFFERENCES: Dict[str, tuple] = {
     "actor.dtype": ("bfloat16", "CPUs train in float32"),

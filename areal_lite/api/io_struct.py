@@ -125,7 +125,7 @@ class WeightUpdateMeta:
     meta and use `dir_for(get_version() + 1)`. The trainer writes a temporary folder and renames it into place, so a
     reader never sees half a checkpoint, and deletes versions older than `keep_last`.
     "xccl" (AReaL's name) and "nccl" both mean a GPU broadcast; the NCCL fields at the end are filled by
-    `PPOActor.prepare_nccl_meta`.
+    `FSDPPPOActor.prepare_nccl_meta`.
     """
 
     type: str

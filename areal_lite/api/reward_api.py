@@ -63,7 +63,7 @@ def _mp_context():
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
         # Only takes effect before the forkserver starts; harmless otherwise.
-        ctx.set_forkserver_preload(["areal_lite.api.reward_api", "areal_lite.reward", "math_verify"])
+        ctx.set_forkserver_preload(["areal_lite.api.reward_api", "areal_lite.reward.math_answer", "math_verify"])
         return ctx
     return multiprocessing.get_context("spawn")
 

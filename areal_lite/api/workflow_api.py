@@ -19,7 +19,7 @@ TensorDict = Dict[str, "torch.Tensor"]
 class RolloutWorkflow(abc.ABC):
     """Base class: one episode per call. Subclasses implement `arun_episode` (AReaL's abstract method).
 
-    An abstract base class, like AReaL's: `areal_lite.areal_compat.register_with_areal()` registers it as a virtual
+    An abstract base class, like AReaL's: `areal_lite.kit.areal_compat.register_with_areal()` registers it as a virtual
     subclass of `areal.api.RolloutWorkflow`, so AReaL's engine accepts every kit workflow.
     """
 

@@ -90,7 +90,9 @@ def resolve_workflow(workflow: Any, workflow_kwargs: Optional[dict], group_size:
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     if group_size > 1:
-        from areal_lite.workflow import GroupedWorkflow  # the workflow module never imports the executor: no cycle
+        from areal_lite.workflow.grouped import (
+            GroupedWorkflow,  # the workflow module never imports the executor: no cycle
+        )
 
         # AReaL's rule: group_size decides, whatever the workflow's gconfig.n_samples says
         workflow = GroupedWorkflow(workflow, group_size=group_size, check_n_samples=False)
@@ -98,12 +100,12 @@ def resolve_workflow(workflow: Any, workflow_kwargs: Optional[dict], group_size:
 
 
 def _rows_of(batch: Any) -> List[Any]:
-    """A dataloader batch must be a list of rows (areal_lite.data collates that way)."""
+    """A dataloader batch must be a list of rows (`areal_lite.utils.dataloader` collates that way)."""
     if isinstance(batch, (list, tuple)):
         return list(batch)
     raise TypeError(
         f"prepare_batch: the dataloader yielded a {type(batch).__name__}; it must yield lists of rows "
-        "(use areal_lite.data.make_dataloader or collate_fn=lambda rows: rows)"
+        "(use areal_lite.utils.dataloader.make_dataloader or collate_fn=lambda rows: rows)"
     )
 
 

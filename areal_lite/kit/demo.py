@@ -8,7 +8,7 @@ runs in its own process; the trainer runs here. Greedy accuracy on the 25 held-o
 after, and the reward curve is saved as a PNG.
 
 Design decisions
-- The demo is `areal_lite.train.train` with `configs/arith_grpo_demo.yaml`; nothing here is demo-only logic.
+- The demo is `areal_lite.kit.train.train` with `configs/arith_grpo_demo.yaml`; nothing here is demo-only logic.
 - It runs synchronously: on two cores generation and training take turns, so each process may use both cores
   (`embedded.threads=2`, `actor.threads=2`). The asynchronous variant (`async_training=true`, one thread each)
   is compared in `bench/async_vs_sync.py`.
@@ -39,8 +39,7 @@ def config_path() -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from areal_lite.api.cli_args import load_expr_config
-
-    from ..train import TrainConfig, train
+    from areal_lite.kit.train import TrainConfig, train
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config, _ = load_expr_config(["--config", config_path(), *argv], TrainConfig)

@@ -203,7 +203,7 @@ def _vllm_env(env: dict, cfg: vLLMConfig, model_path: str, on_cpu: bool, tp_size
 def _server_threads(threads: int) -> Optional[str]:
     """OMP_NUM_THREADS of a CPU server process: its config's count capped by the launcher's own OMP_NUM_THREADS
     (a cap, not overridden: `make test` runs two notebooks on two cores); None (inherit) for torch's default."""
-    from areal_lite.models import capped_threads
+    from areal_lite.utils.device import capped_threads
 
     return str(capped_threads(threads)) if threads > 0 else None
 
@@ -254,7 +254,7 @@ def launch_server(
         raise ValueError(f"no model path: pass model_path= or set {field}")
     port = port or find_free_port(host)
     if chosen == "sglang":
-        from areal_lite.models import resolve_model_path
+        from areal_lite.utils.model_store import resolve_model_path
 
         cmd = SGLangConfig.build_cmd(cfg, tp_size=tp_size, base_gpu_id=base_gpu_id, host=host, port=port,
                                      model_path=resolve_model_path(path))  # fmt: skip
@@ -262,7 +262,7 @@ def launch_server(
     elif chosen == "vllm":
         import torch
 
-        from areal_lite.models import resolve_model_path
+        from areal_lite.utils.model_store import resolve_model_path
 
         path = resolve_model_path(path)
         on_cpu = not torch.cuda.is_available()

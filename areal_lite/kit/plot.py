@@ -150,7 +150,7 @@ def plot_rewards(
     """Mean rollout reward per step (points + smoothed line), and a held-out evaluation curve.
 
     The evaluation comes from `evals`, (updates done, value) pairs such as `[(0, before), (len(history), after)]`,
-    or else from the rows' `eval_accuracy` keys as `python -m areal_lite.train` writes them (greedy accuracy).
+    or else from the rows' `eval_accuracy` keys as `python -m areal_lite.kit.train` writes them (greedy accuracy).
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)

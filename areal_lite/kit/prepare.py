@@ -12,8 +12,8 @@ import time
 
 
 def prepare_all(model: str = "smollm2-135m-instruct", data: bool = True, verbose: bool = True) -> dict:
-    from ..data import build_factbook_corpus, build_factbook_qa_splits
-    from ..models import prepare_model
+    from areal_lite.dataset.factbook import build_factbook_corpus, build_factbook_qa_splits
+    from areal_lite.utils.model_store import prepare_model
 
     done = {}
     tik = time.perf_counter()

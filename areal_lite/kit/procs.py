@@ -60,7 +60,7 @@ __all__ = [
     "exit_with_parent",
 ]
 
-logger = logging.getLogger("areal_lite.procs")
+logger = logging.getLogger(__name__)
 
 
 class ServerLaunchError(RuntimeError):

@@ -18,7 +18,7 @@ Design decisions:
   corpus takes minutes: `--max-dense-docs N` serves only the first N rows. Embeddings are cached
   as .npy under `--index-cache` keyed by a hash of the served passages + model, so a restart is free.
 - The server is aiohttp on 127.0.0.1 by default. Retrieval is CPU work and runs on one worker
-  thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.kit.jsonhttp`,
+  thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.utils.jsonhttp`,
   as the inference server's do: JSON `{"error": msg}` with a 4xx status (405 for a wrong method,
   404 for an unknown route, 413 for a body over 1 MiB), and the server stays up. Unknown request
   keys are refused: a typo like `top_k` would otherwise silently give 3 results.
@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from areal_lite.kit.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
 from areal_lite.kit.procs import ServerProcess, exit_with_parent, find_free_port, spawn
+from areal_lite.utils.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
 
 __all__ = [
     "load_corpus",
@@ -64,7 +64,7 @@ __all__ = [
     "main",
 ]
 
-logger = logging.getLogger("areal_lite.rag")
+logger = logging.getLogger(__name__)
 
 MAX_QUERIES = 512
 MAX_TOPK = 100

@@ -3,7 +3,7 @@
 These are the lines a notebook shows and a learner copies into their own trainer, so each is a function of tensors
 and plain numbers only, and each is tested on its own against float64 loops (`tests/test_functional.py`,
 `tests/test_actor.py`) and, where AReaL has the same formula, against AReaL 1.0.4 (`tests/test_areal_maths.py`).
-`PPOActor` (`actor.py`) only gathers the tensors and calls them. AReaL keeps its formulas in
+`FSDPPPOActor` (`actor.py`) only gathers the tensors and calls them. AReaL keeps its formulas in
 `areal.utils.functional`, hence the module's name.
 
 Conventions the formulas leave open, and why
@@ -36,7 +36,7 @@ Conventions the formulas leave open, and why
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from areal_lite.api.cli_args import NormConfig
 
 __all__ = [
+    "discounted_returns",
     "KL_CLAMP",
     "normalize",
     "kl_estimate",
@@ -289,4 +290,14 @@ def normalize_turn_returns(
     for i, row_runs in enumerate(runs):
         for k, (s, e) in enumerate(row_runs):
             out[i, s:e] = normed[i, k]
+    return out
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> List[float]:
+    """Turn-level returns `G_k = r_k + gamma * G_{k+1}` (last turn: `G = r`)."""
+    out = [0.0] * len(rewards)
+    running = 0.0
+    for k in reversed(range(len(rewards))):
+        running = float(rewards[k]) + gamma * running
+        out[k] = running
     return out

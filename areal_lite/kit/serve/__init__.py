@@ -22,7 +22,6 @@ The package, from the wire inwards:
 No prefix cache: `cached_tokens` is always 0 and `/flush_cache` has nothing to drop.
 """
 
-from areal_lite.kit.jsonhttp import BadRequest
 from areal_lite.kit.serve.app import ServerState, build_app
 from areal_lite.kit.serve.batch import RunningBatch
 from areal_lite.kit.serve.cli import build_parser, main, parse_args
@@ -37,6 +36,7 @@ from areal_lite.kit.serve.protocol import (
 from areal_lite.kit.serve.sampling import sample_tokens
 from areal_lite.kit.serve.scheduler import Scheduler
 from areal_lite.kit.serve.weights import eos_ids
+from areal_lite.utils.jsonhttp import BadRequest
 
 __all__ = [
     "BadRequest",

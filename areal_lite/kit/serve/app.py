@@ -1,7 +1,7 @@
 """The HTTP side of the server: aiohttp routes with SGLang's paths, request and response shapes.
 
 Design decisions
-- Handlers are thin: read the body (`areal_lite.kit.jsonhttp`), validate it (`protocol`), hand the work to the
+- Handlers are thin: read the body (`areal_lite.utils.jsonhttp`), validate it (`protocol`), hand the work to the
   `Scheduler` and wait on its future, render the answer (`protocol`). They run on the event loop and never touch
   the model, so a long decode never blocks a health check or a pause.
 - One error contract for every route, shared with the kit's other server (`jsonhttp.json_errors_middleware`): a bad
@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from areal_lite.kit.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
 from areal_lite.kit.serve.protocol import (
     DEFAULT_WEIGHT_VERSION,
     GenerationState,
@@ -38,8 +37,9 @@ from areal_lite.kit.serve.protocol import (
     render_generate_response,
 )
 from areal_lite.kit.serve.scheduler import Scheduler
+from areal_lite.utils.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
 
-log = logging.getLogger("areal_lite.serve")
+log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a batch of long prompts as JSON token ids is large; aiohttp's default is 1 MiB
 

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from areal_lite.api.cli_args import EmbeddedServerConfig
 
-log = logging.getLogger("areal_lite.serve")
+log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 
 DESCRIPTION = "A small SGLang-compatible generation server: continuous batching with a KV cache, on CPU or one GPU."
 # Fields the server cannot run without; the config leaves them empty for the launcher to fill in.
@@ -185,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from areal_lite.models import set_torch_threads
+    from areal_lite.utils.device import set_torch_threads
 
     args.threads = set_torch_threads(args.threads)  # OMP_NUM_THREADS caps it; the scheduler thread uses this count
     return asyncio.run(_serve(args))

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from areal_lite.kit.jsonhttp import BadRequest, describe
+from areal_lite.utils.jsonhttp import BadRequest, describe
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"

@@ -52,7 +52,7 @@ from areal_lite.kit.serve.protocol import (
 from areal_lite.kit.serve.sampling import RowSeeds, sample_and_append
 from areal_lite.kit.serve.weights import eos_ids, update_weights_from_disk
 
-log = logging.getLogger("areal_lite.serve")
+log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 
 COUNTERS = (
     "max_running_batch", "decode_steps", "prefill_batches", "prompt_tokens", "generated_tokens", "finished_requests",

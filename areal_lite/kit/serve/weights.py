@@ -20,15 +20,16 @@ import torch
 
 from areal_lite.kit.serve.protocol import WeightUpdate
 
-log = logging.getLogger("areal_lite.serve")
+log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 
 
 def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]:
-    """Load tokenizer + model (aliases resolved through areal_lite.models). Returns (model, tokenizer, path)."""
+    """Load tokenizer + model (aliases resolved by utils.model_store). Returns (model, tokenizer, path)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from areal_lite.models import pick_device, resolve_model_path
+    from areal_lite.utils.device import pick_device
+    from areal_lite.utils.model_store import resolve_model_path
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

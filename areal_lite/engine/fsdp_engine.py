@@ -4,12 +4,12 @@ Method names follow AReaL-lite's `FSDPPPOActor` (`initialize`, `compute_logp`, `
 `ppo_update`, `step_lr_scheduler`, `update_weights`/`upload_weights`, `set_version`, `get_version`, `save`,
 `load`, `destroy`) so a notebook cell reads the same in both projects.
 
-`PPOActor` orchestrates; the parts it orchestrates live in three modules, each stating its own design decisions:
-- `functional.py`: the formulas (normalisation, KL estimates, the shift from logits to per-token log-probs, the PPO
-  loss, GRPO advantages), pure tensor functions tested against float64 loops;
-- `packing.py`: rows packed into one sequence, micro-batch splitting, the packed sdpa attention;
-- `weights.py`: publishing weights (disk versions, NCCL broadcast) and actor checkpoints.
-Their names stay importable from this module, where notebooks, tests and benches have always imported them.
+`FSDPPPOActor` orchestrates; the parts it orchestrates live in three modules, each stating its own design decisions:
+- `utils/functional.py`: the formulas (normalisation, KL estimates, the shift from logits to per-token log-probs,
+  the PPO loss, GRPO advantages), pure tensor functions tested against float64 loops;
+- `fsdp_utils/packing.py`: rows packed into one sequence, micro-batch splitting, the packed sdpa attention;
+- `fsdp_utils/weights.py`: publishing weights (disk versions, NCCL broadcast) and actor checkpoints.
+Their names are imported from those modules, not from this one.
 
 Design decisions, and why
 - Batches. Every method takes one right-padded batch (a dict of [B, L] tensors) or AReaL's list of trajectories;
@@ -49,8 +49,7 @@ import torch
 
 from areal_lite.api.cli_args import NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-from areal_lite.packing import (
-    INT_KEYS,
+from areal_lite.engine.fsdp_utils.packing import (
     PACKED_SDPA,
     as_long,
     cast_long,
@@ -61,12 +60,21 @@ from areal_lite.packing import (
     split_into_microbatches,
     split_trajectories,
 )
-from areal_lite.packing import packed_sdpa_attention as packed_sdpa_attention  # re-exported
-from areal_lite.utils.functional import KL_CLAMP as KL_CLAMP  # re-exported
+from areal_lite.engine.fsdp_utils.weights import (
+    WeightPublisher,
+    broadcast_params,
+    fill_nccl_meta,
+    full_optimizer_state,
+    full_state_dict,
+    load_checkpoint,
+    require_cuda,
+    save_checkpoint,
+    weight_update_specs,
+    write_hf_folder,
+)
 from areal_lite.utils.functional import (
     entropy,
     grpo_advantages,
-    kl_estimate,
     kl_rewards,
     next_token_logp,
     normalize,
@@ -75,49 +83,9 @@ from areal_lite.utils.functional import (
     ppo_token_loss,
     scatter_next_token_logp,
     shape_rewards,
-    turn_runs,
-)
-from areal_lite.weights import (
-    TOKENIZER_PREFIXES,
-    WeightPublisher,
-    broadcast_params,
-    fill_nccl_meta,
-    full_optimizer_state,
-    full_state_dict,
-    init_custom_process_group,
-    load_checkpoint,
-    remove_weight_dirs,
-    require_cuda,
-    save_checkpoint,
-    weight_update_specs,
-    write_hf_folder,
 )
 
-__all__ = [
-    "PPOActor",
-    "normalize",
-    "kl_estimate",
-    "next_token_logp",
-    "ppo_token_loss",
-    "split_into_microbatches",
-    "grpo_advantages",
-]
-
-# Names this module defined before the formulas, packing and weight code moved out stay importable from it (tests,
-# tools and learners' code import them from here): the public ones through the `as` imports above, the private
-# ones under their old names below.
-_scatter_next_token_logp = scatter_next_token_logp
-_entropy = entropy
-_turn_runs = turn_runs
-_register_packed_sdpa = register_packed_sdpa
-_INT_KEYS = INT_KEYS
-_cast_long = cast_long
-_as_long = as_long
-_join = join_trajectories
-_split = split_trajectories
-_TOKENIZER_PREFIXES = TOKENIZER_PREFIXES
-_init_custom_process_group = init_custom_process_group
-_remove_weight_dirs = remove_weight_dirs
+__all__ = ["FSDPPPOActor"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -328,8 +296,8 @@ class _TrainEngine:
     teardown.
 
     AReaL splits its actor the same way (`FSDPPPOActor` is an `FSDPEngine` that hands the algorithm to a
-    `PPOActor`): what a PPO step computes then reads apart from how a model is held, sharded and shipped to the
-    servers. Only `PPOActor` is meant to be constructed.
+    `FSDPPPOActor`): what a PPO step computes then reads apart from how a model is held, sharded and shipped to the
+    servers. Only `FSDPPPOActor` is meant to be constructed.
     """
 
     def __init__(self, config: PPOActorConfig, ref_config: Optional[PPOActorConfig] = None):
@@ -369,11 +337,12 @@ class _TrainEngine:
             self._owns_process_group = True
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
 
-    def initialize(self, addr: Any = None, ft_spec: Optional[FinetuneSpec] = None) -> "PPOActor":
+    def initialize(self, addr: Any = None, ft_spec: Optional[FinetuneSpec] = None) -> "FSDPPPOActor":
         """Load the model, optimizer and LR schedule: AReaL's `initialize(None, ft_spec)` (or `ft_spec=` alone)."""
         if isinstance(addr, FinetuneSpec):
             addr, ft_spec = None, addr
-        from areal_lite.models import pick_device, resolve_model_path, set_torch_threads
+        from areal_lite.utils.device import pick_device, set_torch_threads
+        from areal_lite.utils.model_store import resolve_model_path
 
         cfg = self.config
         set_torch_threads(int(cfg.threads or 0))
@@ -599,7 +568,7 @@ class _TrainEngine:
 
     def _require_model(self) -> None:
         if self.model is None:
-            raise RuntimeError("PPOActor is not initialized: call actor.initialize(ft_spec) first")
+            raise RuntimeError("FSDPPPOActor is not initialized: call actor.initialize(ft_spec) first")
 
     def destroy(self) -> None:
         """Free the model and optimizer, remove the weight-update folders this actor wrote (checkpoints from `save`
@@ -614,7 +583,7 @@ class _TrainEngine:
             self._owns_process_group = False
 
 
-class PPOActor(_TrainEngine):
+class FSDPPPOActor(_TrainEngine):
     """PPO/GRPO trainer of a causal LM (one process, or FSDP2 under torchrun). See the module docstring.
 
     The methods here are the algorithm (log-probs, advantages, the PPO update and its micro-batch loop); set-up,
@@ -642,7 +611,7 @@ class PPOActor(_TrainEngine):
         """Log-probs under the reference model (same alignment as `compute_logp`)."""
         if self.ref_model is None:
             raise RuntimeError(
-                "no reference model: construct PPOActor(config, ref_config=...) or put ref_logp in the batch"
+                "no reference model: construct FSDPPPOActor(config, ref_config=...) or put ref_logp in the batch"
             )
         return self._logp_of(self.ref_model, batch)
 
@@ -706,7 +675,7 @@ class PPOActor(_TrainEngine):
         if "ref_logp" not in batch:
             if self.ref_model is None:
                 raise RuntimeError(
-                    "kl_ctl != 0 needs a reference: PPOActor(config, ref_config=...) or batch['ref_logp']"
+                    "kl_ctl != 0 needs a reference: FSDPPPOActor(config, ref_config=...) or batch['ref_logp']"
                 )
             batch["ref_logp"] = self.compute_ref_logp(batch)  # cached: a second call reads the same values
         # The old policy is the behaviour policy, or the proximal one without the decoupled loss (as AReaL does).

@@ -23,8 +23,8 @@ Design decisions
 - Sessions are named by the Bearer token (`api_key`) the client sends, as in AReaL's proxy: a workflow opens one
   per episode and hands its key to the agent, so concurrent episodes never mix. A request with an unknown key is
   refused (401): an unrecorded completion could not be trained on, and the refusal says how to open a session.
-- Recording and prompts: `areal_lite.chat_template` builds a turn that continues an earlier completion of the
-  session from its ids (no re-tokenization drift) and `areal_lite.interactions` stores each choice with its
+- Recording and prompts: `experimental.openai.chat_template` builds a turn that continues an earlier completion of the
+  session from its ids (no re-tokenization drift) and `areal_lite.experimental.openai.cache` stores each choice with its
   `ModelResponse`. `store=false` serves a request without recording it (AReaL's switch).
 - Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad bodies 400 (`chat_protocol`),
   unknown key 401, unknown route 404, wrong method 405, a prompt too long for `gconfig.max_tokens` 400
@@ -52,8 +52,9 @@ from typing import Any, Dict, List, Optional
 
 from areal_lite.api.cli_args import GenerationHyperparameters
 from areal_lite.api.io_struct import ModelRequest, ModelResponse
-
-from .chat_protocol import (
+from areal_lite.experimental.openai.cache import Interaction, InteractionCache
+from areal_lite.experimental.openai.chat_template import ChatTemplate
+from areal_lite.experimental.openai.proxy.protocol import (
     ChatRequest,
     ChatRequestError,
     ChoiceResult,
@@ -63,14 +64,12 @@ from .chat_protocol import (
     parse_chat_request,
     stream_events,
 )
-from .chat_template import ChatTemplate
-from .interactions import Interaction, InteractionCache
-from .kit.jsonhttp import json_errors_middleware, read_json
-from .toolcall import parse_tool_calls
+from areal_lite.experimental.openai.tool_call_parser import parse_tool_calls
+from areal_lite.utils.jsonhttp import json_errors_middleware, read_json
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
 
-logger = logging.getLogger("areal_lite.chat")
+logger = logging.getLogger(__name__)
 
 _ROUTES = "routes: POST /v1/chat/completions, GET /v1/models, GET /health"
 _STAT_KEYS = (

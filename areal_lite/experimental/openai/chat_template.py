@@ -19,7 +19,7 @@ Design decisions
   returns None and the caller renders the conversation afresh and counts a template mismatch.
 - Tools: a template that renders `tools` (Qwen2.5, Llama 3.1, Hermes) gets them natively. One that ignores them
   (SmolLM2's plain ChatML; detected by rendering a probe with and without a tool) gets the conversation rewritten
-  by `areal_lite.toolcall.hermes_messages`: the tool list in the system prompt in Hermes format, tool calls and
+  by `tool_call_parser.hermes_messages`: the tool list in the system prompt in Hermes format, tool calls and
   tool results as text. Either way the model is asked for `<tool_call>` blocks, which `parse_tool_calls` reads.
 - Stop tokens are the tokenizer's EOS and pad and the template's end-of-turn token, so a completion ends where an
   assistant message ends, whatever the model's generation config says.
@@ -30,9 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from areal_lite.workflow import chat_prompt_ids
-
-from .toolcall import hermes_messages, native_tool_messages
+from areal_lite.experimental.openai.tool_call_parser import hermes_messages, native_tool_messages
+from areal_lite.utils.hf_utils import chat_prompt_ids
 
 __all__ = ["ChatTemplate", "Continuation"]
 

@@ -1,16 +1,18 @@
 """Where the kit meets AReaL 1.0.4: which names move to AReaL, which are kit-only, and the one boundary call.
 
-A notebook cell copies into an AReaL 1.0.4 experiment by changing only its import lines. This module is the one
-place that says how:
+A notebook cell copies into an AReaL 1.0.4 experiment by changing only its import lines, by one rule: the package
+is laid out as AReaL's, so `from areal_lite.<path> import <name>` becomes `from areal.<path> import <name>`, except
+for the kit-only names listed here. This module is the one place that says which are which:
 
 - `AREAL_NAMES`: every kit name that has an AReaL 1.0.4 twin with the same name, signature, defaults and return
-  type, and the AReaL module it is imported from. `tests/test_areal_api.py` checks each against the installed
-  AReaL (the parameters AReaL declares come first, in its order, with its defaults; kit extras are keyword-only).
+  type, and its AReaL module, which is the kit's module with the prefix swapped. `tests/test_areal_api.py` checks
+  each against the installed AReaL (the parameters AReaL declares come first, in its order, with its defaults; kit
+  extras are keyword-only) and `tests/test_package.py` checks the paths.
 - `KIT_ONLY`: the kit's conveniences that AReaL does not have (launching a server in a notebook, packaged data,
   plots, viewers, the CPU trainer), each with what an AReaL experiment uses instead. A cell that uses one keeps
   importing it from `areal_lite` (`pip install areal-lite` beside `areal`) or swaps it for the AReaL way.
-- `to_areal_cell(source)`: rewrites a cell's `from areal_lite import ...` lines into AReaL imports (kit-only names
-  stay imported from the kit). Notebook 07 prints cells side by side with it and runs the AReaL version.
+- `to_areal_cell(source)`: that rule applied to a cell's import statements (kit-only names stay imported from the
+  kit). Notebook 07 prints cells side by side with it and runs the AReaL version.
 - `register_with_areal()`: AReaL's engine accepts only instances of `areal.api.RolloutWorkflow`. The kit's
   workflows derive from the kit's own base (the package never imports `areal`: importing it pulls in ray and its
   schedulers), so this registers that base as a virtual subclass of AReaL's (an ABC). Call it once in a process
@@ -25,7 +27,6 @@ failing workflow raises (AReaL logs the error and hands back an empty batch).
 from __future__ import annotations
 
 import ast
-import re
 from typing import Dict, Iterable, List
 
 __all__ = [
@@ -41,8 +42,8 @@ __all__ = [
 
 AREAL_VERSION = "1.0.4"
 
-# kit name -> AReaL module that defines the same name (imported as `from <module> import <name>`), or
-# "module:OtherName" where AReaL's class has another name (imported as `from module import OtherName as <name>`).
+# kit name -> the AReaL module that defines the same name: `areal.<path>` where the kit defines it at
+# `areal_lite.<path>` (tests/test_package.py checks that for every entry).
 AREAL_NAMES: Dict[str, str] = {
     # records passed between workflows, engine and trainer
     "ModelRequest": "areal.api.io_struct",
@@ -63,16 +64,17 @@ AREAL_NAMES: Dict[str, str] = {
     "BaseExperimentConfig": "areal.api.cli_args",
     "load_expr_config": "areal.api.cli_args",
     # workflows, rewards, engine, batches
-    "RolloutWorkflow": "areal.api",
-    "AsyncRewardWrapper": "areal.api",
+    "RolloutWorkflow": "areal.api.workflow_api",
+    "AsyncRewardWrapper": "areal.api.reward_api",
+    "gsm8k_reward_fn": "areal.reward.gsm8k",
     "RLVRWorkflow": "areal.workflow.rlvr",
     "RemoteSGLangEngine": "areal.engine.sglang_remote",
     "RemotevLLMEngine": "areal.engine.vllm_remote",
     "InteractionCache": "areal.experimental.openai.cache",
     "concat_padded_tensors": "areal.utils.data",
     "cycle_dataloader": "areal.utils.data",
-    # the trainer: same methods and call order as AReaL's FSDP actor (see PPOActor's docstring)
-    "PPOActor": "areal.engine.fsdp_engine:FSDPPPOActor",
+    # the trainer: same methods and call order as AReaL's FSDP actor (see FSDPPPOActor's docstring)
+    "FSDPPPOActor": "areal.engine.fsdp_engine",
 }
 
 # kit-only name -> what an AReaL 1.0.4 experiment does instead.
@@ -105,9 +107,8 @@ KIT_ONLY: Dict[str, str] = {
     "discounted_returns": "a three-line loop",
     "TrainConfig": "`areal.api.cli_args.GRPOConfig`",
     "train": "`areal.PPOTrainer(config, train_dataset).train(workflow)`",
-    "gsm8k_reward_fn": "a reward with AReaL's signature: `areal_gsm8k_reward_fn`",
     # rewards and tools: plain functions a cell calls (AReaL ships its own per-dataset rewards under areal.reward)
-    "areal_gsm8k_reward_fn": "`areal.reward.gsm8k.gsm8k_reward_fn` (same signature)",
+    "answer_reward": "`areal.reward.gsm8k.gsm8k_reward_fn` is the same check with AReaL's reward signature",
     "extract_answer": "part of `areal.reward` / math-verify",
     "math_equal": "part of `areal.reward` / math-verify",
     "f1_score": "write your own (the kit's counts tokens as a set or a multiset)",
@@ -131,30 +132,39 @@ KIT_ONLY: Dict[str, str] = {
     "check_cases": "a notebook exercise check; in tests, plain `assert` or pytest.approx",
 }
 
-_IMPORT_RE = re.compile(r"^from areal_lite import ", re.M)
+
+def _is_kit_import(node: ast.AST) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "areal_lite"
 
 
-def areal_import_lines(names: Iterable[str]) -> List[str]:
-    """AReaL 1.0.4 import lines for `names` (kit-only names are imported from `areal_lite`, as before)."""
-    by_module: Dict[str, List[str]] = {}
+def areal_import_lines(module: str, names: Iterable[str]) -> List[str]:
+    """The AReaL 1.0.4 version of `from <module> import <names>`, where `module` is `areal_lite` or under it.
+
+    The rule: a name with an AReaL twin moves to the same path with the prefix `areal_lite.` -> `areal.`
+    (`from areal_lite.api.cli_args import GRPOConfig` -> `from areal.api.cli_args import GRPOConfig`); imported from
+    the package root, it moves to its AReaL module (`AREAL_NAMES`). A kit-only name (`KIT_ONLY`, or anything
+    imported from `areal_lite.kit`) stays imported as it was.
+    """
+    moved: Dict[str, List[str]] = {}
+    kept: List[str] = []
+    in_kit = module == "areal_lite.kit" or module.startswith("areal_lite.kit.")
     for name in names:
-        target = AREAL_NAMES.get(name)
-        if target is None and name not in KIT_ONLY:
-            raise KeyError(f"{name!r} is in neither AREAL_NAMES nor KIT_ONLY: list it in areal_lite.areal_compat")
-        module, _, other = (target or "areal_lite").partition(":")
-        by_module.setdefault(module, []).append(f"{other} as {name}" if other else name)
-    lines = []
-    for module in sorted(by_module, key=lambda m: (m == "areal_lite", m)):
-        lines.append(f"from {module} import {', '.join(sorted(by_module[module]))}")
-    return lines
+        if name in KIT_ONLY or in_kit:
+            kept.append(name)
+        elif name in AREAL_NAMES:
+            target = AREAL_NAMES[name] if module == "areal_lite" else "areal" + module[len("areal_lite") :]
+            moved.setdefault(target, []).append(name)
+        else:
+            raise KeyError(f"{name!r} is in neither AREAL_NAMES nor KIT_ONLY: list it in areal_lite.kit.areal_compat")
+    lines = [f"from {target} import {', '.join(ns)}" for target, ns in moved.items()]
+    return lines + ([f"from {module} import {', '.join(kept)}"] if kept else [])
 
 
 def areal_object(name: str):
     """The AReaL 1.0.4 object that kit name `name` stands for (imports AReaL: heavy)."""
     import importlib
 
-    module, _, other = AREAL_NAMES[name].partition(":")
-    return getattr(importlib.import_module(module), other or name)
+    return getattr(importlib.import_module(AREAL_NAMES[name]), name)
 
 
 def _imported_names(node: ast.ImportFrom) -> List[str]:
@@ -165,18 +175,17 @@ def _imported_names(node: ast.ImportFrom) -> List[str]:
 
 
 def to_areal_cell(source: str) -> str:
-    """The AReaL 1.0.4 version of a notebook cell: its `from areal_lite import ...` statements rewritten.
-
-    Only import statements change; every other line is returned as it is (that is the claim the kit makes).
+    """The AReaL 1.0.4 version of a notebook cell: its `from areal_lite... import` statements rewritten by
+    `areal_import_lines`. Only import statements change; every other line is returned as it is (the kit's claim).
     """
-    if not _IMPORT_RE.search(source):
+    if "areal_lite" not in source:
         return source
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits = []  # (first line, last line, replacement), 1-based inclusive
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module == "areal_lite" and node.level == 0:
-            text = "".join(line + "\n" for line in areal_import_lines(_imported_names(node)))
+        if _is_kit_import(node):
+            text = "".join(line + "\n" for line in areal_import_lines(node.module, _imported_names(node)))
             edits.append((node.lineno, node.end_lineno, text))
     for first, last, text in reversed(edits):
         lines[first - 1 : last] = [text]
@@ -247,7 +256,7 @@ def export_areal_experiment(
     `cells`: notebook code cells (kit version) that define the workflow; they are written as `to_areal_cell` turns
     them (imports only). `workflow`: the class name they define. `workflow_kwargs`: Python source of the keyword
     dict given to it, evaluated in `main` where `config` (AReaL's GRPOConfig), `tokenizer` and `os` exist.
-    `config`: an AReaL config as a dict (from `areal_lite.areal_config`). `constants`: module-level values the cells
+    `config`: an AReaL config as a dict (from `areal_lite.kit.areal_config`). `constants`: module-level values the cells
     read (written with repr). Returns the three paths.
     """
     import json

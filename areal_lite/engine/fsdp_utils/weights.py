@@ -22,7 +22,7 @@ Design decisions, and why
   states are saved so that a resumed run continues exactly as the uninterrupted one would have.
 - Ranks. Gathering a full state is a collective every rank must call (`full_state_dict`, `full_optimizer_state`);
   writing files is rank 0's job. The functions here do one or the other and never synchronise: the caller
-  (`PPOActor`) calls them in that order and adds the barriers.
+  (`FSDPPPOActor`) calls them in that order and adds the barriers.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from typing import Any, Callable, Dict, List
 import torch
 
 from areal_lite.api.io_struct import WeightUpdateMeta
-
-from .atomic import atomic_dir
+from areal_lite.utils.atomic import atomic_dir
 
 __all__ = [
     "TOKENIZER_PREFIXES",

@@ -2,7 +2,7 @@
 
 Design decisions
 - Pure functions and dataclasses, no HTTP and no model (like `areal_lite.kit.serve.protocol`), so every rule is tested
-  without a server and the handler in `areal_lite.chat` stays thin.
+  without a server and the handler in `areal_lite.experimental.openai.proxy.server` stays thin.
 - A bad body raises `ChatRequestError`, which carries OpenAI's error fields (`message`, `param`, `code`, HTTP
   status); the server answers `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`. Messages
   say what was wrong and what to send instead.

@@ -1,4 +1,4 @@
-"""The whole GRPO training loop as one script: `python -m areal_lite.train --config FILE [key=value ...] [--resume]`.
+"""The GRPO training loop as one script: `python -m areal_lite.kit.train --config FILE [key=value ...] [--resume]`.
 
 The notebooks spell out the same loop cell by cell; `train(config)` runs it in-process (tests, the demo) and returns
 the per-step statistics. One step:
@@ -54,9 +54,8 @@ import torch
 
 from areal_lite.api.cli_args import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-
-from .atomic import atomic_dir, recover_dirs
-from .trajectory import concat_padded_tensors
+from areal_lite.utils.atomic import atomic_dir, recover_dirs
+from areal_lite.utils.data import concat_padded_tensors
 
 __all__ = ["TrainConfig", "train", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
 
@@ -86,9 +85,9 @@ class TrainConfig(GRPOConfig):
 def resolve_reward(name: str) -> Callable:
     """`gsm8k` (also for arithmetic: both end in '#### N') or `package.module:function`."""
     if name in ("gsm8k", "arith", "math"):
-        from areal_lite.reward import areal_gsm8k_reward_fn
+        from areal_lite.reward.gsm8k import gsm8k_reward_fn
 
-        return areal_gsm8k_reward_fn
+        return gsm8k_reward_fn
     if ":" not in name:
         raise ValueError(f"reward must be 'gsm8k' or 'module:function', got {name!r}")
     module, fn = name.split(":", 1)
@@ -97,7 +96,10 @@ def resolve_reward(name: str) -> Callable:
 
 def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None):
     """The training workflow named by `config.workflow`, grouped by `gconfig.n_samples` (GRPO)."""
-    from areal_lite.workflow import GroupedWorkflow, MultiTurnFeedbackWorkflow, ReflectionWorkflow, RLVRWorkflow
+    from areal_lite.workflow.grouped import GroupedWorkflow
+    from areal_lite.workflow.multi_turn_feedback import MultiTurnFeedbackWorkflow
+    from areal_lite.workflow.reflection import ReflectionWorkflow
+    from areal_lite.workflow.rlvr import RLVRWorkflow
 
     reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
     kind = getattr(config, "workflow", "rlvr")
@@ -185,7 +187,7 @@ class StatsLogger:
         os.makedirs(run_dir, exist_ok=True)
         kept: List[dict] = []
         if resume_step > 0 and os.path.exists(self.path):
-            from .kit.plot import load_stats
+            from areal_lite.kit.plot import load_stats
 
             kept = [r for r in load_stats(self.path) if r.get("step", -1) < resume_step]
         elif os.path.exists(self.path):
@@ -282,7 +284,7 @@ def _threads(config: Any) -> None:
     cpus = os.cpu_count() or 1
     if config.actor.threads == 0 and config.profile == "cpu" and cpus <= 4:
         config.actor.threads = max(1, cpus - config.embedded.threads)
-    from .models import set_torch_threads
+    from areal_lite.utils.device import set_torch_threads
 
     set_torch_threads(config.actor.threads)
 
@@ -302,8 +304,9 @@ class _RunData:
 
 
 def _load_run_data(config: Any) -> _RunData:
-    from .data import load_dataset_from_config, make_dataloader
-    from .models import load_tokenizer
+    from areal_lite.dataset.loader import load_dataset_from_config
+    from areal_lite.utils.dataloader import make_dataloader
+    from areal_lite.utils.model_store import load_tokenizer
 
     tokenizer = load_tokenizer(config.tokenizer_path or config.actor.path)
     ds = config.train_dataset
@@ -397,12 +400,11 @@ def train(
     """
     from tqdm.auto import tqdm
 
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
-    from areal_lite.trainer.ppo.actor import PPOActor
-    from areal_lite.workflow import RLVRWorkflow
-
-    from .data import cycle_dataloader
-    from .kit.launch import launch_server
+    from areal_lite.kit.launch import launch_server
+    from areal_lite.utils.data import cycle_dataloader
+    from areal_lite.workflow.rlvr import RLVRWorkflow
 
     random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -427,7 +429,7 @@ def train(
             server_addrs = [handle.wait_ready(timeout=config.rollout.setup_timeout).address]
         server_addrs = list(server_addrs)
         engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
-        actor = PPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
+        actor = FSDPPPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
         start = _start_weights(resume, ckpt_root, handle is not None, actor, engine, data.dataloader, meta)
         logger = StatsLogger(config, run_dir, start)
 
@@ -481,7 +483,7 @@ def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, st
 
 
 def _save_curve(config: Any, history: List[Dict[str, Any]], run_dir: str) -> None:
-    from .kit.plot import plot_rewards, save_png
+    from areal_lite.kit.plot import plot_rewards, save_png
 
     if history:
         title = f"{config.experiment_name} reward"

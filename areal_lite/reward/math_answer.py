@@ -1,23 +1,17 @@
-"""Rewards: math answer extraction + equivalence, QA F1/EM.
+"""Math answers: extract the final answer from a completion and decide whether it equals the gold.
 
 Design decisions:
-- `extract_answer` returns the raw answer *string*; `math_equal` does all normalisation. One place
-  decides what "the same answer" means, and a reward never depends on how the text was cut.
-- `math_equal` first compares plain numbers after normalising GSM8K-style noise (`$`, `%`, thousands commas,
-  unit words, `\\text{}`, `\\frac`, `a/b`, mixed numbers, trailing periods) with a relative tolerance
-  (integers compare exactly); a string that still holds exactly one number ("18 apples per day") is read as
-  that number. Only when a side is not a plain number does it call `math_verify` (symbolic: `x^2+2x+1` vs
-  `(x+1)^2`, sets, `\\sqrt{2}/2` vs `1/\\sqrt 2`).
-- `math_verify` times out with `signal.alarm`, which only works on the main thread. We pass its
-  timeouts only there; elsewhere (threads, the engine's background loop) we turn them off and rely
-  on `AsyncRewardWrapper`, which runs rewards in worker processes (where they run on the main
-  thread again, so math_verify's own timeout is back) and kills the worker on a hang.
-- Rewards never raise: malformed input scores 0.0. A reward that crashes is a bug to log, not a
-  reason to lose a whole rollout batch.
-- F1 comes in two flavours: "multiset" (SQuAD: Counter intersection) and "set" (ASearcher/seed:
-  token sets). Both use SQuAD normalisation (lowercase, drop punctuation and a/an/the) and the
-  HotpotQA rule that yes/no/noanswer must match exactly. A list of golds scores the best match.
-- `AsyncRewardWrapper`, which runs these in worker processes, is `areal_lite.api.reward_api`'s (AReaL's path).
+- `extract_answer` returns the raw answer *string*; `math_equal` does all normalisation. One place decides what "the
+  same answer" means, and a reward never depends on how the text was cut.
+- `math_equal` first compares plain numbers after normalising GSM8K-style noise (`$`, `%`, thousands commas, unit
+  words, `\\text{}`, `\\frac`, `a/b`, mixed numbers, trailing periods) with a relative tolerance (integers compare
+  exactly); a string that still holds exactly one number ("18 apples per day") is read as that number. Only when a
+  side is not a plain number does it call `math_verify` (symbolic: `x^2+2x+1` vs `(x+1)^2`, sets, roots).
+- `math_verify` times out with `signal.alarm`, which only works on the main thread. We pass its timeouts only there;
+  elsewhere (threads, the engine's loop) we turn them off and rely on `AsyncRewardWrapper`, which runs rewards in
+  worker processes (on their main thread, so math_verify's own timeout is back) and kills a worker that hangs.
+- `answer_reward(completion, answer)` is the two-argument reward a notebook calls; `reward.gsm8k.gsm8k_reward_fn`
+  wraps it in AReaL's signature.
 """
 
 from __future__ import annotations
@@ -25,29 +19,27 @@ from __future__ import annotations
 import logging
 import math
 import re
-import string
 import threading
-from collections import Counter
 from fractions import Fraction
 
-from areal_lite.tools import parse_boxed
+from areal_lite.utils.search_tool import parse_boxed
 
-__all__ = [
-    "extract_answer",
-    "math_equal",
-    "gsm8k_reward_fn",
-    "areal_gsm8k_reward_fn",
-    "normalize_answer",
-    "f1_score",
-    "exact_match",
-]
+__all__ = ["extract_answer", "math_equal", "answer_reward"]
+
 
 logger = logging.getLogger(__name__)
 
+
 # ============================================================================ answer extraction
 _NUM = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+
+
 _NUMBER_RE = re.compile(r"(?<![\w.])(?:" + _NUM + r")(?:\s*/\s*\d+(?:\.\d+)?)?")
+
+
 _HASH_RE = re.compile(r"####\s*([^\n]*)")
+
+
 _PHRASE_RE = re.compile(r"(?:final\s+answer|the\s+answer|answer)\s*(?:is|was|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
 
 
@@ -114,12 +106,24 @@ _UNIT_WORDS = (
     "hours|hour|hrs|hr|h|minutes|minute|mins|min|seconds|second|secs|sec|s|"
     "days|day|weeks|week|months|month|years|year|degrees|degree|units|unit|points|point"
 )
+
+
 # Units only count right after a number ("5 cm", "20 square meters"), so words in symbolic answers stay.
 _UNIT_RE = re.compile(r"(?i)(\d)\s*(?:square\s+|sq\.?\s*|cubic\s+)?(?:" + _UNIT_WORDS + r")\b(?:\^\{?[23]\}?|²|³)?")
+
+
 _LATEX_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+
+
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.]+)\s*\}\s*\{\s*(-?[\d.]+)\s*\}")
+
+
 _FRAC_SHORT_RE = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")
+
+
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
 _PLAIN_NUMBER_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?$", re.IGNORECASE)
 
 
@@ -255,72 +259,12 @@ def _gold_from_solution(answer) -> str | None:
     return extract_answer(text, "hash") or extract_answer(text, "last_number")
 
 
-def gsm8k_reward_fn(completion, answer, **kwargs) -> float:
+def answer_reward(completion, answer, **kwargs) -> float:
     """1.0 if the completion's final answer (boxed → #### → 'the answer is' → last number) equals the gold."""
     try:
         gold = _gold_from_solution(answer)
         pred = extract_answer(completion, "auto")
         return 1.0 if gold is not None and math_equal(pred, gold) else 0.0
     except Exception:
-        logger.debug("gsm8k_reward_fn failed", exc_info=True)
+        logger.debug("answer_reward failed", exc_info=True)
         return 0.0
-
-
-def areal_gsm8k_reward_fn(prompt, completions, prompt_ids, completion_ids, answer, **kwargs) -> float:
-    """`gsm8k_reward_fn` with AReaL's reward signature (prompt, completions, prompt_ids, completion_ids, answer)."""
-    return gsm8k_reward_fn(completions, answer)
-
-
-# ============================================================================ QA F1 / EM
-_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
-_SPECIAL = ("yes", "no", "noanswer")
-
-
-def normalize_answer(s) -> str:
-    """SQuAD normalisation: lowercase, drop punctuation, drop a/an/the, collapse whitespace."""
-    s = "".join(ch for ch in str(s).lower() if ch not in _PUNCT)
-    return " ".join(_ARTICLES_RE.sub(" ", s).split())
-
-
-def _as_gold_list(gold) -> list[str]:
-    if gold is None:
-        return []
-    if isinstance(gold, (list, tuple, set)):
-        return [str(g) for g in gold if g is not None]
-    return [str(gold)]
-
-
-def _f1_single(pred: str, gold: str, mode: str) -> float:
-    p_norm, g_norm = normalize_answer(pred), normalize_answer(gold)
-    if (p_norm in _SPECIAL or g_norm in _SPECIAL) and p_norm != g_norm:
-        return 0.0
-    p_toks, g_toks = p_norm.split(), g_norm.split()
-    if not p_toks or not g_toks:
-        return float(p_toks == g_toks)
-    if mode == "multiset":
-        same = sum((Counter(p_toks) & Counter(g_toks)).values())
-    else:
-        p_toks, g_toks = set(p_toks), set(g_toks)
-        same = len(p_toks & g_toks)
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p_toks), same / len(g_toks)
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1_score(pred, gold, mode: str = "multiset") -> float:
-    """Token F1 of `pred` against `gold` (a str or a list: best match). mode: "multiset" | "set"."""
-    if mode not in ("multiset", "set"):
-        raise ValueError(f"f1 mode must be 'multiset' or 'set', got {mode!r}")
-    if pred is None:
-        return 0.0
-    return max((_f1_single(str(pred), g, mode) for g in _as_gold_list(gold)), default=0.0)
-
-
-def exact_match(pred, gold) -> float:
-    """1.0 if `pred` equals `gold` (or any gold in a list) after normalisation."""
-    if pred is None:
-        return 0.0
-    p = normalize_answer(pred)
-    return max((float(p == normalize_answer(g)) for g in _as_gold_list(gold)), default=0.0)

@@ -17,7 +17,7 @@ Design decisions
   with `async def run(self, data, **extra_kwargs)`; extra_kwargs are `base_url`, `api_key` (the session's key) and
   `http_client`; it returns a float (the last completion's reward) or a dict {completion id: reward}. Then
   `apply_reward_discount(turn_discount)` and `export_interactions(export_style)`, AReaL's order. The kit returns
-  the rows as a tensor batch (`areal_lite.interactions.interactions_to_batch`), so the GRPO loop is unchanged.
+  the rows as a tensor batch (`cache.interactions_to_batch`), so the GRPO loop is unchanged.
   AReaL's `discount` is called `turn_discount` here (the name of the cache method it feeds); its default export
   style is "individual", the kit's "concat" (one row per linear conversation, which is what GRPO groups need).
 - Row counts: "concat" gives one row per leaf of the conversation tree -- one per episode for an agent that keeps
@@ -26,7 +26,7 @@ Design decisions
 - The chat server: pass `server=` (a started `ChatServer`), or the workflow starts one on first use for each
   engine it meets, shared by the grouped copies the engine makes (`close()` stops it; it is a daemon thread).
   One session per episode: concurrent episodes and group members never mix their conversations.
-- Failures never kill the rollout (the rule of `areal_lite.workflow`'s rewards): an agent that raises or runs past
+- Failures never kill the rollout (the rule of the kit workflows' rewards): an agent that raises or runs past
   `timeout`, or returns a reward that is not a number or a dict of known completion ids, is logged with the reason
   and counted in `stats`; with `on_error="zero"` (default) its episode trains with reward 0.0 when it made
   completions (a crash on the model's own output is the policy's fault), and is rejected (None) when it made none.
@@ -52,13 +52,12 @@ import torch
 
 from areal_lite.api.cli_args import GenerationHyperparameters
 from areal_lite.api.workflow_api import RolloutWorkflow
-
-from .chat import ChatServer, ChatSession
-from .interactions import EXPORT_STYLES, interactions_to_batch
+from areal_lite.experimental.openai.cache import EXPORT_STYLES, interactions_to_batch
+from areal_lite.experimental.openai.proxy.server import ChatServer, ChatSession
 
 __all__ = ["OpenAIAgentWorkflow"]
 
-logger = logging.getLogger("areal_lite.agent")
+logger = logging.getLogger(__name__)
 
 ON_ERROR = ("zero", "reject", "raise")
 

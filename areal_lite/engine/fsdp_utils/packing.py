@@ -30,8 +30,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from areal_lite.api.cli_args import MicroBatchSpec
-
-from .trajectory import concat_padded_tensors
+from areal_lite.utils.data import concat_padded_tensors
 
 __all__ = [
     "PACKED_SDPA",

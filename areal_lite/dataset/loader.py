@@ -1,0 +1,30 @@
+"""The dataset a config's `DatasetConfig` names: `type` ("gsm8k", "arith" or "factbook_qa"), with `path`,
+`split`, `size`, `seed`.
+"""
+
+from __future__ import annotations
+
+from areal_lite.dataset.arithmetic import load_arithmetic
+from areal_lite.dataset.common import _subset, load_json_dataset
+from areal_lite.dataset.factbook import load_search_dataset
+from areal_lite.dataset.gsm8k import load_gsm8k
+
+__all__ = ["load_dataset_from_config"]
+
+
+def load_dataset_from_config(dataset_config):
+    """Dispatch on `type` ("gsm8k" | "arith" | "factbook_qa") using `path`, `split`, `size`, `seed`."""
+    kind = getattr(dataset_config, "type", "gsm8k")
+    path = getattr(dataset_config, "path", None) or None
+    split = getattr(dataset_config, "split", "train") or "train"
+    size = getattr(dataset_config, "size", None)
+    seed = getattr(dataset_config, "seed", 0) or 0
+    if kind == "gsm8k":
+        return load_gsm8k(split=split, path=path, size=size, seed=seed)
+    if kind in ("arith", "arithmetic"):
+        if path is not None:
+            return _subset(load_json_dataset(path, split), size, seed)
+        return load_arithmetic(split=split, size=size, seed=seed)
+    if kind in ("factbook_qa", "factbook", "search"):
+        return load_search_dataset(path=path, split=split, size=size, seed=seed)
+    raise ValueError(f"unknown dataset type {kind!r}; use 'gsm8k', 'arith' or 'factbook_qa'")

@@ -1,0 +1,4 @@
+"""The trainer's helpers, beside `engine/fsdp_engine.py` as AReaL 1.0.4's `areal.engine.fsdp_utils`:
+`packing` (rows packed into one sequence, micro-batches, AReaL's list-of-trajectories batches) and `weights` (full
+state dicts, HF folders for the server, NCCL weight broadcast, checkpoints).
+"""

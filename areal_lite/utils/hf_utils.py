@@ -1,0 +1,107 @@
+"""Tokenizer helpers, beside AReaL 1.0.4's `areal.utils.hf_utils`.
+
+- `chat_prompt_ids`: the chat template with the generation prompt as `list[int]` (transformers 5 returns a
+  BatchEncoding from `apply_chat_template(..., tokenize=True)`).
+- `chat_turn_fragments`: the tokens between two turns, pre-tokenized once from the chat template as two fragments,
+  the end-of-turn tokens that close an assistant message (ChatML: `<|im_end|>\n`) and the user message plus the
+  next assistant header. A workflow appends only the part of the end-of-turn fragment an output did not already
+  produce (an output that stopped on EOS ends with `<|im_end|>` and needs only `\n`), so the decoded trajectory
+  equals the chat template of the whole conversation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, List, Sequence
+
+import torch
+
+__all__ = ["chat_prompt_ids", "ChatTurnFragments", "chat_turn_fragments"]
+
+
+# Content that no chat template changes, used to find where an assistant message's text ends inside the template.
+_SENTINEL = "AREALLITESENTINEL7F3A"
+
+
+def _as_id_list(out: Any) -> List[int]:
+    """`apply_chat_template(tokenize=True)` output (list, nested list, tensor or BatchEncoding) -> list[int]."""
+    if isinstance(out, Mapping):  # BatchEncoding is a Mapping
+        out = out["input_ids"]
+    if isinstance(out, torch.Tensor):
+        out = out.tolist()
+    out = list(out)
+    if out and isinstance(out[0], (list, tuple, torch.Tensor)):
+        if len(out) != 1:
+            raise ValueError(f"expected the token ids of one conversation, got a batch of {len(out)}")
+        out = list(out[0])
+    return [int(t) for t in out]
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[Mapping[str, Any]], **template_kwargs) -> List[int]:
+    """Token ids of `messages` through the chat template, ending with the assistant header."""
+    out = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, **template_kwargs)
+    return _as_id_list(out)
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool, **template_kwargs) -> str:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    if not isinstance(out, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(out).__name__}, expected str")
+    return out
+
+
+class ChatTurnFragments:
+    """Pre-tokenized chat-template glue appended after an assistant output.
+
+    `end_of_turn`: the tokens that close an assistant message (ChatML: `<|im_end|>` `\\n`).
+    `user_turn`: a user message followed by the next assistant header.
+    """
+
+    def __init__(self, end_of_turn: List[int], user_turn: List[int], end_of_turn_text: str, user_turn_text: str):
+        self.end_of_turn = list(end_of_turn)
+        self.user_turn = list(user_turn)
+        self.end_of_turn_text = end_of_turn_text
+        self.user_turn_text = user_turn_text
+
+    def closing_tokens(self, output_tokens: Sequence[int]) -> List[int]:
+        """The part of `end_of_turn` that `output_tokens` did not already end with.
+
+        An output that stopped on EOS ends with `<|im_end|>`, so only `\\n` is missing; one cut by length needs all.
+        """
+        eot, out = self.end_of_turn, list(output_tokens)
+        for k in range(min(len(eot), len(out)), 0, -1):
+            if out[-k:] == eot[:k]:
+                return eot[k:]
+        return list(eot)
+
+    def after_output(self, output_tokens: Sequence[int]) -> List[int]:
+        """Everything to append after an assistant output to start the next assistant turn."""
+        return self.closing_tokens(output_tokens) + self.user_turn
+
+    def __repr__(self) -> str:
+        return f"ChatTurnFragments(end_of_turn={self.end_of_turn_text!r}, user_turn={self.user_turn_text!r})"
+
+
+def chat_turn_fragments(tokenizer, user_content: str, **template_kwargs) -> ChatTurnFragments:
+    """Pre-tokenize, from the tokenizer's chat template, what follows an assistant message when a user replies.
+
+    Rendered as text: T1 = template([user, assistant S]); T2 = template([user, assistant S, user R], generation
+    prompt). The end-of-turn text is what T1 has after S; the user turn is T2 minus its prefix T1.
+    """
+    base = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": _SENTINEL}]
+    t1 = _render(tokenizer, base, False, **template_kwargs)
+    at = t1.rfind(_SENTINEL)
+    if at < 0:
+        raise ValueError("the chat template dropped the assistant message's content; cannot find the turn boundary")
+    eot_text = t1[at + len(_SENTINEL) :]
+    t2 = _render(tokenizer, base + [{"role": "user", "content": user_content}], True, **template_kwargs)
+    if not t2.startswith(t1):
+        raise ValueError(
+            "the chat template re-renders earlier turns when a user message is added, so a fixed fragment cannot be "
+            "pre-tokenized for it"
+        )
+    user_text = t2[len(t1) :]
+    enc = lambda s: _as_id_list(tokenizer(s, add_special_tokens=False)) if s else []  # noqa: E731
+    return ChatTurnFragments(enc(eot_text), enc(user_text), eot_text, user_text)
