@@ -71,7 +71,7 @@ _export("experimental.openai.tool_call_parser", "parse_tool_calls")
 _export("infra.remote_inf_engine", "EngineError")
 _export("infra.staleness_manager", "StalenessManager")
 _export("infra.workflow_executor", "WorkflowExecutor")
-_export("kit.checks", "check_cases")
+_export("kit.checks", "check_cases", "request_sampling")
 _export("kit.launch", "launch_server", "ServerHandle", "choose_backend")
 _export(
     "kit.plot",

@@ -130,6 +130,7 @@ KIT_ONLY: Dict[str, str] = {
     "StalenessManager": "`areal.infra.staleness_manager.StalenessManager` (built from a version provider; "
     "`get_capacity()` is the same rule, with no `explain()`)",
     "check_cases": "a notebook exercise check; in tests, plain `assert` or pytest.approx",
+    "request_sampling": "a notebook exercise check; in tests, read `request.gconfig`",
 }
 
 

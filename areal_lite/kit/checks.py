@@ -12,7 +12,7 @@ and tuples element by element, anything else by `==`.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Tuple
+from typing import Any, Iterable, List, Mapping, Tuple
 
 _SHOWN = 60  # characters of a value shown in a report; a trajectory's token list would fill the screen
 
@@ -29,6 +29,19 @@ def check_cases(cases: Mapping[str, Tuple[Any, Any]], tol: float = 1e-9) -> None
     if failures:
         raise AssertionError(f"{len(failures)} of {len(cases)} cases fail; first: {failures[0]}")
     print(f"all {len(cases)} cases pass")
+
+
+def request_sampling(requests: Iterable[Any]) -> List[Tuple[Any, ...]]:
+    """Each request's `(n_samples, max_new_tokens, temperature, greedy, stop)`, from its gconfig (stop strings sorted).
+
+    A workflow's tokens do not show how it asked to sample: a `ModelRequest` built without the workflow's gconfig
+    still gets answers, with the defaults (16384 new tokens at temperature 1.0, no stop strings). So a check compares
+    this list for the learner's requests with the package workflow's.
+    """
+    return [
+        (g.n_samples, g.max_new_tokens, g.temperature, g.greedy, sorted(g.stop or []))
+        for g in (r.gconfig for r in requests)
+    ]
 
 
 def _close(expected: Any, got: Any, tol: float) -> bool:
