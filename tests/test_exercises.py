@@ -55,6 +55,35 @@ WRONG = {
             precision, recall = common / len(pred_tokens), common / len(gold_tokens)
             return 2 * precision * recall / (precision + recall)
         """,
+        "counts every gold token found in the prediction": """
+            common = sum(token in pred_tokens for token in gold_tokens)
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "the smaller of the two found-in counts": """
+            common = min(sum(t in gold_tokens for t in pred_tokens), sum(t in pred_tokens for t in gold_tokens))
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "the larger count of each shared token": """
+            pred_counts, gold_counts = Counter(pred_tokens), Counter(gold_tokens)
+            common = sum(max(pred_counts[t], gold_counts[t]) for t in pred_counts if t in gold_counts)
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "counts the kinds of shared tokens, not how often": """
+            common = len(Counter(pred_tokens) & Counter(gold_tokens))
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
     },
     "05_multiturn_feedback": {
         "no discount": """
