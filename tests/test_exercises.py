@@ -288,11 +288,13 @@ WRONG_AGENT = {
             )
         ],
         "tags the prompt with version 0": [("[[-1] * n + resp.output_versions]", "[[0] * n + resp.output_versions]")],
+        "sends no gconfig": [("input_ids=list(ids), gconfig=self.gconfig,", "input_ids=list(ids),")],
     },
     1: {  # MyReflectionWorkflow
         "does not close the assistant turn": [("glue = closing + self.reflection_turn", "glue = self.reflection_turn")],
         "trains on the reflection turn": [("loss_mask + [0] * len(glue)", "loss_mask + [1] * len(glue)")],
         "forgets the discount": [("reward *= self.turn_discount ** turn", "reward *= 1.0")],
+        "sends no gconfig": [("input_ids=list(ids), gconfig=self.gconfig,", "input_ids=list(ids),")],
     },
     2: {  # MyGroupedWorkflow
         "runs the episodes one after another": [
@@ -302,10 +304,21 @@ WRONG_AGENT = {
             )
         ],
         "keeps one episode": [("return concat_padded_tensors(list(episodes))", "return episodes[0]")],
+        "hard-codes the group size": [("for _ in range(self.group_size)", "for _ in range(4)")],
     },
     3: {  # my_grpo_advantages and my_ppo_loss
-        # (a population std instead of the unbiased one is no mistake here: the batch normalisation cancels the factor)
         "the batch mean instead of the group's": [("(r - r.mean(1, keepdim=True))", "(r - r.mean())")],
+        "the batch std instead of the group's": [("r.std(1, keepdim=True)", "r.std()")],
+        "no eps in the group std": [("(r.std(1, keepdim=True) + eps)", "r.std(1, keepdim=True)")],
+        "batch normalisation over the rows, not the tokens": [
+            (
+                "return torch.where(m, (adv - adv[m].mean()) / (adv[m].std() + eps), 0.0).float()",
+                "return torch.where(m, (a - a.mean()) / (a.std() + eps), 0.0).float()",
+            )
+        ],
+        "batch normalisation over every position, padding and prompt included": [
+            ("(adv - adv[m].mean()) / (adv[m].std() + eps)", "(adv - adv.mean()) / (adv.std() + eps)")
+        ],
         "no batch normalisation": [
             ("return torch.where(m, (adv - adv[m].mean()) / (adv[m].std() + eps), 0.0).float()", "return adv.float()")
         ],
@@ -314,6 +327,14 @@ WRONG_AGENT = {
             ("behaviour_weight = torch.exp(prox_logp - behav_logp).detach()", "behaviour_weight = 1.0")
         ],
         "no clip": [("ratio.clamp(1 - eps_clip, 1 + eps_clip)", "ratio")],
+    },
+}
+# Right answers written another way: the check must accept them.
+RIGHT_AGENT = {
+    3: {  # the batch normalisation cancels the factor between the two stds (up to eps: within the tolerance)
+        "a population std instead of the unbiased one": [
+            ("r.std(1, keepdim=True)", "r.std(1, keepdim=True, unbiased=False)")
+        ],
     },
 }
 AGENT = "03_gsm8k_reflection"
@@ -364,13 +385,20 @@ def agent_ns(smollm_path):
 
     from areal_lite import FSDPPPOActor, GenerationHyperparameters, NormConfig, PPOActorConfig, load_tokenizer
 
-    G = 2
+    G = 4  # the CPU profile's settings (configs/gsm8k_grpo.yaml)
     cells = code_cells(AGENT)
     tokenizer = load_tokenizer(smollm_path)
+    # section 3's grouped batch: two groups of four rows, 3 prompt tokens then 1 to 5 generated, right-padded
+    generated = torch.tensor([4, 2, 5, 3, 1, 4, 2, 3])
+    position = torch.arange(8)
+    attention_mask = position < 3 + generated.view(-1, 1)
+    loss_mask = (attention_mask & (position >= 3)).int()
+    logprobs = -torch.rand(8, 8, generator=torch.Generator().manual_seed(1)) * loss_mask
     ns = {
         "tokenizer": tokenizer,
         "config": SimpleNamespace(
-            gconfig=GenerationHyperparameters(n_samples=G, max_new_tokens=16), actor=SimpleNamespace(eps_clip=0.2)
+            gconfig=GenerationHyperparameters(n_samples=G, max_new_tokens=24, temperature=0.8),
+            actor=SimpleNamespace(eps_clip=0.2),
         ),
         "rows": AGENT_ROWS,
         "data": iter([AGENT_ROWS] * 100),
@@ -380,13 +408,12 @@ def agent_ns(smollm_path):
                 group_size=G, reward_norm=NormConfig("group", "group"), adv_norm=NormConfig("batch", "batch")
             )
         ),
-        # section 3's grouped batch: two groups of two rows, 3 prompt tokens then 4 generated
         "batch": {
-            "input_ids": torch.arange(28, dtype=torch.int32).view(4, 7) + 10,
-            "attention_mask": torch.ones(4, 7, dtype=torch.bool),
-            "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1]] * 4, dtype=torch.int32),
-            "logprobs": -torch.rand(4, 7, generator=torch.Generator().manual_seed(1)),
-            "rewards": torch.zeros(4),
+            "input_ids": torch.where(attention_mask, torch.arange(64).view(8, 8) + 10, 0).int(),
+            "attention_mask": attention_mask,
+            "loss_mask": loss_mask,
+            "logprobs": logprobs,
+            "rewards": torch.zeros(8),
         },
     }
     setup = [
@@ -420,9 +447,10 @@ def test_agent_check_rejects_a_wrong_solution(agent_ns, index, mistake):
     assert_rejected(_agent_upto(agent_ns, index), with_edits(solution, WRONG_AGENT[index][mistake]), check)
 
 
-def test_every_agent_exercise_has_wrong_solutions():
-    cells = code_cells(AGENT)
-    assert len([c for c in cells if REGION.search(c)]) == len(WRONG_AGENT)
+@pytest.mark.parametrize("index,variant", [(i, v) for i in sorted(RIGHT_AGENT) for v in RIGHT_AGENT[i]])
+def test_agent_check_accepts_a_right_variant(agent_ns, index, variant):
+    _, solution, check = exercise(AGENT, index)
+    assert_accepted(_agent_upto(agent_ns, index), with_edits(solution, RIGHT_AGENT[index][variant]), check)
 
 
 # ---------------------------------------------------------------------------------------------- the helper itself
