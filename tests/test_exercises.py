@@ -144,6 +144,20 @@ WRONG_SEARCH_LOOP = {
         ("versions += resp.output_versions", "versions += resp.output_versions * 2"),
     ],
     "trains on the information block": [("loss_mask += [0] * len(info)", "loss_mask += [1] * len(info)")],
+    "re-tokenizes the output": [
+        ("ids += resp.output_tokens", "ids += self.encode(self.tokenizer.decode(resp.output_tokens))")
+    ],
+    "goes on after an output without a tag": [
+        ("if query is None:\n                break", "if query is None:\n                continue")
+    ],
+    "hard-codes topk=1": [("topk=self.topk", "topk=1")],
+    "reads the global TOPK": [("topk=self.topk", "topk=TOPK")],
+    "sends no gconfig": [
+        ("ModelRequest(input_ids=list(ids), gconfig=self.gconfig)", "ModelRequest(input_ids=list(ids))")
+    ],
+    "multiset F1": [('data["answer"], mode="set")', 'data["answer"], mode="multiset")')],
+    "exact match instead of F1": [('f1_score(answer, data["answer"], mode="set")', 'float(answer in data["answer"])')],
+    "reward 1 for any answer": [('f1_score(answer, data["answer"], mode="set")', "1.0")],
 }
 
 
@@ -231,6 +245,7 @@ def test_every_exercise_is_tested():
 
 # ---------------------------------------------------------------------------------------------- 04: the turn loop
 
+SEARCH = "04_search_agent"
 CORPUS = [
     {"id": "0", "title": "France", "contents": "Paris is the capital of France."},
     {"id": "1", "title": "Peru", "contents": "Lima is the capital of Peru."},
@@ -248,11 +263,17 @@ def search_ns(tiny_model_path, tmp_path_factory):
     corpus.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
     rag = launch_rag_server(str(corpus))
     rag.wait_ready(timeout=120)
-    cells = code_cells("04_search_agent")
+    cells = code_cells(SEARCH)
     engine_cell = next(c for c in cells if "class ScriptedEngine" in c)
     ns = {
         "tokenizer": AutoTokenizer.from_pretrained(tiny_model_path),
-        "config": SimpleNamespace(gconfig=GenerationHyperparameters(max_new_tokens=64), max_turns=4),
+        # the CPU profile's settings (configs/search_agent.yaml)
+        "config": SimpleNamespace(
+            gconfig=GenerationHyperparameters(
+                n_samples=4, max_new_tokens=24, temperature=1.0, stop=["</search>", "</answer>"]
+            ),
+            max_turns=3,
+        ),
         "PROMPT": "Question: {question}\nAnswer:",
         "TOPK": 1,
         "rag": rag,
@@ -263,13 +284,13 @@ def search_ns(tiny_model_path, tmp_path_factory):
 
 
 def test_search_loop_check_accepts_the_solution(search_ns):
-    _, solution, check = exercise("04_search_agent")
+    _, solution, check = exercise(SEARCH)
     assert_accepted(dict(search_ns), solution, check)
 
 
 @pytest.mark.parametrize("mistake", sorted(WRONG_SEARCH_LOOP))
 def test_search_loop_check_rejects_a_wrong_loop(search_ns, mistake):
-    _, solution, check = exercise("04_search_agent")
+    _, solution, check = exercise(SEARCH)
     assert_rejected(dict(search_ns), with_edits(solution, WRONG_SEARCH_LOOP[mistake]), check)
 
 
