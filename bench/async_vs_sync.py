@@ -1,18 +1,19 @@
 """Synchronous vs asynchronous GRPO: step time, the ideal overlap, and how much of it the async loop achieves.
 
-    .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2-135m-instruct|PATH] [--steps 8]
-        [--max-new-tokens 48] [--etas 1 2] [--threads 1]
+    .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2-135m-instruct|PATH] [--steps 6] [--runs 3]
+        [--max-new-tokens 48] [--eta 1] [--threads 1]
 
-The same model, data, workflow, batch and step count run through `areal_lite.kit.train.train` three (or more) times,
-one after the other: synchronous (`rollout_batch`, eta = 0), then asynchronous (`prepare_batch`) with each eta.
-Server and trainer each get `--threads` torch threads (1 + 1 on a 2-core machine) in every mode.
-From the synchronous run's phase times, g = generation and t = training (logp + update + weight sync) per step:
-the ideal overlap is (g + t) / max(g, t) (two stages in a pipeline can at best hide the shorter one). Achieved =
-sync step time / async step time; "fraction of ideal" = achieved / ideal (target >= 80%). The first step of each
-run is a warm-up and is left out.
+The same model, data, workflow, batch and step count run through `areal_lite.kit.train.train`, `--runs` times per
+mode, interleaved (sync, async, sync, ...): synchronous (`rollout_batch`, eta = 0) and asynchronous
+(`prepare_batch`, `--eta`). Server and trainer each get `--threads` torch threads (1 + 1 on a 2-core machine).
+Equal work: every response is exactly `--max-new-tokens` long (`min_new_tokens` = `max_new_tokens`), prompts come
+in the same order (same seed), and the first step of each run is a warm-up, left out.
+`areal_lite.kit.overlap.compare_runs` turns the runs into the report: g = generation and t = training (logp + update +
+weight sync) per step from the synchronous runs, the ideal (g + t) / max(g, t), achieved = sync step / async step
+paired run by run, each as mean (lowest-highest run); achieved may exceed the ideal only within that noise.
 The workflow samples a group per prompt and scores the fraction of output tokens in a fixed id range (a task the
 random model learns; no reward worker processes, so the two server/trainer processes are all that compete for the
-cores). A random tiny model rarely emits EOS, so every response is `--max-new-tokens` long and steps are comparable.
+cores).
 """
 
 from __future__ import annotations
@@ -37,19 +38,21 @@ from areal_lite.api.cli_args import (  # noqa: E402
     OptimizerConfig,
     PPOActorConfig,
 )
+from areal_lite.kit.overlap import compare_runs  # noqa: E402
 from areal_lite.kit.train import TrainConfig, train  # noqa: E402
 from areal_lite.workflow.grouped import GroupedWorkflow  # noqa: E402
 from areal_lite.workflow.token_range import TokenRangeWorkflow  # noqa: E402
 
 
-def run(path: str, args, eta: int, async_training: bool, root: str) -> list[dict]:
+def run(path: str, args, eta: int, async_training: bool, root: str, index: int) -> list[dict]:
     from areal_lite.utils.model_store import load_tokenizer
 
     G = args.group_size
-    g = GenerationHyperparameters(n_samples=G, max_new_tokens=args.max_new_tokens, temperature=1.0)
+    n = args.max_new_tokens
+    g = GenerationHyperparameters(n_samples=G, max_new_tokens=n, min_new_tokens=n, temperature=1.0)
     config = TrainConfig(
         experiment_name="bench-async",
-        trial_name=f"{'async' if async_training else 'sync'}-eta{eta}",
+        trial_name=f"{'async' if async_training else 'sync'}-eta{eta}-run{index}",
         fileroot=root,
         total_train_steps=args.steps,
         tokenizer_path=path,
@@ -77,58 +80,34 @@ def run(path: str, args, eta: int, async_training: bool, root: str) -> list[dict
     return train(config, workflow=workflow, progress=False)
 
 
-def mean(xs):
-    xs = list(xs)
-    return sum(xs) / max(1, len(xs))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--runs", type=int, default=3, help="runs per mode (at least 3 for a spread worth reading)")
     ap.add_argument("--batch-size", type=int, default=4, help="prompts per step")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--etas", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--eta", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
     path = bench_model_path(args.model)
     root = tempfile.mkdtemp(prefix="areal-lite-bench-async-")
     print(
-        f"model {os.path.basename(path)}, {args.batch_size} prompts x {args.group_size} samples x "
-        f"{args.max_new_tokens} tokens, {args.steps} steps (first is warm-up), {args.threads} thread(s) per process"
+        f"model {os.path.basename(path)}, {args.batch_size} prompts x {args.group_size} samples x exactly "
+        f"{args.max_new_tokens} tokens, {args.steps} steps (first is warm-up), eta={args.eta}, "
+        f"{args.threads} thread(s) per process"
     )
-
-    sync = run(path, args, 0, False, root)[1:]
-    g = mean(s["time/generate"] for s in sync)
-    t = mean(s["time/logp"] + s["time/update"] + s["time/weight_sync"] for s in sync)
-    t_sync = mean(s["time/step"] for s in sync)
-    ideal = (g + t) / max(g, t)
-    print(
-        f"sync       : step {t_sync:6.2f} s   (generate g = {g:.2f} s, train t = {t:.2f} s: logp "
-        f"{mean(s['time/logp'] for s in sync):.2f} + update {mean(s['time/update'] for s in sync):.2f} + "
-        f"sync {mean(s['time/weight_sync'] for s in sync):.2f}); reward {sync[0]['reward']:.2f} -> "
-        f"{sync[-1]['reward']:.2f}"
-    )
-    print(f"ideal overlap (g + t) / max(g, t) = {ideal:.2f}x")
-    ok = True
-    for eta in args.etas:
-        stats = run(path, args, eta, True, root)[1:]
-        t_async = mean(s["time/step"] for s in stats)
-        achieved = t_sync / t_async
-        frac = achieved / ideal
-        ok &= frac >= 0.8
-        print(
-            f"async eta={eta}: step {t_async:6.2f} s   speed-up {achieved:.2f}x = {frac:.0%} of ideal "
-            f"(waiting for data {mean(s['time/generate'] for s in stats):.2f} + logp "
-            f"{mean(s['time/logp'] for s in stats):.2f} + update {mean(s['time/update'] for s in stats):.2f} + "
-            f"sync {mean(s['time/weight_sync'] for s in stats):.2f}; max staleness "
-            f"{max(s['staleness_max'] for s in stats):.0f}); reward {stats[0]['reward']:.2f} -> "
-            f"{stats[-1]['reward']:.2f}"
-        )
-    print(f"target: async >= 80% of the ideal overlap: {'PASS' if ok else 'BELOW TARGET'}")
-    return 0
+    runs = {"sync": [], "async": []}
+    for i in range(args.runs):
+        runs["sync"].append(run(path, args, 0, False, root, i))
+        runs["async"].append(run(path, args, args.eta, True, root, i))
+    report = compare_runs(runs["sync"], runs["async"])
+    print("\n".join(report.lines()))
+    stale = max(r["staleness_max"] for rows in runs["async"] for r in rows)
+    print(f"max staleness over the async runs: {stale:.0f} (bound eta = {args.eta})")
+    return 0 if report.within_ideal and stale <= args.eta else 1
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import pytest
 import torch
 
 from areal_lite.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-from areal_lite.engine.fsdp_engine import FSDPPPOActor
+from areal_lite.engine.fsdp_engine import FSDPPPOActor, count_policy_tokens
 from areal_lite.engine.fsdp_utils.packing import split_into_microbatches
 from areal_lite.utils.functional import grpo_advantages, kl_estimate, normalize, ppo_token_loss
 
@@ -380,6 +381,75 @@ def test_ppo_minibatches_are_sequential_steps(tiny_model_path, vocab):
     assert_close_dicts(params(a), params(b), atol=1e-13)
 
 
+def learner_ppo_loss(logprobs, entropy, input_data, eps_clip=0.2, mistake=None):
+    """The decoupled PPO loss as a notebook learner writes it for `train_batch` (no package code), or with a mistake."""
+    m = input_data["loss_mask"].double()
+    prox, behav, adv = input_data["prox_logp"], input_data["logprobs"], input_data["advantages"]
+    if mistake == "ratio to the behaviour policy":
+        prox = behav
+    ratio = torch.exp(logprobs - prox)
+    clipped = ratio if mistake == "no clip" else ratio.clamp(1 - eps_clip, 1 + eps_clip)
+    surrogate = torch.maximum(-adv * ratio, -adv * clipped)
+    weight = torch.exp(prox - behav).detach()
+    if mistake == "no behaviour weight":
+        weight = torch.ones_like(weight)
+    total = (surrogate * weight * m).sum()
+    return total if mistake == "sum, not mean" else total / m.sum()
+
+
+LOSS_MISTAKES = ["ratio to the behaviour policy", "no clip", "no behaviour weight", "sum, not mean"]
+
+
+def trained_with(path, batch, loss=None, mb_spec=None, **kw):
+    """Weights after one step from the same start: ppo_update (loss=None) or train_batch with `loss`."""
+    opt = OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0)
+    actor = FSDPPPOActor(actor_cfg(path, optimizer=opt, mb_spec=mb_spec or MicroBatchSpec(n_mbs=1))).initialize()
+    b = {k: v.clone() for k, v in batch.items()}
+    if loss is None:
+        stats = actor.ppo_update(b)
+    else:
+        stats = actor.train_batch(b, loss_fn=partial(loss, **kw), loss_weight_fn=count_policy_tokens)
+    out = params(actor)
+    actor.destroy()
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def loss_batch(tiny_model_path, vocab):
+    batch = make_batch(vocab, B=6, seed=5)
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
+    fill_logprobs(actor, batch, noise=0.3)
+    actor.destroy()
+    batch["advantages"] = torch.randn(
+        batch["logprobs"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
+    batch["advantages"] *= batch["loss_mask"]
+    return batch
+
+
+def test_train_batch_with_the_learners_loss_trains_what_ppo_update_trains(tiny_model_path, loss_batch):
+    """A notebook's own loss goes through `train_batch`, the path `ppo_update` takes: same weights, same stats."""
+    package, package_stats = trained_with(tiny_model_path, loss_batch)
+    for spec in (MicroBatchSpec(n_mbs=1), MicroBatchSpec(n_mbs=3)):  # the global mean, however it is split
+        mine, stats = trained_with(tiny_model_path, loss_batch, learner_ppo_loss, mb_spec=spec)
+        assert_close_dicts(package, mine, atol=1e-12, rtol=1e-9)
+        for key in ("loss", "clip_frac", "approx_kl", "entropy", "n_tokens"):
+            assert stats[key] == pytest.approx(package_stats[key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("mistake", LOSS_MISTAKES)
+def test_a_wrong_loss_trains_different_weights(tiny_model_path, loss_batch, mistake):
+    """What the notebook promises: if the learner's loss is wrong, what is trained changes (by far more than noise)."""
+    package, _ = trained_with(tiny_model_path, loss_batch)
+    wrong, _ = trained_with(tiny_model_path, loss_batch, learner_ppo_loss, mistake=mistake)
+    start = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
+    before = params(start)
+    start.destroy()
+    step = sum(float((package[n] - before[n]).norm() ** 2) for n in before) ** 0.5
+    off = sum(float((package[n] - wrong[n]).norm() ** 2) for n in before) ** 0.5
+    assert off > 0.05 * step, f"{mistake}: the wrong loss moved the weights {off:.2e} from the right step ({step:.2e})"
+
+
 def test_gradient_checkpointing_same_gradient(tiny_model_path, vocab):
     batch = make_batch(vocab, B=4, seed=8)
     out = []
@@ -695,7 +765,7 @@ FSDP_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     torch.set_num_threads(1)
-    from areal_lite.engine.fsdp_engine import FSDPPPOActor
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor, count_policy_tokens
     from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
     from areal_lite.api.io_struct import WeightUpdateMeta
 

@@ -183,12 +183,3 @@ def test_the_table_of_defaults_that_differ_from_areal_is_true_and_complete():
         _shared_scalar_defaults(kit_cls, areal_cls, prefix, pairs)
     differing = {key: theirs for key, (ours, theirs) in pairs.items() if ours != theirs}
     assert differing == {key: areal_value for key, (areal_value, _) in AREAL_DEFAULT_DIFFERENCES.items()}
-
-
-def test_load_expr_config_says_which_kit_defaults_differ(capsys, tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("actor:\n  kl_ctl: 0.1\n")
-    load_expr_config(["--config", str(path)], TrainConfig)
-    said = capsys.readouterr().out
-    assert "differ from AReaL 1.0.4" in said and "actor.ppo_n_minibatches=1 (AReaL: 4)" in said
-    assert "kl_ctl" not in said  # set in the YAML: not a silent default

@@ -131,6 +131,16 @@ def test_profiles_cpu_gpu_and_print(tmp_path, capsys):
     assert "auto:" in capsys.readouterr().out
 
 
+def test_kit_defaults_that_differ_from_areal_are_listed_only_when_asked(tmp_path, capsys):
+    path = write(tmp_path, "actor:\n  kl_ctl: 0.1\n")
+    load_expr_config(["--config", path, "profile=cpu"], GRPOConfig)
+    assert "AReaL" not in capsys.readouterr().out  # every notebook loads a config: the list is not repeated there
+    load_expr_config(["--config", path, "profile=cpu"], GRPOConfig, verbose=False, explain_defaults=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert "  actor.ppo_n_minibatches = 1 (AReaL: 4): small CPU batches: one optimizer step per batch" in lines
+    assert not any("kl_ctl" in line for line in lines), "a key the config sets is not a default left in place"
+
+
 def test_subclass_adds_fields_and_twice_in_one_process():
     argv = ["--config", os.path.join(CONFIGS, "search_agent.yaml"), "profile=cpu"]
     first, _ = load_expr_config(argv, AgentRLConfig, verbose=False)

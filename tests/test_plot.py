@@ -71,10 +71,29 @@ def test_jsonl_input_and_existing_axes(tmp_path):
 
 
 def test_explicit_evals_are_drawn_where_given():
-    fig = plot_rewards([{"reward": 0.1}, {"reward": 0.5}], evals=[(0, 0.2), (2, 0.7)], eval_label="held-out, sampled")
+    fig = plot_rewards(
+        [{"reward": 0.1}, {"reward": 0.5}], evals=[(0, 0.2), (2, 0.7)], eval_label="held-out, sampled", eval_n=25
+    )
     line = fig.axes[0].lines[-1]
     assert list(line.get_xdata()) == [0.0, 2.0] and list(line.get_ydata()) == [0.2, 0.7]
-    assert line.get_label() == "held-out, sampled"
+    assert line.get_label() == "held-out, sampled, n=25"
+    assert line.get_linestyle() == "None"  # two measurements are markers, not a trend line
+    assert [t.get_text() for t in fig.axes[0].texts] == ["0.20", "0.70"]
+    assert fig.axes[0].get_ylabel() == "training reward"
+
+
+def test_evals_of_another_quantity_get_their_own_axis():
+    fig = plot_rewards(
+        [{"reward": -1.5}, {"reward": 0.5}],
+        evals=[(0, 0.6), (2, 0.9)],
+        eval_label="accuracy",
+        eval_axis="accuracy",
+        ylabel="return G_0",
+    )
+    left, right = fig.axes
+    assert left.get_ylabel() == "return G_0" and right.get_ylabel() == "accuracy"
+    assert list(right.lines[0].get_ydata()) == [0.6, 0.9] and right.get_ylim() == (-0.05, 1.1)
+    assert "accuracy" in [t.get_text() for t in left.get_legend().get_texts()]
 
 
 def test_clear_errors(tmp_path):
@@ -106,3 +125,12 @@ def test_plot_turns_draws_mean_turns_and_bounds(tmp_path):
     assert is_png(save_png(fig, tmp_path / "turns.png"))
     with pytest.raises(KeyError, match="no turn count"):
         plot_turns([{"reward": 1.0}])
+
+
+def test_sync_vs_async_legend_is_the_mean_after_warmup_over_runs():
+    def run(step_times):
+        return [{"reward": 0.1 * i, "time/step": t} for i, t in enumerate(step_times)]
+
+    fig = plot_sync_vs_async([run([9.0, 4.0, 6.0]), run([9.0, 6.0, 8.0])], run([9.0, 3.0, 3.0]))
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["sync: mean 6.0 s (steps 1+, 2 runs)", "async: mean 3.0 s (steps 1+)"]

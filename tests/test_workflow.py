@@ -436,6 +436,25 @@ def test_multi_turn_feedback_turn_level_returns(tok, engine, rewards, tmp_path):
     assert (tr[lm == 0] == 0).all()
 
 
+def test_multi_turn_feedback_trains_on_the_returns_fn_it_is_given(tok, engine, rewards, tmp_path):
+    """Notebook 05 passes the learner's returns: whatever they compute is what the tokens carry (here: undiscounted)."""
+    seen = []
+
+    def undiscounted(turn_rewards, gamma):
+        seen.append((list(turn_rewards), gamma))
+        return [sum(turn_rewards[k:]) for k in range(len(turn_rewards))]
+
+    wf = MultiTurnFeedbackWorkflow(
+        rewards["nth"], _gconfig(), tok, num_turns=4, turn_discount=0.5, returns_fn=undiscounted
+    )
+    out = asyncio.run(wf.arun_episode(engine, {"messages": _msgs(), "answer": f"{tmp_path / 'calls'}|3"}))
+    assert seen == [([-1.0, -1.0, 1.0], 0.5)]
+    got = [
+        out["token_returns"][0][s.start : s.end].unique().tolist() for s in trajectory_segments(out, 0) if s.generated
+    ]
+    assert got == [[-1.0], [0.0], [1.0]] and out["rewards"].item() == -1.0
+
+
 def test_multi_turn_feedback_seed_mode_runs_all_turns(tok, engine, rewards):
     from areal_lite.workflow.multi_turn_feedback import FEEDBACK_CORRECT
 

@@ -611,12 +611,15 @@ def _left_at_default(merged: dict, dotted: str) -> bool:
 
 
 def load_expr_config(
-    argv: List[str], config_cls: type = GRPOConfig, *, verbose: bool = True
+    argv: List[str], config_cls: type = GRPOConfig, *, verbose: bool = True, explain_defaults: bool = False
 ) -> tuple[Any, Optional[str]]:
     """Parse `["--config", FILE, "a.b=1", ...]` into a `config_cls` instance. Returns `(config, path_of_file)`.
 
     Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`.
     The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
+    `verbose` prints the profile chosen and why; `explain_defaults` also lists the kit defaults this config leaves in
+    place that differ from AReaL 1.0.4's, with the reason for each (notebook 01 shows them once, where configs are
+    taught, rather than every notebook repeating them before they mean anything).
     """
     path, overrides = _split_argv(argv)
     data, profiles = _read_yaml(path)
@@ -638,7 +641,10 @@ def load_expr_config(
         raise ConfigError(f"{source}: {e}") from None
     _fill_derived(config)
     if verbose:
-        _print_choice(config, merged, path, chosen, why)
+        shown = os.path.basename(path) if path else "defaults"
+        print(f"areal-lite: profile={chosen} ({why}) config={shown}")
+    if explain_defaults:
+        _print_default_differences(config, merged)
     return config, path
 
 
@@ -713,17 +719,18 @@ def _override_layer(config_cls: type, overrides: List[str]) -> dict:
     return cli
 
 
-def _print_choice(config: Any, merged: dict, path: Optional[str], chosen: str, why: str) -> None:
-    shown = os.path.basename(path) if path else "defaults"
-    print(f"areal-lite: profile={chosen} ({why}) config={shown}")
+def _print_default_differences(config: Any, merged: dict) -> None:
     differ = [
-        f"{key}={_get_dotted(config, key)!r} (AReaL: {areal!r})"
-        for key, (areal, _) in AREAL_DEFAULT_DIFFERENCES.items()
+        (key, _get_dotted(config, key), areal, why)
+        for key, (areal, why) in AREAL_DEFAULT_DIFFERENCES.items()
         if _left_at_default(merged, key) and _has_dotted(config, key)
     ]
-    if differ:
-        print("areal-lite: kit defaults that differ from AReaL 1.0.4 here: " + ", ".join(differ))
-    return config, path
+    if not differ:
+        print("areal-lite: this config sets every key whose kit default differs from AReaL 1.0.4's")
+        return
+    print("areal-lite: kit defaults left in place that differ from AReaL 1.0.4's:")
+    for key, ours, areal, why in differ:
+        print(f"  {key} = {ours!r} (AReaL: {areal!r}): {why}")
 
 
 def _has_dotted(obj: Any, dotted: str) -> bool:

@@ -1,8 +1,8 @@
 """The PPO/GRPO actor: recompute log-probs, compute advantages, take PPO steps, hand weights to the servers.
 
-Method names follow AReaL-lite's `FSDPPPOActor` (`initialize`, `compute_logp`, `compute_advantages`,
-`ppo_update`, `step_lr_scheduler`, `update_weights`/`upload_weights`, `set_version`, `get_version`, `save`,
-`load`, `destroy`) so a notebook cell reads the same in both projects.
+Method names follow AReaL's `FSDPPPOActor` (`initialize`, `compute_logp`, `compute_advantages`, `ppo_update`,
+`train_batch`, `step_lr_scheduler`, `update_weights`/`upload_weights`, `set_version`, `get_version`, `save`, `load`,
+`destroy`) so a notebook cell reads the same in both projects.
 
 `FSDPPPOActor` orchestrates; the parts it orchestrates live in three modules, each stating its own design decisions:
 - `utils/functional.py`: the formulas (normalisation, KL estimates, the shift from logits to per-token log-probs,
@@ -16,22 +16,27 @@ Design decisions, and why
   a list is joined into one batch first, because normalisation pools the whole batch, and per-trajectory results
   are split back. The actor never rewrites a key it reads, so calling `compute_advantages` twice gives the same
   tensors.
-- Minibatches and the token mean. `ppo_n_minibatches` splits the rows into that many contiguous chunks (whole GRPO
-  groups when the sizes divide), one optimizer step each, in order. A minibatch's loss is sum(m w L) / sum(m) with
-  the token count taken over the whole minibatch (all micro-batches, all ranks) *before* any forward pass, so
-  splitting into micro-batches or ranks gives the same gradient as one big batch.
+- One update path, with any loss. `train_batch(batch, loss_fn, loss_weight_fn)` is AReaL's: one optimizer step,
+  the loss a callable run on each packed micro-batch. `ppo_update` is `ppo_n_minibatches` of those calls, on
+  contiguous chunks of rows (whole GRPO groups when the sizes divide), with the package's `ppo_loss_fn`; a notebook
+  that hands its own loss to `train_batch` trains through exactly the code `ppo_update` uses.
+- The global mean. Each micro-batch's loss is normalised by its own size, then scaled by its weight (its policy
+  tokens) over the sum of all micro-batches' weights on all ranks, computed *before* any backward, so splitting into
+  micro-batches or ranks gives the same gradient as one big batch.
 - Logits only where the loss needs them: the update runs the LM head only at positions that predict a policy
   token. The head over the whole vocabulary is a large share of a small model's cost (SmolLM2: 28M of 135M
   weights), and prompts are most of the tokens.
 - Several processes (torchrun, WORLD_SIZE > 1): the model is wrapped with FSDP2 (`fully_shard` per decoder layer,
   then the root) over gloo on CPU or NCCL on CUDA. Every rank receives the same full batch and works on its share of
   the rows (rank r takes rows r, r + W, ...). FSDP2 averages gradients over ranks, so each rank's loss is multiplied
-  by W to turn the average into the sum the global token mean needs. Collectives need the same number of forward and
+  by W to turn the average into the sum the global mean needs. Collectives need the same number of forward and
   backward calls on every rank, so a rank with fewer micro-batches runs empty ones (a 1-token forward times 0).
 - A step whose gradient norm is not finite is skipped: gradients are zeroed, the optimizer does not step, and the
   stats say `skipped = 1`. One bad batch must not turn every weight into NaN.
-- Statistics. A minibatch's statistics are summed in float64 into named fields (`_UpdateStats`) and added up over
-  ranks in one all-reduce; `ppo_update` reports their means over policy tokens, averaged over minibatches.
+- Statistics come from the log-probs, not from the loss: a learner's loss reports the same approx KL, clip
+  fraction and entropy as the package's. A minibatch's statistics are summed in float64 into named fields
+  (`_UpdateStats`) and added up over ranks in one all-reduce; `ppo_update` reports their means over policy tokens,
+  averaged over minibatches.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -85,7 +90,7 @@ from areal_lite.utils.functional import (
     shape_rewards,
 )
 
-__all__ = ["FSDPPPOActor"]
+__all__ = ["FSDPPPOActor", "count_policy_tokens"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -95,6 +100,14 @@ _DTYPES = {
 }
 
 Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
+# train_batch's callables, as AReaL's: loss_fn(logprobs, entropy, input_data, **kwargs) -> scalar, weight_fn(input_data)
+LossFn = Callable[..., torch.Tensor]
+WeightFn = Callable[[Dict[str, torch.Tensor]], Any]
+
+
+def count_policy_tokens(input_data: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """`train_batch`'s usual `loss_weight_fn`: the micro-batch's policy tokens (the loss is a mean over them)."""
+    return input_data["loss_mask"].count_nonzero()
 
 
 def _dist():
@@ -110,8 +123,17 @@ def _dist():
 
 def _load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # A small model loads in well under a second; transformers' "Loading weights" bar would be a stray widget in
+    # every notebook cell that builds an actor. Only this call is silenced: the caller's setting is restored.
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     if model.config._attn_implementation == "sdpa":
         # Plain sdpa would build a dense mask over the whole packed row; see packing.py.
         register_packed_sdpa()
@@ -211,7 +233,7 @@ def _finite_or_zero(x: float) -> float:
 class _UpdateStats:
     """Sums (and maxima) over the policy tokens of one minibatch: float64 on CPU, so long sums do not drift."""
 
-    loss: torch.Tensor = field(default_factory=_zero)  # sum of m w L
+    loss: torch.Tensor = field(default_factory=_zero)  # the step's loss: the micro-batches' scaled losses
     n_tokens: torch.Tensor = field(default_factory=_zero)
     clipped: torch.Tensor = field(default_factory=_zero)
     dual_clipped: torch.Tensor = field(default_factory=_zero)
@@ -232,17 +254,16 @@ class _UpdateStats:
         m: torch.Tensor,
         info: Dict[str, torch.Tensor],
         loss: torch.Tensor,
-        n_global: float,
         logp: torch.Tensor,
         prox: torch.Tensor,
         behav: torch.Tensor,
         entropies: torch.Tensor,
     ) -> None:
-        """Add one micro-batch: its policy mask `m`, `ppo_token_loss`'s info, its loss (a share of the minibatch
-        mean), the log-probs and the entropy of every policy token's distribution."""
+        """Add one micro-batch: its policy mask `m`, `ppo_token_loss`'s info, its loss (its share of the step's
+        loss), the log-probs and the entropy of every policy token's distribution."""
         md = m.double()
         ratio, w = info["ratio"].double(), info["behav_w"].double()
-        self.loss += loss.detach().double().cpu() * n_global
+        self.loss += loss.detach().double().cpu()
         self.n_tokens += md.sum().cpu()
         self.clipped += info["clipped"].double().sum().cpu()
         self.dual_clipped += info["dual_clipped"].double().sum().cpu()
@@ -266,11 +287,11 @@ class _UpdateStats:
             for name, value in zip(names, packed.cpu()):
                 setattr(self, name, value)
 
-    def report(self, n_global: float) -> Dict[str, float]:
-        """Means over policy tokens (the loss over the minibatch's global token count), and the extremes."""
+    def report(self) -> Dict[str, float]:
+        """Means over policy tokens (the loss: the step's, summed over micro-batches and ranks), and the extremes."""
         n = max(float(self.n_tokens), 1.0)
         return {
-            "loss": float(self.loss) / n_global,
+            "loss": float(self.loss),
             "n_tokens": float(self.n_tokens),
             "clip_frac": float(self.clipped) / n,
             "dual_clip_frac": float(self.dual_clipped) / n,
@@ -685,13 +706,10 @@ class FSDPPPOActor(_TrainEngine):
     # ---------------------------------------------------------------- PPO update
 
     def ppo_update(self, batch: Batch) -> Dict[str, float]:
-        """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories); returns
-        averaged stats (see module docstring). AReaL's returns None and logs its statistics through
-        `areal.utils.stats_tracker`."""
-        if isinstance(batch, list):
-            batch = join_trajectories(batch)
-        cast_long(batch)
-        self._require_model()
+        """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories), each a
+        `train_batch` with the package's PPO loss (`ppo_loss_fn`); returns averaged stats (see module docstring).
+        AReaL's returns None and logs its statistics through `areal.utils.stats_tracker`."""
+        batch = self._train_ready(batch)
         cfg = self.config
         if "advantages" not in batch:
             raise KeyError("ppo_update: no 'advantages' in the batch; call actor.compute_advantages(batch) first")
@@ -702,13 +720,10 @@ class FSDPPPOActor(_TrainEngine):
         B = batch["input_ids"].shape[0]
         n_mini = max(1, min(int(cfg.ppo_n_minibatches), B))
         bounds = [round(j * B / n_mini) for j in range(n_mini + 1)]
-        mask = policy_mask(batch["loss_mask"], batch["attention_mask"])
-        keys = ["logprobs", "advantages", "pmask"] + (["prox_logp"] if cfg.use_decoupled_loss else [])
-        work = dict(batch, pmask=mask)
         t0 = time.perf_counter()
-        self.model.train()
         per_step = [
-            self._train_minibatch(work, list(range(bounds[j], bounds[j + 1])), keys, mask) for j in range(n_mini)
+            self._train_rows(batch, list(range(bounds[j], bounds[j + 1])), self.ppo_loss_fn, count_policy_tokens)
+            for j in range(n_mini)
         ]
         stats = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
         stats["skipped"] = float(sum(s["skipped"] for s in per_step))
@@ -716,17 +731,88 @@ class FSDPPPOActor(_TrainEngine):
         stats["update_time"] = time.perf_counter() - t0
         return stats
 
-    def _train_minibatch(self, work, rows, keys, mask) -> Dict[str, float]:
+    def train_batch(self, input_: Batch, loss_fn: LossFn, loss_weight_fn: WeightFn) -> Dict[str, float]:
+        """One optimizer step on the whole batch with your loss: AReaL's `TrainEngine.train_batch`.
+
+        `loss_fn(logprobs, entropy, input_data, **kwargs)` is called once per micro-batch and returns that
+        micro-batch's loss, normalised by its own size. `input_data` is the micro-batch packed into one row: every
+        [B, L] key of the batch as a 1-D tensor [T], with `loss_mask` the tokens the loss may cover (generated
+        tokens, never a row's first). `logprobs` [T] are the current weights' log-probs of those tokens (with
+        gradient; 0 elsewhere), aligned like `input_data["logprobs"]`; `entropy` [T] is detached. Each micro-batch's
+        loss is scaled by loss_weight_fn(its input_data) / (the sum over all micro-batches and ranks), so the step
+        minimises the global mean, however the batch is split. `ppo_update` is this call with `ppo_loss_fn`.
+        Returns the stats of `ppo_update` (approx KL, clip fraction, ... measured from the log-probs, whatever the
+        loss), plus `update_time`.
+        """
+        batch = self._train_ready(input_)
+        t0 = time.perf_counter()
+        stats = self._train_rows(batch, list(range(batch["input_ids"].shape[0])), loss_fn, loss_weight_fn)
+        stats["update_time"] = time.perf_counter() - t0
+        return stats
+
+    def ppo_loss_fn(
+        self, logprobs: torch.Tensor, entropy: torch.Tensor, input_data: Dict[str, torch.Tensor], **kwargs: Any
+    ) -> torch.Tensor:
+        """The package's loss in `train_batch`'s shape: the decoupled PPO loss (`ppo_token_loss`, with this
+        config's clips and cap) averaged over the micro-batch's policy tokens."""
+        cfg = self.config
+        m = input_data["loss_mask"].bool()
+        behav = input_data["logprobs"].to(logprobs.dtype)
+        prox = input_data["prox_logp"].to(logprobs.dtype) if cfg.use_decoupled_loss else behav
+        per_token, _ = ppo_token_loss(
+            logprobs,
+            prox,
+            behav,
+            input_data["advantages"],
+            m,
+            cfg.eps_clip,
+            cfg.eps_clip_higher,
+            cfg.c_clip,
+            cfg.behav_imp_weight_cap,
+            cfg.use_decoupled_loss,
+        )
+        return per_token.sum() / m.sum().clamp(min=1)
+
+    def _train_ready(self, batch: Batch) -> Dict[str, torch.Tensor]:
+        if isinstance(batch, list):
+            batch = join_trajectories(batch)
+        cast_long(batch)
+        self._require_model()
+        for key in ("input_ids", "attention_mask", "loss_mask", "logprobs"):
+            if key not in batch:
+                raise KeyError(f"train_batch: the batch has no {key!r} key (got {sorted(batch)})")
+        self.model.train()
+        return batch
+
+    def _train_rows(self, batch, rows: List[int], loss_fn: LossFn, loss_weight_fn: WeightFn) -> Dict[str, float]:
         """One optimizer step on `rows`: every micro-batch's backward, then clip and step (or skip)."""
-        n_global = self._global_token_count(mask[rows])
+        B, L = batch["input_ids"].shape
+        mask = policy_mask(batch["loss_mask"], batch["attention_mask"])
+        self._check_same_batch(mask[rows])
+        # Every per-token key travels with the micro-batch, as in AReaL; `loss_mask` becomes the policy mask.
+        work = dict(batch, loss_mask=mask)
+        keys = [
+            k
+            for k, v in work.items()
+            if torch.is_tensor(v)
+            and v.shape[:2] == (B, L)
+            and v.dim() == 2
+            and k not in ("input_ids", "attention_mask")
+        ]
+        packs = [self._pack(work, mb, keys) if mb else None for mb in self._microbatches(work, rows)]
+        weights = [float(loss_weight_fn(p)) if p is not None else 0.0 for p in packs]
+        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
+        dist = _dist()
+        if dist is not None and self._world > 1:
+            dist.all_reduce(total)
+        total = max(float(total), 1e-12)
         self.optimizer.zero_grad(set_to_none=True)
         stats = _UpdateStats()
-        for mb_rows in self._microbatches(work, rows):
-            if mb_rows:
-                self._microbatch_backward(self._pack(work, mb_rows, keys), n_global, stats)
-            else:
+        for packed, weight in zip(packs, weights):
+            if packed is None:
                 self._dummy_forward_backward(self.model, backward=True)
-        dist = _dist()
+            else:
+                self._microbatch_backward(packed, loss_fn, weight / total, stats)
         if dist is not None and self._world > 1:
             stats.all_reduce(dist, self.device)
         grad_norm = self._clip_grad_norm()
@@ -737,42 +823,48 @@ class FSDPPPOActor(_TrainEngine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        return {**stats.report(n_global), "grad_norm": grad_norm, "skipped": float(skipped), "lr": lr}
+        return {**stats.report(), "grad_norm": grad_norm, "skipped": float(skipped), "lr": lr}
 
-    def _global_token_count(self, mask_rows: torch.Tensor) -> float:
-        """The minibatch's policy-token count (at least 1), the same on every rank."""
-        n_global = mask_rows.sum().to(torch.float64)
-        # Every rank holds the whole batch, so the global count needs no all-reduce here; ranks only disagree if
-        # their batches do, which we check in the distributed case (a silent mismatch would scale the loss wrongly).
+    def _check_same_batch(self, mask_rows: torch.Tensor) -> None:
+        """Ranks must hold the same batch: a silent mismatch would scale every rank's loss wrongly."""
         dist = _dist()
         if dist is not None and self._world > 1:
-            check = torch.stack([n_global, -n_global]).to(self.device)
+            n = mask_rows.sum().to(torch.float64)
+            check = torch.stack([n, -n]).to(self.device)
             dist.all_reduce(check, op=dist.ReduceOp.MAX)
             if float(check[0]) != -float(check[1]):
                 raise RuntimeError("ranks were given different batches (policy-token counts differ)")
-        return max(float(n_global), 1.0)
 
-    def _microbatch_backward(self, packed: Dict[str, torch.Tensor], n_global: float, stats: _UpdateStats) -> None:
-        """Forward and backward of one packed micro-batch, its loss a share of the minibatch's token mean."""
+    def _microbatch_backward(
+        self, packed: Dict[str, torch.Tensor], loss_fn: LossFn, share: float, stats: _UpdateStats
+    ) -> None:
+        """Forward and backward of one packed micro-batch: its loss times its share of the step's weight."""
         cfg = self.config
-        m = packed["pmask"].bool()
+        m = packed["loss_mask"].bool()
         logp, logits = self._policy_logp(self.model, packed, m)
-        behav = packed["logprobs"]
-        prox = packed["prox_logp"] if cfg.use_decoupled_loss else behav
-        per_token, info = ppo_token_loss(
-            logp,
-            prox.to(logp.dtype),
-            behav.to(logp.dtype),
-            packed["advantages"],
-            m,
-            cfg.eps_clip,
-            cfg.eps_clip_higher,
-            cfg.c_clip,
-            cfg.behav_imp_weight_cap,
-            cfg.use_decoupled_loss,
-        )
-        loss = per_token.sum() / n_global
-        (loss * float(self._world)).backward()  # FSDP2 averages gradients over ranks; the token mean needs the sum
         with torch.no_grad():
             entropies = entropy(logits.detach(), cfg.temperature)  # one row per policy token
-        stats.add_microbatch(m, info, loss, n_global, logp, prox, behav, entropies)
+        token_entropy = torch.zeros_like(logp, requires_grad=False).masked_scatter(m, entropies.to(logp.dtype))
+        if share == 0.0:
+            loss = logp.sum() * 0.0  # keeps the backward (and FSDP's collectives) without a loss to add
+        else:
+            loss = loss_fn(logp, token_entropy, packed) * share
+        (loss * float(self._world)).backward()  # FSDP2 averages gradients over ranks; the global mean needs the sum
+        # Diagnostics come from the log-probs, not from loss_fn: the same numbers whatever loss was trained.
+        behav = packed["logprobs"].to(logp.dtype)
+        prox = packed["prox_logp"].to(logp.dtype) if "prox_logp" in packed else behav
+        adv = packed["advantages"] if "advantages" in packed else torch.zeros_like(logp)
+        with torch.no_grad():
+            _, info = ppo_token_loss(
+                logp.detach(),
+                prox,
+                behav,
+                adv,
+                m,
+                cfg.eps_clip,
+                cfg.eps_clip_higher,
+                cfg.c_clip,
+                cfg.behav_imp_weight_cap,
+                cfg.use_decoupled_loss and "prox_logp" in packed,
+            )
+        stats.add_microbatch(m, info, loss, logp, prox, behav, entropies)

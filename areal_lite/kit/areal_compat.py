@@ -1,8 +1,11 @@
 """Where the kit meets AReaL 1.0.4: which names move to AReaL, which are kit-only, and the one boundary call.
 
-A notebook cell copies into an AReaL 1.0.4 experiment by changing only its import lines, by one rule: the package
-is laid out as AReaL's, so `from areal_lite.<path> import <name>` becomes `from areal.<path> import <name>`, except
-for the kit-only names listed here. This module is the one place that says which are which:
+A notebook cell's imports convert to AReaL 1.0.4 by one rule: the package is laid out as AReaL's, so
+`from areal_lite.<path> import <name>` becomes `from areal.<path> import <name>`, except for the kit-only names
+listed here. The rule rewrites imports and nothing else; the few calls AReaL takes differently (a config file to
+convert, `WeightUpdateMeta.from_disk`'s arguments, `rollout_batch` at a fixed version) are named at their cells in
+notebook 07, which executes the converted cells it can. This module is the one place that says which names are
+which:
 
 - `AREAL_NAMES`: every kit name that has an AReaL 1.0.4 twin with the same name, signature, defaults and return
   type, and its AReaL module, which is the kit's module with the prefix swapped. `tests/test_areal_api.py` checks

@@ -146,31 +146,49 @@ def plot_rewards(
     title: str = "Reward",
     evals: Optional[Sequence[Tuple[float, float]]] = None,
     eval_label: str = "held-out",
+    eval_n: Optional[int] = None,
+    ylabel: str = "training reward",
+    eval_axis: Optional[str] = None,
 ):
-    """Mean rollout reward per step (points + smoothed line), and a held-out evaluation curve.
+    """Mean rollout reward per step (points + smoothed line), and held-out evaluations as separate markers.
 
     The evaluation comes from `evals`, (updates done, value) pairs such as `[(0, before), (len(history), after)]`,
     or else from the rows' `eval_accuracy` keys as `python -m areal_lite.kit.train` writes them (greedy accuracy).
+    Held-out points are a few measurements, not a trend: they are drawn as markers with their value written next
+    to them, never joined by a line, and `eval_n` (the number of held-out problems) goes into their label.
+    `eval_axis`: a y-axis label for the evaluations puts them on their own axis on the right, for when they measure
+    something else than the training reward (an accuracy in [0, 1] next to a return in [-1.75, 1]).
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
     _curve(ax, rows, REWARD_KEYS, "reward", smoothing)
+    points, label = list(evals or []), eval_label
     acc = _key(rows, ACCURACY_KEYS, "accuracy", required=False)
-    if evals:
-        ax.plot([float(x) for x, _ in evals], [float(y) for _, y in evals], "s--", ms=5, label=eval_label)
-    elif acc:
+    if not points and acc:
         # train.py measures `eval_accuracy` after the row's update and `eval_accuracy_before` before any: draw both
         # at "updates done", so the first point is the untrained model.
-        xs_acc, ys_acc = [], []
         for i, r in enumerate(rows):
             if r.get("eval_accuracy_before") is not None:
-                xs_acc.append(r.get("step", i))
-                ys_acc.append(float(r["eval_accuracy_before"]))
+                points.append((r.get("step", i), float(r["eval_accuracy_before"])))
             if r.get(acc) is not None:
-                xs_acc.append(r.get("step", i) + (1 if acc == "eval_accuracy" else 0))
-                ys_acc.append(float(r[acc]))
-        ax.plot(xs_acc, ys_acc, "s--", ms=5, label=f"{acc} (greedy, held-out)")
-    return _finish(fig, ax, "reward / accuracy", title)
+                points.append((r.get("step", i) + (1 if acc == "eval_accuracy" else 0), float(r[acc])))
+        label = f"{acc} (greedy, held-out)"
+    if points:
+        target = ax.twinx() if eval_axis else ax
+        if eval_n is not None:
+            label = f"{label}, n={eval_n}"
+        xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+        target.plot(xs, ys, "s", ls="none", ms=7, color="C3", label=label)
+        for x, y in zip(xs, ys):
+            target.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8, color="C3")
+        if eval_axis:
+            target.set_ylabel(eval_axis, color="C3")
+            target.set_ylim(-0.05, 1.1)
+            handles = ax.get_legend_handles_labels()[0] + target.get_legend_handles_labels()[0]
+            fig = _finish(fig, ax, ylabel, title, legend=False)
+            ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left", framealpha=0.8)
+            return fig
+    return _finish(fig, ax, ylabel, title)
 
 
 def plot_response_length(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Response length"):
@@ -214,31 +232,40 @@ def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
     return fig
 
 
-def plot_sync_vs_async(sync_stats: Stats, async_stats: Stats, title: str = "Synchronous vs asynchronous"):
-    """Two panels: step wall time per step for both modes, and reward against cumulative wall time."""
+def plot_sync_vs_async(sync_stats, async_stats, title: str = "Synchronous vs asynchronous", skip: int = 1):
+    """Two panels: step wall time per step for both modes, and reward against cumulative wall time.
+
+    Each side is one run's stats or a list of runs (several runs are drawn as thin lines of one colour). The legend's
+    mean is over every run's steps after the first `skip` (warm-up): the number `kit.overlap.compare_runs` reports,
+    so a legend and a printed line never disagree.
+    """
     plt = _pyplot()
-    runs = {"sync": load_stats(sync_stats), "async": load_stats(async_stats)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    for name, rows in runs.items():
-        wall = _key(rows, STEP_TIME_KEYS, f"step time ({name})")
-        xs, ys = _series(rows, wall)
-        mean = sum(ys) / max(1, len(ys))
-        ax1.plot(xs, ys, "o-", label=f"{name} (mean {mean:.2f} s)")
-        rkey = _key(rows, REWARD_KEYS, f"reward ({name})", required=False)
-        if rkey:
-            elapsed, t = [], 0.0
-            for y in ys:
-                t += y
-                elapsed.append(t)
-            rewards = [float(r[rkey]) for r in rows if r.get(wall) is not None]
-            ax2.plot(elapsed, smooth(rewards), "-", label=name)
+    for colour, (name, stats) in zip(("C0", "C1"), (("sync", sync_stats), ("async", async_stats))):
+        runs = _as_runs(stats)
+        means = []
+        for i, rows in enumerate(runs):
+            wall = _key(rows, STEP_TIME_KEYS, f"step time ({name})")
+            xs, ys = _series(rows, wall)
+            measured = ys[skip:] or ys
+            means.append(sum(measured) / len(measured))
+            ax1.plot(xs, ys, "o-", color=colour, lw=1.5 if len(runs) == 1 else 1, alpha=1 if len(runs) == 1 else 0.6)
+            rkey = _key(rows, REWARD_KEYS, f"reward ({name})", required=False)
+            if rkey:
+                elapsed = [sum(ys[: k + 1]) for k in range(len(ys))]
+                rewards = [float(r[rkey]) for r in rows if r.get(wall) is not None]
+                ax2.plot(elapsed, smooth(rewards), "-", color=colour, label=name if i == 0 else None)
+        runs_text = f", {len(runs)} runs" if len(runs) > 1 else ""
+        ax1.plot(
+            [], [], "o-", color=colour, label=f"{name}: mean {sum(means) / len(means):.1f} s (steps {skip}+{runs_text})"
+        )
     ax1.set_xlabel("step")
     ax1.set_ylabel("seconds per step")
     ax1.set_title("step time")
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ax2.set_xlabel("wall time (s)")
-    ax2.set_ylabel("reward (smoothed)")
+    ax2.set_ylabel("training reward (smoothed)")
     ax2.set_title("reward vs time")
     ax2.grid(alpha=0.3)
     if ax2.lines:
@@ -246,6 +273,13 @@ def plot_sync_vs_async(sync_stats: Stats, async_stats: Stats, title: str = "Sync
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _as_runs(stats) -> List[List[Dict[str, Any]]]:
+    """One run (a list of per-step dicts or a JSONL path) or a list of runs -> a list of runs."""
+    if isinstance(stats, (list, tuple)) and stats and isinstance(stats[0], (list, tuple, str, os.PathLike)):
+        return [load_stats(run) for run in stats]
+    return [load_stats(stats)]
 
 
 def save_png(fig, path: Union[str, os.PathLike], dpi: int = 110) -> str:

@@ -57,7 +57,7 @@ from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.utils.atomic import atomic_dir, recover_dirs
 from areal_lite.utils.data import concat_padded_tensors
 
-__all__ = ["TrainConfig", "train", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
+__all__ = ["TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
 
 WORKFLOWS = ("rlvr", "reflection", "multiturn")
 
@@ -350,8 +350,12 @@ def _start_weights(resume: bool, ckpt_root: str, launched: bool, actor, engine, 
     return 0
 
 
-def _grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dataloader, data_iter, workflow):
-    """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync. Returns its stats."""
+def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dataloader, data_iter, workflow):
+    """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync; each phase timed.
+
+    The loop notebook 06 times, shown there as it is: the same five phases as notebooks 03-05, one `perf_counter`
+    around each. Returns the step's stats and its start time.
+    """
     t_step = time.perf_counter()
     if config.async_training:
         batch = concat_padded_tensors(engine.prepare_batch(dataloader, workflow))
@@ -440,7 +444,7 @@ def train(
         data_iter = cycle_dataloader(data.dataloader)
         bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
         for step in bar:
-            stats, t_step = _grpo_step(config, step, engine, actor, meta, data.dataloader, data_iter, workflow)
+            stats, t_step = grpo_step(config, step, engine, actor, meta, data.dataloader, data_iter, workflow)
             done = step + 1
             if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
                 save_checkpoint(ckpt_root, done, actor, data.dataloader, config.saver.keep_last)

@@ -56,6 +56,9 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
     (1-based), reward r_k and return G_k. So what each policy version answered can be read back after training.
     Lines are written once the episode ends (its returns are known then), under a process-wide lock.
 
+    `returns_fn(turn_rewards, turn_discount) -> returns` computes the G_k (default `discounted_returns`): notebook 05
+    passes the learner's own, so that what trains is the function the learner wrote.
+
     How per-turn returns reach the loss (the convention `areal_lite.engine.fsdp_engine` implements): when a batch has
     `token_returns`, the actor uses it instead of broadcasting `rewards[i]` over row i. A turn is a maximal run of
     consecutive generated tokens (turns are separated by feedback tokens), and `token_returns` is constant on it.
@@ -92,6 +95,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         system_prompt: Optional[str] = None,
         verbose: bool = False,
         dump_dir: Optional[str] = None,
+        returns_fn: Callable[[List[float], float], List[float]] = discounted_returns,
     ):
         super().__init__(
             reward_fn,
@@ -110,6 +114,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         self.reward_bias = float(reward_bias)
         self.stop_on_correct = bool(stop_on_correct)
         self.dump_dir = None if dump_dir is None else os.fspath(dump_dir)
+        self.returns_fn = returns_fn
         self.feedback_text = {True: feedback_correct, False: feedback_wrong}
         kw = self._template_kwargs()
         self.feedback = {ok: chat_turn_fragments(tokenizer, text, **kw) for ok, text in self.feedback_text.items()}
@@ -139,7 +144,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
             if correct and self.stop_on_correct:
                 break
         turn_rewards = [self.turn_reward(s) for s in successes]
-        returns = discounted_returns(turn_rewards, self.turn_discount)
+        returns = [float(g) for g in self.returns_fn(turn_rewards, self.turn_discount)]
         solved = any(s > 0.5 for s in successes)
         turns = next(k + 1 for k, s in enumerate(successes) if s > 0.5) if solved else len(successes)
         if self.dump_dir is not None:
