@@ -427,9 +427,18 @@ def loss_batch(tiny_model_path, vocab):
     return batch
 
 
-def test_train_batch_with_the_learners_loss_trains_what_ppo_update_trains(tiny_model_path, loss_batch):
+@pytest.fixture(scope="module")
+def package_step(tiny_model_path, loss_batch):
+    """(weights before, weights after ppo_update, its stats): what every learner's loss is compared with."""
+    start = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
+    before = params(start)
+    start.destroy()
+    return (before, *trained_with(tiny_model_path, loss_batch))
+
+
+def test_train_batch_with_the_learners_loss_trains_what_ppo_update_trains(tiny_model_path, loss_batch, package_step):
     """A notebook's own loss goes through `train_batch`, the path `ppo_update` takes: same weights, same stats."""
-    package, package_stats = trained_with(tiny_model_path, loss_batch)
+    _, package, package_stats = package_step
     for spec in (MicroBatchSpec(n_mbs=1), MicroBatchSpec(n_mbs=3)):  # the global mean, however it is split
         mine, stats = trained_with(tiny_model_path, loss_batch, learner_ppo_loss, mb_spec=spec)
         assert_close_dicts(package, mine, atol=1e-12, rtol=1e-9)
@@ -438,13 +447,10 @@ def test_train_batch_with_the_learners_loss_trains_what_ppo_update_trains(tiny_m
 
 
 @pytest.mark.parametrize("mistake", LOSS_MISTAKES)
-def test_a_wrong_loss_trains_different_weights(tiny_model_path, loss_batch, mistake):
+def test_a_wrong_loss_trains_different_weights(tiny_model_path, loss_batch, package_step, mistake):
     """What the notebook promises: if the learner's loss is wrong, what is trained changes (by far more than noise)."""
-    package, _ = trained_with(tiny_model_path, loss_batch)
+    before, package, _ = package_step
     wrong, _ = trained_with(tiny_model_path, loss_batch, learner_ppo_loss, mistake=mistake)
-    start = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
-    before = params(start)
-    start.destroy()
     step = sum(float((package[n] - before[n]).norm() ** 2) for n in before) ** 0.5
     off = sum(float((package[n] - wrong[n]).norm() ** 2) for n in before) ** 0.5
     assert off > 0.05 * step, f"{mistake}: the wrong loss moved the weights {off:.2e} from the right step ({step:.2e})"

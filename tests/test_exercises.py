@@ -31,6 +31,18 @@ import build_notebooks  # noqa: E402
 
 REGION = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION.*?^[ \t]*# END SOLUTION[ \t]*$", re.M | re.S)
 
+
+def f1_counting(common: str) -> str:
+    """An F1 body that differs from the solution only in how it counts the common tokens (`common`)."""
+    return f"""
+        common = {common}
+        if common == 0:
+            return 0.0
+        precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+        return 2 * precision * recall / (precision + recall)
+    """
+
+
 # Wrong bodies for the solution regions, by notebook: mistakes the check must catch.
 WRONG = {
     "02_rewards_and_tools": {
@@ -41,49 +53,22 @@ WRONG = {
             precision, recall = common / len(set(pred_tokens)), common / len(set(gold_tokens))
             return 2 * precision * recall / (precision + recall)
         """,
-        "set intersection over token counts": """
-            common = len(set(pred_tokens) & set(gold_tokens))
-            if common == 0:
-                return 0.0
-            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            return 2 * precision * recall / (precision + recall)
-        """,
-        "counts every predicted token found in gold": """
-            common = sum(token in gold_tokens for token in pred_tokens)
-            if common == 0:
-                return 0.0
-            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            return 2 * precision * recall / (precision + recall)
-        """,
-        "counts every gold token found in the prediction": """
-            common = sum(token in pred_tokens for token in gold_tokens)
-            if common == 0:
-                return 0.0
-            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            return 2 * precision * recall / (precision + recall)
-        """,
-        "the smaller of the two found-in counts": """
-            common = min(sum(t in gold_tokens for t in pred_tokens), sum(t in pred_tokens for t in gold_tokens))
-            if common == 0:
-                return 0.0
-            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            return 2 * precision * recall / (precision + recall)
-        """,
-        "the larger count of each shared token": """
-            pred_counts, gold_counts = Counter(pred_tokens), Counter(gold_tokens)
-            common = sum(max(pred_counts[t], gold_counts[t]) for t in pred_counts if t in gold_counts)
-            if common == 0:
-                return 0.0
-            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            return 2 * precision * recall / (precision + recall)
-        """,
-        "counts the kinds of shared tokens, not how often": """
-            common = len(Counter(pred_tokens) & Counter(gold_tokens))
-            if common == 0:
-                return 0.0
-            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            return 2 * precision * recall / (precision + recall)
-        """,
+        **{
+            name: f1_counting(common)
+            for name, common in {
+                "set intersection over token counts": "len(set(pred_tokens) & set(gold_tokens))",
+                "counts every predicted token found in gold": "sum(token in gold_tokens for token in pred_tokens)",
+                "counts every gold token found in the prediction": "sum(token in pred_tokens for token in gold_tokens)",
+                "the smaller of the two found-in counts": (
+                    "min(sum(t in gold_tokens for t in pred_tokens), sum(t in pred_tokens for t in gold_tokens))"
+                ),
+                "the larger count of each shared token": (
+                    "sum(max(Counter(pred_tokens)[t], Counter(gold_tokens)[t])"
+                    " for t in set(pred_tokens) & set(gold_tokens))"
+                ),
+                "counts the kinds of shared tokens, not how often": "len(Counter(pred_tokens) & Counter(gold_tokens))",
+            }.items()
+        },
     },
     "05_multiturn_feedback": {
         "no discount": """

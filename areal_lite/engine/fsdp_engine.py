@@ -774,6 +774,7 @@ class FSDPPPOActor(_TrainEngine):
         return per_token.sum() / m.sum().clamp(min=1)
 
     def _train_ready(self, batch: Batch) -> Dict[str, torch.Tensor]:
+        """One batch (AReaL's list joined), ids cast, the keys every update reads present, the model in train mode."""
         if isinstance(batch, list):
             batch = join_trajectories(batch)
         cast_long(batch)
