@@ -106,6 +106,9 @@ def test_committed_outputs_are_readable(path):
             assert set(out.get("data", {})) <= set(tool.KEPT_MIME), f"cell {i}: {sorted(out.get('data', {}))}"
             text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
             assert ROOT not in text, f"cell {i}: the checkout's path is committed"
+            # Noise a learner should not have to read past: terminal colours, tracebacks, loading bars.
+            for noise in ("\x1b[", "Traceback", "Loading weights"):
+                assert noise not in text, f"cell {i}: {noise!r} in a committed output"
     assert "widgets" not in nb.metadata, "widget state committed (its text form is kept instead)"
 
 
