@@ -40,6 +40,7 @@ _export(
     "SaverConfig",
     "StatsLoggerConfig",
     "EvaluatorConfig",
+    "RecoverConfig",
     "BaseExperimentConfig",
     "GRPOConfig",
     "load_expr_config",

@@ -42,6 +42,7 @@ __all__ = [
     "SaverConfig",
     "StatsLoggerConfig",
     "EvaluatorConfig",
+    "RecoverConfig",
     "BaseExperimentConfig",
     "GRPOConfig",
     "load_expr_config",
@@ -379,6 +380,21 @@ class EvaluatorConfig:
 
 
 @dataclass
+class RecoverConfig:
+    mode: str = _f(
+        "disabled",
+        "recover from this run's last checkpoint: on/auto when one exists, off/disabled never (--resume forces on)",
+        choices=("on", "off", "auto", "disabled"),
+    )
+    retries: int = _f(3, "AReaL's launcher retries; the kit has no launcher and runs once")
+    freq_epochs: Optional[int] = _f(None, "recovery checkpoint every N epochs; None disables")
+    freq_steps: Optional[int] = _f(None, "recovery checkpoint every N steps; None disables")
+    freq_secs: Optional[int] = _f(None, "recovery checkpoint every N seconds; None disables")
+    no_save_optim: bool = _f(False, "leave the optimizer state out of recovery checkpoints")
+    no_load_optim: bool = _f(False, "do not load the optimizer state when recovering")
+
+
+@dataclass
 class BaseExperimentConfig:
     experiment_name: str = _f("areal-lite", "experiment name")
     trial_name: str = _f("trial0", "trial name")
@@ -395,6 +411,7 @@ class BaseExperimentConfig:
     saver: SaverConfig = _f(help="checkpointing", factory=SaverConfig)
     evaluator: EvaluatorConfig = _f(help="periodic evaluation", factory=EvaluatorConfig)
     stats_logger: StatsLoggerConfig = _f(help="where per-step statistics go", factory=StatsLoggerConfig)
+    recover: RecoverConfig = _f(help="resuming a crashed run", factory=RecoverConfig)
 
 
 @dataclass
