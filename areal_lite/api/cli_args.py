@@ -18,14 +18,43 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 from omegaconf import OmegaConf
+
+from areal_lite.api.areal_only import (
+    AgentConfig,
+    ArchonEngineConfig,
+    ArchonFP8Config,
+    ClusterSpecConfig,
+    ConfigError,
+    DistributedDataParallelConfig,
+    FP8EngineConfig,
+    FSDPEngineConfig,
+    FSDPWrapPolicy,
+    MegatronEngineConfig,
+    MemoryProfilerConfig,
+    NameResolveConfig,
+    PerfTracerConfig,
+    RejectionSamplingConfig,
+    SchedulerConfig,
+    SchedulingSpec,
+    SchedulingStrategy,
+    SessionTracerConfig,
+    SwanlabConfig,
+    TensorBoardConfig,
+    TrackioConfig,
+    WandBConfig,
+    _f,
+    note_once,
+    report_areal_only,
+)
 
 __all__ = [
     "ConfigError",
@@ -39,6 +68,35 @@ __all__ = [
     "EmbeddedServerConfig",
     "vLLMConfig",
     "DatasetConfig",
+    "TrainDatasetConfig",
+    "ValidDatasetConfig",
+    "TrainEngineConfig",
+    "PPOCriticConfig",
+    "TeacherConfig",
+    "PPOConfig",
+    "AgentConfig",
+    "ArchonEngineConfig",
+    "ArchonFP8Config",
+    "ClusterSpecConfig",
+    "DistributedDataParallelConfig",
+    "FP8EngineConfig",
+    "FSDPEngineConfig",
+    "FSDPWrapPolicy",
+    "MegatronEngineConfig",
+    "MemoryProfilerConfig",
+    "NameResolveConfig",
+    "PerfTracerConfig",
+    "RejectionSamplingConfig",
+    "SchedulerConfig",
+    "SchedulingSpec",
+    "SchedulingStrategy",
+    "SessionTracerConfig",
+    "SwanlabConfig",
+    "TensorBoardConfig",
+    "TrackioConfig",
+    "WandBConfig",
+    "parse_backend",
+    "server_backend",
     "SaverConfig",
     "StatsLoggerConfig",
     "EvaluatorConfig",
@@ -51,16 +109,6 @@ __all__ = [
     "default_weight_update_dir",
     "sampling_params",
 ]
-
-
-def _f(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, factory=None):
-    """A dataclass field with a one-line help text (and optional allowed values)."""
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -149,44 +197,159 @@ def sampling_params(g: Any, max_new_tokens: Optional[int] = None) -> Dict[str, A
 # --------------------------------------------------------------------------------------------------------------
 
 
+_RPC_SERVER = "python -m areal.infra.rpc.rpc_server"  # AReaL's worker command (its scheduler's default)
+
+
 @dataclass
 class InferenceEngineConfig:
-    experiment_name: str = _f("areal-lite", "experiment name (used in paths)")
-    trial_name: str = _f("trial0", "trial name (used in paths)")
+    """The rollout client and executor: AReaL 1.0.4's fields, order and defaults; the kit-only field comes last.
+
+    `backend` is AReaL's `"<server>:<parallelism>"` (`sglang:d1`, `vllm:d1`, or the kit's `embedded:d1`); its prefix
+    picks the server (see `server_backend`). Empty (the kit's default; AReaL requires it) leaves the choice to the
+    experiment's kit-only `backend` switch."""
+
+    experiment_name: Optional[str] = _f(None, "experiment name; None: the experiment's")
+    trial_name: Optional[str] = _f(None, "trial name; None: the experiment's")
+    fileroot: Optional[str] = _f(None, "root of logs and trajectory dumps; None: the experiment's")
     max_concurrent_rollouts: Optional[int] = _f(None, "episodes running at once; None means consumer_batch_size")
     queue_size: Optional[int] = _f(None, "finished-episode queue bound; None means unbounded")
     consumer_batch_size: int = _f(1, "episodes the trainer consumes per step (B in the staleness rule)")
     max_head_offpolicyness: int = _f(0, "staleness bound eta: how many versions a rollout may lag (0 = synchronous)")
+    enable_rollout_tracing: bool = _f(False, "log a line per generation request (AReaL's executor)")
+    check_trajectory_format: bool = _f(False, "check every episode's tensors (keys, shapes, dtypes): for debugging")
+    tokenizer_path: str = _f("", "tokenizer that decodes dumped trajectories; empty: the experiment's")
+    dump_to_file: bool = _f(False, "write every finished episode as a JSON line under fileroot")
+    setup_timeout: float = _f(120.0, "seconds to wait for the servers to become healthy")
     request_timeout: float = _f(3600.0, "total seconds one generation request may take, retries included")
     request_retries: int = _f(3, "retries of a failed HTTP request before giving up")
-    setup_timeout: float = _f(120.0, "seconds to wait for the servers to become healthy")
-    pause_poll_interval: float = _f(0.05, "seconds between checks while generation is paused")
+    pause_grace_period: float = _f(0.0, "seconds to wait after /pause_generation (AReaL's client)")
+    scheduling_spec: Tuple[SchedulingSpec, ...] = _f(
+        help="AReaL scheduler: resources of the inference workers", factory=lambda: (SchedulingSpec(cmd=_RPC_SERVER),)
+    )
+    backend: str = _f("", "server and parallelism, e.g. sglang:d1, vllm:d1, embedded:d1; empty: the `backend` switch")
+    scheduling_strategy: SchedulingStrategy = _f(
+        help="AReaL scheduler: separate or colocated", factory=SchedulingStrategy
+    )
+    use_lora: bool = _f(False, "serve a LoRA adapter (must match the actor's use_lora)")
+    lora_name: str = _f("", "LoRA adapter name requests select")
+    agent: AgentConfig = _f(
+        help="AReaL's agent-service rollouts (OpenAI proxy)",
+        factory=lambda: AgentConfig(agent_cls_path="areal.experimental.openai.proxy.online_agent._OnlineAgent"),
+    )
+    return_routed_experts: bool = _f(False, "return MoE routed expert ids (SGLang, MoE models)")
+    _version: str = _f("v1", "AReaL rollout controller version", choices=("v1", "v2"))
+    model: str = _f("default", "model name exposed by AReaL's inference-service gateway")
+    routing_strategy: str = _f("round_robin", "routing strategy of AReaL's inference-service router")
+    poll_interval: float = _f(5.0, "health-poll interval (s) of AReaL's inference-service router")
+    admin_api_key: str = _f("areal-admin-key", "admin API key of AReaL's inference-service gateway")
+    api_url: Optional[str] = _f(None, "external OpenAI-compatible base URL (AReaL's external model mode)")
+    provider_api_key: Optional[str] = _f(None, "API key of that external provider")
+    pause_poll_interval: float = _f(0.05, "seconds between checks while generation is paused (kit-only)")
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
+        if self.backend and not self.backend.startswith("${"):
+            parse_backend(self.backend, "rollout.backend", ("sglang", "vllm", "embedded"))
+
+
+def parse_backend(spec: str, key: str, allowed: Tuple[str, ...]) -> Tuple[str, Dict[str, int]]:
+    """AReaL's `"<name>:<parallelism>"` (`sglang:d4p1t1`, `fsdp:d1`): (name, {"d": 4, "p": 1, "t": 1}).
+
+    The kit runs one server process and one training process, so any degree above 1 is reported as having no effect
+    (once); an unknown name is a ConfigError."""
+    name, _, par = spec.partition(":")
+    if name not in allowed:
+        raise ConfigError(f"{key}={spec!r}: the prefix must be one of {list(allowed)}")
+    degrees: Dict[str, int] = {}
+    for letter, digits in re.findall(r"([a-z])(\d+)", par):
+        degrees[letter] = int(digits)
+    if re.sub(r"[a-z]\d+", "", par):
+        raise ConfigError(f"{key}={spec!r}: write the parallelism as AReaL does, e.g. {name}:d1 or {name}:d2t2")
+    if any(v > 1 for v in degrees.values()):
+        note_once(key, f"parallel degrees other than 1 ({par}) have no effect in the kit: one process runs it")
+    return name, degrees
+
+
+def server_backend(config: Any) -> str:
+    """The server a whole experiment config asks for: `sglang`, `vllm`, `embedded` or `auto`.
+
+    Precedence: `rollout.backend` (AReaL's field) names the server when set; otherwise the kit-only top-level
+    `backend` switch decides (`auto` included). Both set to different servers is a ConfigError that names the two, so
+    a kit profile (`backend: embedded`) never silently overrides an AReaL YAML's `rollout.backend: sglang:d1`."""
+    switch = getattr(config, "backend", "auto") or "auto"
+    rollout = getattr(getattr(config, "rollout", None), "backend", "") or ""
+    if not rollout:
+        return switch
+    name, _ = parse_backend(rollout, "rollout.backend", ("sglang", "vllm", "embedded"))
+    if switch not in ("auto", name):
+        raise ConfigError(
+            f"rollout.backend={rollout!r} asks for {name} but backend={switch!r} (the kit's switch) asks for "
+            f"{switch}: set one of them, or both to the same server"
+        )
+    return name
 
 
 @dataclass
 class SGLangConfig:
-    """Arguments of `python -m sglang.launch_server` (GPU route). Only flags of the pinned SGLang release appear."""
+    """Arguments of `python -m sglang.launch_server` (GPU route): AReaL 1.0.4's fields and order; the kit-only field
+    comes last. The kit's own settings are always passed; a field the kit added from AReaL is passed only when set
+    to something other than AReaL's default, so a default launch is the one the kit has always made."""
 
     model_path: str = _f("", "model folder or hub id; empty means the actor's path")
     random_seed: int = _f(1, "server sampling seed")
     skip_tokenizer_init: bool = _f(False, "serve token ids only (breaks stop strings; keep False)")
     disable_cuda_graph: bool = _f(False, "disable CUDA graphs (slower, less memory)")
     disable_radix_cache: bool = _f(False, "disable prefix caching")
-    dtype: str = _f("bfloat16", "weights dtype", choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
+    disable_cuda_graph_padding: bool = _f(False, "no CUDA graph when the batch size needs padding")
+    enable_nccl_nvls: bool = _f(False, "NCCL NVLS for prefill-heavy all-reduce")
+    disable_outlines_disk_cache: bool = _f(False, "no disk cache of compiled grammars")
+    disable_custom_all_reduce: bool = _f(False, "use NCCL's all-reduce instead of SGLang's own")
+    disable_overlap_schedule: bool = _f(False, "no overlap of CPU scheduling with GPU work")
+    enable_mixed_chunk: bool = _f(False, "mix prefill chunks and decodes in one batch")
+    enable_dp_attention: bool = _f(False, "data-parallel attention (MoE models)")
+    enable_ep_moe: bool = _f(False, "expert parallelism for MoE layers")
+    enable_torch_compile: bool = _f(False, "torch.compile the model")
+    torch_compile_max_bs: int = _f(32, "largest batch size torch.compile covers")
+    cuda_graph_max_bs: Optional[int] = _f(None, "largest batch size captured in CUDA graphs")
+    cuda_graph_bs: Optional[List[int]] = _f(None, "batch sizes captured in CUDA graphs")
+    torchao_config: str = _f("", "torchao quantisation config")
+    enable_nan_detection: bool = _f(False, "check the sampled logits for NaN")
+    enable_p2p_check: bool = _f(False, "check GPU peer-to-peer access")
+    triton_attention_reduce_in_fp32: bool = _f(False, "Triton attention reduces in float32")
+    triton_attention_num_kv_splits: int = _f(8, "KV splits of the Triton decode attention")
+    num_continuous_decode_steps: int = _f(1, "decode steps run before the scheduler looks again")
+    enable_memory_saver: bool = _f(False, "release/resume memory (torch_memory_saver)")
+    allow_auto_truncate: bool = _f(False, "truncate requests longer than the context instead of failing")
+    attention_backend: Optional[str] = _f(None, "attention kernel backend; None lets SGLang choose")
+    enable_multimodal: bool = _f(False, "serve image inputs")
+    sampling_backend: Optional[str] = _f(None, "sampling kernel backend; None lets SGLang choose")
     context_length: Optional[int] = _f(None, "maximum context length; None means the model's")
-    mem_fraction_static: float = _f(0.8, "fraction of GPU memory for weights and KV cache")
+    mem_fraction_static: Optional[float] = _f(0.8, "fraction of GPU memory for weights and KV cache")
     max_running_requests: Optional[int] = _f(None, "maximum concurrent requests in the server")
     chunked_prefill_size: Optional[int] = _f(None, "prefill chunk size in tokens")
     max_prefill_tokens: int = _f(32768, "maximum tokens in one prefill batch")
     schedule_policy: str = _f("lpm", "request scheduling policy", choices=("lpm", "random", "fcfs", "dfs-weight"))
     schedule_conservativeness: float = _f(1.0, "how conservatively new requests are admitted")
-    attention_backend: Optional[str] = _f(None, "attention kernel backend; None lets SGLang choose")
+    cpu_offload_gb: int = _f(0, "GiB of weights kept in CPU memory")
+    dtype: str = _f("bfloat16", "weights dtype", choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
+    kv_cache_dtype: str = _f("auto", "KV cache dtype")
+    dp_size: int = _f(1, "data-parallel server replicas in one launch")
+    ep_size: int = _f(1, "expert-parallel size")
+    enable_lora: Optional[bool] = _f(None, "serve LoRA adapters")
+    max_lora_rank: Optional[int] = _f(None, "largest LoRA rank served")
+    max_loaded_loras: int = _f(8, "LoRA adapters kept loaded")
+    lora_paths: Optional[List[str]] = _f(None, "LoRA adapters loaded at start")
+    lora_backend: str = _f("triton", "LoRA kernel backend")
     log_level: str = _f("warning", "server log level", choices=("debug", "info", "warning", "error"))
     log_level_http: Optional[str] = _f("warning", "HTTP access log level")
     log_requests: bool = _f(False, "log every request")
-    decode_log_interval: int = _f(40, "log decode statistics every N steps")
+    log_requests_level: int = _f(0, "how much of each request is logged")
+    show_time_cost: bool = _f(False, "log the time of each server stage")
     enable_metrics: bool = _f(False, "expose Prometheus metrics")
-    trust_remote_code: bool = _f(False, "allow custom model code from the model folder")
+    decode_log_interval: int = _f(40, "log decode statistics every N steps")
+    enable_multithread_load: bool = _f(False, "load the weights with several threads")
+    enable_return_routed_experts: bool = _f(False, "return MoE routed expert ids")
+    trust_remote_code: bool = _f(False, "allow custom model code from the model folder (kit-only)")
 
     @staticmethod
     def build_cmd(
@@ -199,7 +362,11 @@ class SGLangConfig:
         model_path: Optional[str] = None,
     ) -> List[str]:
         """The argv that starts SGLang with these settings (a list, never a shell string)."""
-        args: Dict[str, Any] = dataclasses.asdict(sglang_config)
+        args: Dict[str, Any] = {
+            f.name: getattr(sglang_config, f.name)
+            for f in dataclasses.fields(sglang_config)
+            if f.name in _SGLANG_KIT_FLAGS or getattr(sglang_config, f.name) != f.default
+        }
         if model_path:
             args["model_path"] = model_path
         if not args["model_path"]:
@@ -214,9 +381,20 @@ class SGLangConfig:
             flag = "--" + key.replace("_", "-")
             if value is True:
                 cmd.append(flag)
+            elif isinstance(value, (list, tuple)):
+                cmd += [flag, *map(str, value)]
             else:
                 cmd += [flag, str(value)]
         return cmd
+
+
+# The SGLang settings the kit has always passed (whatever their value); AReaL's others only when changed.
+_SGLANG_KIT_FLAGS = frozenset(
+    "model_path random_seed skip_tokenizer_init disable_cuda_graph disable_radix_cache dtype context_length "
+    "mem_fraction_static max_running_requests chunked_prefill_size max_prefill_tokens schedule_policy "
+    "schedule_conservativeness attention_backend log_level log_level_http log_requests decode_log_interval "
+    "enable_metrics trust_remote_code".split()
+)
 
 
 @dataclass
@@ -261,26 +439,53 @@ class EmbeddedServerConfig:
 @dataclass
 class vLLMConfig:
     """Arguments of vLLM's OpenAI-compatible server (`backend=vllm`), run from its own interpreter (`make vllm`
-    builds `.venv-vllm`: vLLM pins its own transformers). AReaL 1.0.4's class name, and its field names where
-    the two have the option; the kit-only fields come last. `areal_lite.kit.launch` turns a config into the argv."""
+    builds `.venv-vllm`: vLLM pins its own transformers). AReaL 1.0.4's class name, fields and order; the kit-only
+    fields come last. `areal_lite.kit.launch` turns a config into the argv: the fields it always maps, and any of
+    `VLLM_FLAGS_WHEN_SET` set to a non-default value."""
 
     model: str = _f("", "model folder or alias; empty means the actor's path")
     seed: int = _f(1, "server sampling seed (a whole experiment config passes its own seed)")
-    dtype: str = _f("", "weights dtype (float32, bfloat16, ...); empty means the actor's dtype")
+    skip_tokenizer_init: bool = _f(False, "serve token ids only")
     enforce_eager: bool = _f(False, "no CUDA graphs / torch.compile (always on without CUDA: compiling takes minutes)")
+    dtype: str = _f("", "weights dtype (float32, bfloat16, ...); empty means the actor's dtype")
+    distributed_executor_backend: str = _f("mp", "how vLLM runs its workers (AReaL: mp)")
     max_num_seqs: int = _f(256, "requests decoded together in one batch")
+    block_size: int = _f(16, "tokens per KV cache block")
+    cpu_offload_gb: float = _f(0, "GiB of weights kept in CPU memory")
+    disable_sliding_window: bool = _f(True, "disable sliding-window attention (the kit leaves it to vLLM)")
     max_model_len: Optional[int] = _f(None, "maximum prompt + output tokens; None means the model's")
+    no_enable_chunked_prefill: bool = _f(False, "disable chunked prefill")
     no_enable_prefix_caching: bool = _f(False, "disable prefix caching (the client resets it after a weight update)")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory for weights and KV cache (GPU only)")
+    worker_extension_cls: str = _f(
+        "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension", "AReaL's worker extension (the kit: its own)"
+    )
+    enable_sleep_mode: bool = _f(False, "let the server release GPU memory while idle")
     uvicorn_log_level: str = _f("warning", "HTTP log level", choices=("debug", "info", "warning", "error"))
-    python: str = _f("", "interpreter with vLLM installed; empty: .venv-vllm/bin/python of this checkout")
-    threads: int = _f(1, "torch threads of the server process on CPU (capped by OMP_NUM_THREADS)")
-    cpu_kv_cache_gb: int = _f(1, "KV cache size in GiB on CPU (vLLM reserves 90% of RAM otherwise)")
+    gdn_prefill_backend: Optional[str] = _f(
+        None, "GDN prefill backend of hybrid models", choices=("triton", "flashinfer")
+    )
+    enable_lora: bool = _f(False, "serve LoRA adapters")
+    max_lora_rank: int = _f(16, "largest LoRA rank served")
+    max_loras: int = _f(8, "LoRA adapters in one batch")
+    lora_modules: Optional[List[str]] = _f(None, "LoRA adapters loaded at start")
+    python: str = _f("", "interpreter with vLLM installed; empty: .venv-vllm/bin/python of this checkout (kit-only)")
+    threads: int = _f(1, "torch threads of the server process on CPU (capped by OMP_NUM_THREADS) (kit-only)")
+    cpu_kv_cache_gb: int = _f(1, "KV cache size in GiB on CPU (vLLM reserves 90% of RAM otherwise) (kit-only)")
     logprobs_mode: str = _f(
         "processed_logprobs",
         "processed_logprobs: after temperature (SGLang's default); raw_logprobs: before (--return-original-logprob)",
         choices=("processed_logprobs", "raw_logprobs"),
     )
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
+
+
+# vLLM flags the launcher passes only when set to something other than the default (AReaL's fields the kit's
+# launch never needed); `areal_lite.kit.launch` reads this list.
+VLLM_FLAGS_WHEN_SET = ("skip_tokenizer_init", "block_size", "cpu_offload_gb", "no_enable_chunked_prefill",
+                       "enable_sleep_mode", "gdn_prefill_backend")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -288,24 +493,42 @@ class vLLMConfig:
 # --------------------------------------------------------------------------------------------------------------
 
 
+DATASET_TYPES = ("gsm8k", "arith", "factbook_qa", "rl", "sft", "rw", "dpo")  # the kit's data, then AReaL's methods
+
+
 @dataclass
 class OptimizerConfig:
-    type: str = _f("adam", "optimizer (AdamW)", choices=("adam", "sgd"))
+    type: str = _f(
+        "adam", "optimizer (AdamW); adam_bf16 is AReaL's bfloat16-state Adam", choices=("adam", "sgd", "adam_bf16")
+    )
     lr: float = _f(1e-5, "peak learning rate")
     weight_decay: float = _f(0.0, "decoupled weight decay")
     beta1: float = _f(0.9, "Adam beta1")
     beta2: float = _f(0.999, "Adam beta2")
     eps: float = _f(1e-8, "Adam epsilon")
     min_lr_ratio: float = _f(0.0, "final learning rate as a fraction of lr (linear/cosine schedules)")
-    lr_scheduler_type: str = _f("constant", "learning-rate schedule", choices=("constant", "linear", "cosine"))
+    lr_scheduler_type: str = _f("constant", "learning-rate schedule", choices=("linear", "cosine", "constant"))
     warmup_steps_proportion: float = _f(0.0, "fraction of total steps spent warming up linearly")
+    initial_loss_scale: float = _f(4294967296.0, "initial fp16 loss scale (AReaL's Megatron engine)")
+    min_loss_scale: float = _f(1.0, "smallest fp16 loss scale")
+    loss_scale_window: float = _f(5, "steps between fp16 loss-scale increases")
+    hysteresis: int = _f(2, "overflows tolerated before the fp16 loss scale drops")
     gradient_clipping: float = _f(1.0, "clip the global gradient norm to this value (0 disables)")
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
 
 
 @dataclass
 class MicroBatchSpec:
-    n_mbs: int = _f(1, "minimum number of micro-batches per mini-batch")
+    n_mbs: Optional[int] = _f(1, "minimum number of micro-batches per mini-batch")
+    granularity: int = _f(1, "adjacent rows kept in one micro-batch (AReaL's packer)")
     max_tokens_per_mb: Optional[int] = _f(None, "token budget of one packed micro-batch; None means no limit")
+    n_mbs_divisor: int = _f(1, "the micro-batch count is rounded to a multiple of this (AReaL's packer)")
+    packing_algorithm: str = _f("ffd", "AReaL's packing algorithm: ffd or kk", choices=("ffd", "kk"))
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
 
 
 @dataclass
@@ -319,120 +542,339 @@ class NormConfig:
 
 
 @dataclass
-class PPOActorConfig:
+class TrainEngineConfig:
+    """A training engine: AReaL 1.0.4's fields, order and defaults; the kit-only fields come last. `backend` is
+    AReaL's `"fsdp:d1"`: the kit's engine is FSDP-style, so its prefix must be fsdp; empty (the kit's default;
+    AReaL requires it) means fsdp:d1."""
+
     experiment_name: str = _f("areal-lite", "experiment name (used in paths)")
     trial_name: str = _f("trial0", "trial name (used in paths)")
     path: str = _f("", "model folder, alias (smollm2-135m-instruct) or hub id")
-    dtype: str = _f("float32", "training dtype", choices=("float32", "bfloat16", "float16"))
-    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
-    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    optimizer: OptimizerConfig = _f(help="optimizer settings", factory=OptimizerConfig)
+    attn_impl: str = _f(
+        "flash_attention_2",
+        "AReaL's attention implementation (the kit's engine picks its own)",
+        choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
+    )
+    use_kernels: bool = _f(False, "kernelize the model with Hugging Face kernels")
+    init_from_scratch: bool = _f(False, "random initial weights instead of the pretrained ones")
+    is_critic: bool = _f(False, "a critic/reward model (value head)")
+    temperature: float = _f(1.0, "sampling temperature the logprobs are computed at")
     mb_spec: MicroBatchSpec = _f(help="micro-batch split", factory=MicroBatchSpec)
-    group_size: int = _f(1, "GRPO group size; set from gconfig.n_samples when left at 1")
+    pad_to_maximum: bool = _f(False, "pad each micro-batch to the token budget (less fragmentation, slower)")
+    disable_dropout: bool = _f(False, "set every dropout probability to 0 for training")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    dtype: str = _f("float32", "training dtype", choices=("float32", "bfloat16", "float16"))
+    grad_reduce_dtype: str = _f("float32", "dtype of the gradient reduction across ranks")
+    optimizer_dtype: str = _f("float32", "dtype of the parameter storage and optimizer states")
+    optimizer: Optional[OptimizerConfig] = _f(
+        help="optimizer settings (AReaL: None means no training)", factory=OptimizerConfig
+    )
+    weight_update_mode: str = _f(
+        "xccl", "how new weights reach the servers (the kit: always disk)", choices=("disk", "xccl")
+    )
+    fsdp: FSDPEngineConfig = _f(help="AReaL's FSDP engine options", factory=FSDPEngineConfig)
+    archon: ArchonEngineConfig = _f(help="AReaL's Archon engine options", factory=ArchonEngineConfig)
+    megatron: MegatronEngineConfig = _f(help="AReaL's Megatron engine options", factory=MegatronEngineConfig)
+    offload: bool = _f(False, "offload parameters and optimizer states to CPU")
+    use_lora: bool = _f(False, "train a LoRA adapter instead of every weight")
+    lora_rank: int = _f(32, "LoRA rank")
+    lora_alpha: int = _f(16, "LoRA alpha")
+    target_modules: List[str] = _f(help="modules LoRA adapts", factory=list)
+    peft_type: str = _f("lora", "PEFT method (LoRA only)")
+    enable_tree_training: bool = _f(False, "tree training with flex attention")
+    scheduling_spec: Tuple[SchedulingSpec, ...] = _f(
+        help="AReaL scheduler: resources of the training workers", factory=lambda: (SchedulingSpec(cmd=_RPC_SERVER),)
+    )
+    backend: str = _f("", "engine and parallelism, e.g. fsdp:d1; empty: fsdp:d1")
+    _version: str = _f("v1", "AReaL train controller version", choices=("v1", "v2"))
+    admin_api_key: str = _f("areal-admin-key", "admin API key of AReaL's controller v2 gateway")
+    log_level: str = _f("warning", "log level of AReaL's controller v2 gateway")
+    request_timeout: float = _f(3600.0, "request timeout (s) of AReaL's controller v2 gateway")
+    setup_timeout: float = _f(3600.0, "setup timeout (s) of AReaL's controller v2 gateway")
+    scheduling_strategy: SchedulingStrategy = _f(
+        help="AReaL scheduler: separate or colocated", factory=SchedulingStrategy
+    )
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto (kit-only)")
+    threads: int = _f(0, "torch threads of the trainer (0: torch's default) (kit-only)")
+    seed: int = _f(1, "trainer random seed (kit-only)")
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
+        if self.backend and not self.backend.startswith("${"):
+            parse_backend(self.backend, "actor.backend", ("fsdp",))
+
+
+@dataclass
+class PPOActorConfig(TrainEngineConfig):
+    """The policy: `TrainEngineConfig` plus AReaL 1.0.4's PPO fields, order and defaults; kit-only fields last."""
+
     ppo_n_minibatches: int = _f(1, "optimizer steps per training batch")
     eps_clip: float = _f(0.2, "PPO clip epsilon (lower side)")
     eps_clip_higher: Optional[float] = _f(None, "upper clip epsilon (clip-higher); None means eps_clip")
     c_clip: Optional[float] = _f(None, "dual-clip constant c > 1; None disables")
-    temperature: float = _f(1.0, "sampling temperature the logprobs are computed at")
+    m2_threshold: Optional[float] = _f(None, "second-moment threshold of M2PO")
+    reward_norm: Optional[NormConfig] = _f(None, "normalise rewards (None: no normalisation)")
     reward_scaling: float = _f(1.0, "reward shaping: multiply after adding the bias")
     reward_bias: float = _f(0.0, "reward shaping: added before scaling")
     reward_clip: float = _f(20.0, "reward shaping: clip to [-reward_clip, reward_clip]")
-    reward_norm: Optional[NormConfig] = _f(None, "normalise rewards (None: no normalisation)")
+    overlong_reward_penalty: bool = _f(False, "DAPO's penalty on answers that run into the length limit")
+    overlong_tokens: Optional[int] = _f(None, "tail tokens that receive the overlong penalty")
+    overlong_penalty_factor: Optional[float] = _f(None, "size of the overlong penalty")
+    mask_no_eos_with_zero: bool = _f(False, "leave answers without EOS (truncated) out of the loss")
+    discount: float = _f(1.0, "discount factor of future rewards (GAE gamma)")
+    gae_lambda: float = _f(1.0, "GAE lambda")
     adv_norm: Optional[NormConfig] = _f(None, "normalise advantages (None: no normalisation)")
     kl_ctl: float = _f(0.0, "KL penalty coefficient to the reference model (0: none)")
     kl_estimator: str = _f("k1", "KL estimator", choices=("k1", "k2", "k3"))
-    use_decoupled_loss: bool = _f(True, "decoupled PPO: proximal policy from recomputed logprobs")
-    behav_imp_weight_cap: Optional[float] = _f(None, "drop tokens whose behaviour importance weight exceeds this")
+    use_sapo_loss: bool = _f(False, "SAPO loss instead of PPO clipping")
+    sapo_tau_pos: float = _f(1.0, "SAPO temperature for positive advantages")
+    sapo_tau_neg: float = _f(1.05, "SAPO temperature for negative advantages")
     recompute_logprob: bool = _f(True, "recompute proximal logprobs with the trainer's weights")
-    threads: int = _f(0, "torch threads of the trainer (0: torch's default)")
-    seed: int = _f(1, "trainer random seed")
+    use_decoupled_loss: bool = _f(True, "decoupled PPO: proximal policy from recomputed logprobs")
+    rejection_sampling: Optional[RejectionSamplingConfig] = _f(
+        None, "drop stale tokens (token/mask/ratio with `upper` is the kit's behav_imp_weight_cap); None: keep all"
+    )
+    importance_sampling_level: str = _f(
+        "token", "importance ratios per token or per sequence", choices=("token", "sequence")
+    )
+    prox_logp_method: str = _f(
+        "recompute", "how the proximal log-probs are obtained", choices=("recompute", "loglinear", "metrics")
+    )
+    log_agent_stats: bool = _f(False, "log statistics of agent trajectories")
+    log_agent_stats_keys: List[str] = _f(help="keys of those statistics", factory=list)
+    max_new_tokens: int = _f(1024, "generation limit the overlong penalty measures against")
+    group_size: int = _f(1, "GRPO group size; set from gconfig.n_samples when left at 1 (kit-only)")
+    behav_imp_weight_cap: Optional[float] = _f(
+        None, "drop tokens whose behaviour importance weight exceeds this (AReaL's old name; kit-only)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.behav_imp_weight_cap = _cap_from_rejection_sampling(self.rejection_sampling, self.behav_imp_weight_cap)
+
+
+def _cap_from_rejection_sampling(rs: Optional[RejectionSamplingConfig], cap: Optional[float]) -> Optional[float]:
+    """AReaL 1.0.4's `rejection_sampling` as the kit's `behav_imp_weight_cap` (AReaL migrates the old name the same
+    way): token level, mask action, ratio metric, an upper bound only. Anything else changes which tokens train and
+    the kit does not implement it: a ConfigError, never a silent substitute."""
+    if rs is None:
+        return cap
+    if (rs.level, rs.action, rs.metric, rs.lower) != ("token", "mask", "ratio", None):
+        raise ConfigError(
+            f"actor.rejection_sampling={rs}: the kit implements only level=token, action=mask, metric=ratio with an "
+            "upper bound (its behav_imp_weight_cap)"
+        )
+    if cap is not None and cap != rs.upper:
+        raise ConfigError(
+            f"actor.rejection_sampling.upper={rs.upper} and actor.behav_imp_weight_cap={cap} disagree: set one"
+        )
+    return float(rs.upper)
+
+
+@dataclass
+class PPOCriticConfig(TrainEngineConfig):
+    """AReaL's critic (value model) section; the kit trains GRPO without one, so `GRPOConfig.critic` is refused."""
+
+    ppo_n_minibatches: int = _f(4, "optimizer steps per training batch")
+    eps_clip: float = _f(0.5, "value-loss clip epsilon")
+    mask_no_eos_with_zero: bool = _f(False, "leave answers without EOS out of the loss")
+
+
+@dataclass
+class TeacherConfig:
+    """AReaL's on-policy distillation teacher; the kit has no distillation, so `GRPOConfig.teacher` is refused."""
+
+    engine_type: str = _f(
+        "rollout", "rollout: score with an inference engine; train: a train engine", choices=("rollout", "train")
+    )
+    rollout: Optional[InferenceEngineConfig] = _f(None, "the teacher's inference engine")
+    train: Optional[PPOActorConfig] = _f(None, "the teacher's train engine (engine_type=train)")
+    path: str = _f("", "teacher model path")
+    offload: bool = _f(False, "offload the teacher between steps")
+    rl_loss_weight: float = _f(1.0, "weight of the RL loss")
+    distill_loss_weight: float = _f(0.005, "weight of the distillation loss")
 
 
 @dataclass
 class DatasetConfig:
-    path: Optional[str] = _f(None, "local JSON/JSONL file, hub id, or None for the packaged offline data")
-    type: str = _f("gsm8k", "which data", choices=("gsm8k", "arith", "factbook_qa"))
+    """A dataset (AReaL's `_DatasetConfig`): AReaL 1.0.4's fields and order; the kit-only fields come last.
+
+    `type` takes AReaL's training method (`rl`, `sft`: then the data is named by `path`, e.g. `openai/gsm8k`) or
+    one of the kit's packaged datasets (`gsm8k`, `arith`, `factbook_qa`); the two sets of names do not overlap."""
+
     split: str = _f("train", "dataset split")
+    path: Optional[str] = _f(None, "local JSON/JSONL file, hub id, or None for the packaged offline data")
+    type: str = _f(
+        "gsm8k",
+        "the kit's packaged data, or AReaL's method (rl, sft, ...) with data named by path",
+        choices=DATASET_TYPES,
+    )
     batch_size: int = _f(4, "prompts per training step")
     shuffle: bool = _f(True, "shuffle each epoch (seeded)")
+    pin_memory: bool = _f(False, "pin host memory (AReaL's loader)")
+    num_workers: int = _f(0, "loader worker processes (AReaL's loader)")
+    num_dataset_workers: int = _f(1, "AReaL's remote data-service workers")
     drop_last: bool = _f(True, "drop the last incomplete batch")
-    size: Optional[int] = _f(None, "number of rows to generate or keep; None means all/default")
-    seed: int = _f(0, "data seed")
     max_length: Optional[int] = _f(None, "drop prompts longer than this many tokens")
+    dataset_kwargs: Dict[str, Any] = _f(help="extra arguments of AReaL's dataset loader", factory=dict)
+    scheduling_spec: Optional[SchedulingSpec] = _f(
+        help="AReaL's remote data-service workers",
+        factory=lambda: SchedulingSpec(cpu=1, mem=10, cmd="python3 -m areal.infra.rpc.guard"),
+    )
+    setup_timeout: float = _f(120.0, "seconds AReaL's data service may take to load the data")
+    size: Optional[int] = _f(None, "number of rows to generate or keep; None means all/default (kit-only)")
+    seed: int = _f(0, "data seed (kit-only)")
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
 
 
 @dataclass
-class SaverConfig:
-    freq_steps: Optional[int] = _f(None, "save a checkpoint every N steps; None disables")
-    keep_last: int = _f(2, "checkpoints kept on disk")
+class TrainDatasetConfig(DatasetConfig):
+    """The training data (AReaL's name)."""
 
 
 @dataclass
-class StatsLoggerConfig:
-    tensorboard: bool = _f(False, "also write TensorBoard scalars")
-    wandb_mode: str = _f("disabled", "Weights & Biases mode", choices=("disabled", "offline", "online"))
+class ValidDatasetConfig(DatasetConfig):
+    """The held-out data (AReaL's name and defaults: the test split, in order, every row)."""
+
+    split: str = _f("test", "dataset split")
+    shuffle: bool = _f(False, "shuffle each epoch (seeded)")
+    drop_last: bool = _f(False, "drop the last incomplete batch")
 
 
 @dataclass
-class EvaluatorConfig:
-    freq_steps: Optional[int] = _f(None, "evaluate on the valid split every N steps; None disables")
-    size: int = _f(32, "held-out problems per evaluation")
+class _Timer:
+    experiment_name: str = _f("", "experiment name; empty: the experiment's (AReaL: required)")
+    trial_name: str = _f("", "trial name; empty: the experiment's (AReaL: required)")
+    fileroot: str = _f("", "root folder; empty: the experiment's (AReaL: required)")
+    freq_epochs: Optional[int] = _f(None, "every N epochs; None disables")
+    freq_steps: Optional[int] = _f(None, "every N steps; None disables")
+    freq_secs: Optional[int] = _f(None, "every N seconds; None disables")
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
 
 
 @dataclass
-class RecoverConfig:
+class SaverConfig(_Timer):
+    mode: str = _f("auto", "AReaL's save mode: sync, async or auto", choices=("auto", "sync", "async"))
+    keep_last: int = _f(2, "checkpoints kept on disk (kit-only)")
+
+
+@dataclass
+class EvaluatorConfig(_Timer):
+    eval_before_train: bool = _f(True, "evaluate once before training (the kit's trainer always does)")
+    size: int = _f(32, "held-out problems per evaluation (kit-only)")
+
+
+@dataclass
+class RecoverConfig(_Timer):
     mode: str = _f(
         "disabled",
         "recover from this run's last checkpoint: on/auto when one exists, off/disabled never (--resume forces on)",
         choices=("on", "off", "auto", "disabled"),
     )
     retries: int = _f(3, "AReaL's launcher retries; the kit has no launcher and runs once")
-    freq_epochs: Optional[int] = _f(None, "recovery checkpoint every N epochs; None disables")
-    freq_steps: Optional[int] = _f(None, "recovery checkpoint every N steps; None disables")
-    freq_secs: Optional[int] = _f(None, "recovery checkpoint every N seconds; None disables")
     no_save_optim: bool = _f(False, "leave the optimizer state out of recovery checkpoints")
     no_load_optim: bool = _f(False, "do not load the optimizer state when recovering")
 
 
 @dataclass
-class BaseExperimentConfig:
-    experiment_name: str = _f("areal-lite", "experiment name")
-    trial_name: str = _f("trial0", "trial name")
-    fileroot: str = _f("runs", "root folder for logs, checkpoints and weight updates")
-    seed: int = _f(1, "global random seed")
-    profile: str = _f(
-        "auto", "hardware profile: cpu, gpu, or auto (gpu when CUDA is available)", choices=("auto", "cpu", "gpu")
+class StatsLoggerConfig:
+    """Where per-step statistics go. AReaL 1.0.4's sections; `wandb.mode` and the kit-only `wandb_mode` are one
+    setting (either may be set; set to different values they are a ConfigError)."""
+
+    experiment_name: str = _f("", "experiment name; empty: the experiment's (AReaL: required)")
+    trial_name: str = _f("", "trial name; empty: the experiment's (AReaL: required)")
+    fileroot: str = _f("", "root folder; empty: the experiment's (AReaL: required)")
+    wandb: WandBConfig = _f(help="Weights & Biases (the kit reads `mode`)", factory=WandBConfig)
+    swanlab: SwanlabConfig = _f(help="SwanLab (not in the kit)", factory=SwanlabConfig)
+    tensorboard: TensorBoardConfig = _f(help="TensorBoard: on when `path` is set", factory=TensorBoardConfig)
+    trackio: TrackioConfig = _f(help="Trackio (not in the kit)", factory=TrackioConfig)
+    wandb_mode: str = _f(
+        "disabled",
+        "Weights & Biases mode (kit-only name of wandb.mode)",
+        choices=("disabled", "offline", "online", "shared"),
     )
-    total_train_epochs: int = _f(1, "passes over the training data")
-    total_train_steps: Optional[int] = _f(None, "stop after this many steps (None: epochs decide)")
-    tokenizer_path: str = _f("", "tokenizer folder, alias or hub id; empty means actor.path")
-    train_dataset: DatasetConfig = _f(help="training data", factory=DatasetConfig)
-    valid_dataset: Optional[DatasetConfig] = _f(None, "held-out data for evaluation")
-    saver: SaverConfig = _f(help="checkpointing", factory=SaverConfig)
-    evaluator: EvaluatorConfig = _f(help="periodic evaluation", factory=EvaluatorConfig)
-    stats_logger: StatsLoggerConfig = _f(help="where per-step statistics go", factory=StatsLoggerConfig)
-    recover: RecoverConfig = _f(help="resuming a crashed run", factory=RecoverConfig)
+
+    def __post_init__(self) -> None:
+        for section in (self, self.wandb, self.tensorboard):
+            report_areal_only(section)
+        modes = {self.wandb.mode, self.wandb_mode} - {"disabled"}
+        if len(modes) > 1:
+            raise ConfigError(
+                f"stats_logger.wandb.mode={self.wandb.mode!r} and stats_logger.wandb_mode={self.wandb_mode!r} disagree"
+            )
+        self.wandb.mode = self.wandb_mode = modes.pop() if modes else "disabled"
 
 
 @dataclass
-class GRPOConfig(BaseExperimentConfig):
+class BaseExperimentConfig:
+    """AReaL 1.0.4's experiment fields, order and defaults (names have kit defaults: AReaL requires them); the
+    kit-only fields come last."""
+
+    experiment_name: str = _f("areal-lite", "experiment name")
+    trial_name: str = _f("trial0", "trial name")
+    cluster: ClusterSpecConfig = _f(help="AReaL's cluster (nodes, GPUs, name resolving)", factory=ClusterSpecConfig)
+    allocation_mode: str = _f("", "AReaL's deprecated GPU allocation; use rollout.backend / actor.backend")
+    seed: int = _f(1, "global random seed")
+    enable_offload: bool = _f(False, "AReaL's training offload (torch_memory_saver)")
+    total_train_epochs: int = _f(1, "passes over the training data")
+    total_train_steps: Optional[int] = _f(None, "stop after this many steps (None: epochs decide)")
+    total_train_n_seqs: Optional[int] = _f(None, "stop after this many sequences (AReaL; None: epochs decide)")
+    tokenizer_path: str = _f("", "tokenizer folder, alias or hub id; empty means actor.path")
+    train_dataset: TrainDatasetConfig = _f(help="training data", factory=TrainDatasetConfig)
+    valid_dataset: Optional[ValidDatasetConfig] = _f(None, "held-out data for evaluation")
+    saver: SaverConfig = _f(help="checkpointing", factory=SaverConfig)
+    evaluator: EvaluatorConfig = _f(help="periodic evaluation", factory=EvaluatorConfig)
+    stats_logger: StatsLoggerConfig = _f(help="where per-step statistics go", factory=StatsLoggerConfig)
+    perf_tracer: Optional[PerfTracerConfig] = _f(None, "AReaL's perf tracer; None disables")
+    memory_profiler: Optional[MemoryProfilerConfig] = _f(None, "AReaL's memory profiler; None disables")
+    recover: RecoverConfig = _f(help="resuming a crashed run", factory=RecoverConfig)
+    sglang: SGLangConfig = _f(help="SGLang server arguments (GPU)", factory=SGLangConfig)
+    vllm: vLLMConfig = _f(help="vLLM server arguments (backend=vllm, CPU or GPU)", factory=vLLMConfig)
+    scheduler: SchedulerConfig = _f(help="AReaL's scheduler", factory=SchedulerConfig)
+    fileroot: str = _f("runs", "root folder for logs, checkpoints and weight updates (kit-only)")
+    profile: str = _f(
+        "auto",
+        "hardware profile: cpu, gpu, or auto (gpu when CUDA is available) (kit-only)",
+        choices=("auto", "cpu", "gpu"),
+    )
+
+    def __post_init__(self) -> None:
+        report_areal_only(self)
+
+
+@dataclass
+class PPOConfig(BaseExperimentConfig):
     gconfig: GenerationHyperparameters = _f(help="sampling for training rollouts", factory=GenerationHyperparameters)
-    eval_gconfig: GenerationHyperparameters = _f(
-        help="sampling for evaluation", factory=lambda: GenerationHyperparameters(greedy=True)
+    eval_gconfig: Optional[GenerationHyperparameters] = _f(
+        help="sampling for evaluation (AReaL: None means gconfig)",
+        factory=lambda: GenerationHyperparameters(greedy=True),
     )
     rollout: InferenceEngineConfig = _f(help="rollout client and executor", factory=InferenceEngineConfig)
     actor: PPOActorConfig = _f(help="policy model and PPO settings", factory=PPOActorConfig)
     ref: Optional[PPOActorConfig] = _f(None, "reference model for the KL penalty (None: no reference)")
+    critic: Optional[PPOCriticConfig] = _f(None, "AReaL's critic (not in the kit)")
+    teacher: Optional[TeacherConfig] = _f(None, "AReaL's distillation teacher (not in the kit)")
+    dynamic_bs: bool = _f(False, "AReaL's dynamic batch size in prepare_batch (not in the kit)")
     backend: str = _f(
         "auto",
-        "inference server: sglang, embedded, vllm (opt-in: make vllm), or auto (sglang if installed and CUDA)",
+        "inference server: sglang, embedded, vllm (opt-in: make vllm), or auto (sglang if installed and CUDA); "
+        "rollout.backend, when set, decides (kit-only)",
         choices=("auto", "sglang", "embedded", "vllm"),
     )
-    sglang: SGLangConfig = _f(help="SGLang server arguments (GPU)", factory=SGLangConfig)
-    embedded: EmbeddedServerConfig = _f(help="embedded server arguments (CPU)", factory=EmbeddedServerConfig)
-    vllm: vLLMConfig = _f(help="vLLM server arguments (backend=vllm, CPU or GPU)", factory=vLLMConfig)
-    async_training: bool = _f(False, "overlap rollout and training (prepare_batch) instead of rollout_batch")
-    weight_update_dir: str = _f("", "folder for disk weight updates; empty: /dev/shm if present, else under fileroot")
+    embedded: EmbeddedServerConfig = _f(help="embedded server arguments (CPU) (kit-only)", factory=EmbeddedServerConfig)
+    async_training: bool = _f(False, "overlap rollout and training (prepare_batch) instead of rollout_batch (kit-only)")
+    weight_update_dir: str = _f(
+        "", "folder for disk weight updates; empty: /dev/shm if present, else under fileroot (kit-only)"
+    )
+
+
+@dataclass
+class GRPOConfig(PPOConfig):
+    """AReaL's GRPO experiment: the PPO experiment's fields (GRPO is PPO with group-normalised rewards)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -440,8 +882,7 @@ class GRPOConfig(BaseExperimentConfig):
 # --------------------------------------------------------------------------------------------------------------
 
 
-class ConfigError(ValueError):
-    """A configuration problem, phrased so the user can fix it without reading our code."""
+_INTERPOLATION = re.compile(r"\$\{[^{}]+\}")
 
 
 def _type_name(tp: Any) -> str:
@@ -449,10 +890,10 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " | ".join(_type_name(a) for a in args) + " | null"
-    if origin in (list, List):
-        (arg,) = typing.get_args(tp) or (Any,)
+    if origin in (list, List, tuple, Tuple):
+        arg = (typing.get_args(tp) or (Any,))[0]
         return f"list[{_type_name(arg)}]"
-    if origin in (dict, Dict):
+    if origin in (dict, Dict) or tp is dict:
         return "mapping"
     if dataclasses.is_dataclass(tp):
         return f"mapping ({tp.__name__})"
@@ -504,15 +945,17 @@ class _Checker:
             if optional or tp is Any:
                 return None
             self.fail(key, f"expected {expected}, got null")
+        if isinstance(value, str) and _INTERPOLATION.fullmatch(value):
+            return value  # `${actor.path}` as in AReaL's YAMLs: OmegaConf resolves it, then checks the type
         if dataclasses.is_dataclass(inner):
             return self.check(inner, value, key)
         origin = typing.get_origin(inner)
-        if origin in (list, List):
+        if origin in (list, List, tuple, Tuple):
             if not isinstance(value, (list, tuple)):
                 self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
-            (arg,) = typing.get_args(inner) or (Any,)
+            arg = (typing.get_args(inner) or (Any,))[0]
             return [self.value(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        if origin in (dict, Dict):
+        if origin in (dict, Dict) or inner is dict:
             if not isinstance(value, dict):
                 self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
             return value
@@ -601,10 +1044,10 @@ def resolve_profile(requested: str) -> tuple[str, str]:
     return ("gpu", "auto: CUDA is available") if has_cuda else ("cpu", "auto: no CUDA device")
 
 
-# Kit defaults that differ from AReaL 1.0.4's, with AReaL's value and why the kit keeps its own (a one-machine run,
-# no reference model by default). `load_expr_config` prints the ones a config leaves at the kit default;
-# `areal_lite.kit.areal_config` writes the kit's value explicitly into the AReaL YAML; tests/test_areal_config.py checks
-# this table against the installed AReaL, and that it is complete.
+# Kit defaults that differ from AReaL 1.0.4's and change what is learned, with AReaL's value and why the kit keeps
+# its own (a one-machine run, no reference model by default). `load_expr_config` prints the ones a config leaves at
+# the kit default; `areal_lite.kit.areal_config` writes the kit's value explicitly into the AReaL YAML;
+# tests/test_areal_config.py checks this table against the installed AReaL, and that it is complete.
 AREAL_DEFAULT_DIFFERENCES: Dict[str, tuple] = {
     "actor.dtype": ("bfloat16", "CPUs train in float32"),
     "actor.ppo_n_minibatches": (4, "small CPU batches: one optimizer step per batch"),
@@ -615,6 +1058,28 @@ AREAL_DEFAULT_DIFFERENCES: Dict[str, tuple] = {
     "actor.optimizer.weight_decay": (0.01, "a few hundred steps: no decay"),
     "actor.optimizer.warmup_steps_proportion": (0.001, "no warm-up for short runs"),
     "rollout.setup_timeout": (300.0, "a local server starts in seconds"),
+}
+
+# The other intentional differences: how a run is set up, not what it learns (server launch flags, placeholders
+# AReaL's examples always set, sections AReaL leaves None). Not printed; tests/test_areal_fields.py checks that
+# this table and the one above hold every difference. AReaL's required fields ('???': names, backends, dataset
+# path and type) get a kit default everywhere, so a notebook runs without naming them; that rule is not listed.
+AREAL_SETUP_DIFFERENCES: Dict[str, tuple] = {
+    "actor.optimizer": (None, "AReaL: None means no training; the kit's actor trains unless told otherwise"),
+    "eval_gconfig": (None, "AReaL: None means gconfig; the kit evaluates greedily"),
+    "evaluator.eval_before_train": (False, "the kit's trainer evaluates before the first step, to show the change"),
+    "train_dataset.batch_size": (1, "AReaL's placeholder; every example sets it"),
+    "valid_dataset.batch_size": (1, "AReaL's placeholder; every example sets it"),
+    "sglang.disable_radix_cache": (True, "prefix caching helps GRPO groups; the client flushes it on weight updates"),
+    "sglang.attention_backend": ("fa3", "fa3 runs on Hopper only: SGLang picks a kernel for the GPU at hand"),
+    "sglang.context_length": (32768, "None: the model's own (SmolLM2 has 8192)"),
+    "sglang.mem_fraction_static": (0.9, "0.8 leaves room for the trainer on a shared GPU"),
+    "sglang.chunked_prefill_size": (-1, "None: SGLang's choice for the GPU"),
+    "sglang.enable_metrics": (True, "no Prometheus on a notebook machine"),
+    "sglang.decode_log_interval": (1, "a log line every 40 decode steps, not every step"),
+    "vllm.dtype": ("bfloat16", "empty: the actor's dtype (float32 on CPU)"),
+    "vllm.max_model_len": (32768, "None: the model's own"),
+    "vllm.no_enable_prefix_caching": (True, "prefix caching helps GRPO groups; the client resets it on updates"),
 }
 
 
@@ -808,10 +1273,24 @@ def _fill_derived(config: Any) -> None:
             vllm.dtype = vllm.dtype or actor.dtype
     if hasattr(config, "weight_update_dir") and not config.weight_update_dir:
         config.weight_update_dir = default_weight_update_dir(config.experiment_name, config.trial_name, config.fileroot)
+    _fill_section_names(config)
     rollout = getattr(config, "rollout", None)
+    if rollout is not None and hasattr(config, "backend"):
+        config.backend = server_backend(config)
     if rollout is not None and hasattr(config, "train_dataset"):
         if rollout.consumer_batch_size == 1 and config.train_dataset.batch_size > 1:
             rollout.consumer_batch_size = config.train_dataset.batch_size
+
+
+def _fill_section_names(config: Any) -> None:
+    """AReaL repeats the experiment's names (and fileroot) in each section, by interpolation in its YAMLs; the kit
+    gives them once, so a section's empty name, fileroot or tokenizer_path is the experiment's."""
+    top = {k: getattr(config, k, None) for k in ("experiment_name", "trial_name", "fileroot", "tokenizer_path")}
+    for name in ("rollout", "saver", "evaluator", "recover", "stats_logger", "perf_tracer"):
+        section = getattr(config, name, None)
+        for key, value in top.items():
+            if section is not None and hasattr(section, key) and not getattr(section, key) and value:
+                setattr(section, key, value)
 
 
 def default_weight_update_dir(experiment_name: str, trial_name: str, fileroot: str = "runs") -> str:

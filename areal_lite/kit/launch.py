@@ -38,13 +38,20 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from areal_lite.api.cli_args import EmbeddedServerConfig, SGLangConfig, vLLMConfig
+from areal_lite.api.cli_args import (
+    VLLM_FLAGS_WHEN_SET,
+    EmbeddedServerConfig,
+    SGLangConfig,
+    server_backend,
+    vLLMConfig,
+)
 from areal_lite.kit.procs import ServerLaunchError, ServerProcess, find_free_port, find_free_ports, spawn
 
 __all__ = ["ServerHandle", "ServerLaunchError", "find_free_port", "find_free_ports", "launch_server", "choose_backend"]
 
 ENV_ADDRS = "AREAL_LLM_SERVER_ADDRS"
 _KIT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (`make vllm`)
+_VLLM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(vLLMConfig)}
 _VLLM_EXT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_ext")
 _VLLM_EXTENSION = "areal_lite_vllm_worker.WeightReloadExtension"  # a module in _VLLM_EXT_DIR
 
@@ -171,6 +178,11 @@ def _vllm_cmd(cfg: vLLMConfig, host: str, port: int, model_path: str, seed: Opti
     ]  # fmt: skip
     if cfg.max_model_len:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    for name in VLLM_FLAGS_WHEN_SET:  # AReaL's other vLLM fields, passed only when changed from their default
+        value, default = getattr(cfg, name), _VLLM_DEFAULTS[name]
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            cmd += [flag] if value is True else [flag, str(value)]
     if cfg.no_enable_prefix_caching:
         cmd.append("--no-enable-prefix-caching")
     if on_cpu:
@@ -219,7 +231,7 @@ def _server_configs(config: Any, backend: str) -> tuple[str, dict[str, Any], str
         return backend, {kind: config}, "", None
     if hasattr(config, "sglang") and hasattr(config, "embedded"):
         if backend == "auto":
-            backend = getattr(config, "backend", "auto")
+            backend = server_backend(config)  # rollout.backend's prefix when set, else the kit's switch
         subs = {"sglang": config.sglang, "embedded": config.embedded, "vllm": getattr(config, "vllm", vLLMConfig())}
         fallback_path = getattr(getattr(config, "actor", None), "path", "") or ""
         return backend, subs, fallback_path, getattr(config, "seed", None)
