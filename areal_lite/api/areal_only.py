@@ -589,6 +589,14 @@ AREAL_ONLY_FIELDS: Dict[str, Tuple[str, str]] = {
     "DatasetConfig.pin_memory": (IGNORED, "the kit's loader yields rows, not tensors"),
     "DatasetConfig.num_workers": (IGNORED, "the kit's loader runs in the trainer's process"),
     "DatasetConfig.dataset_kwargs": (IGNORED, "the kit's datasets take no extra arguments"),
+    **_same(
+        "not a flag of the SGLang release the kit pins",
+        IGNORED,
+        "SGLangConfig.enable_ep_moe",
+        "SGLangConfig.enable_nan_detection",
+        "SGLangConfig.enable_multithread_load",
+        "SGLangConfig.torchao_config",
+    ),  # fmt: skip
     "vLLMConfig.disable_sliding_window": (IGNORED, "the kit leaves sliding windows to vLLM's default"),
     "vLLMConfig.distributed_executor_backend": (IGNORED, "the kit starts one vLLM process"),
     "vLLMConfig.worker_extension_cls": (IGNORED, "the kit loads its own worker extension"),

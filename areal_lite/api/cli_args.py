@@ -351,6 +351,9 @@ class SGLangConfig:
     enable_return_routed_experts: bool = _f(False, "return MoE routed expert ids")
     trust_remote_code: bool = _f(False, "allow custom model code from the model folder (kit-only)")
 
+    def __post_init__(self) -> None:
+        report_areal_only(self)
+
     @staticmethod
     def build_cmd(
         sglang_config: "SGLangConfig",
@@ -365,7 +368,8 @@ class SGLangConfig:
         args: Dict[str, Any] = {
             f.name: getattr(sglang_config, f.name)
             for f in dataclasses.fields(sglang_config)
-            if f.name in _SGLANG_KIT_FLAGS or getattr(sglang_config, f.name) != f.default
+            if f.name in _SGLANG_KIT_FLAGS
+            or (f.name not in SGLANG_NOT_IN_PINNED and getattr(sglang_config, f.name) != f.default)
         }
         if model_path:
             args["model_path"] = model_path
@@ -387,6 +391,10 @@ class SGLangConfig:
                 cmd += [flag, str(value)]
         return cmd
 
+
+# AReaL's SGLang fields that the SGLang release the kit pins has no flag for (AReaL drops them by version too):
+# never passed, and reported once when set (areal_only.AREAL_ONLY_FIELDS).
+SGLANG_NOT_IN_PINNED = frozenset({"enable_ep_moe", "enable_nan_detection", "enable_multithread_load", "torchao_config"})
 
 # The SGLang settings the kit has always passed (whatever their value); AReaL's others only when changed.
 _SGLANG_KIT_FLAGS = frozenset(
