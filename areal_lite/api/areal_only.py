@@ -509,6 +509,11 @@ AREAL_ONLY_FIELDS: Dict[str, Tuple[str, str]] = {
         "InferenceEngineConfig.api_url",
         "InferenceEngineConfig.provider_api_key",
     ),  # fmt: skip
+    "InferenceEngineConfig.check_trajectory_format": (
+        IGNORED,
+        "not yet: the kit's executor checks dict/tensors/2-D ids",
+    ),
+    "InferenceEngineConfig.dump_to_file": (IGNORED, "not yet: the kit writes per-step statistics, not episodes"),
     "InferenceEngineConfig.enable_rollout_tracing": (IGNORED, "the kit's executor has its own `explain()`"),
     "InferenceEngineConfig.pause_grace_period": (IGNORED, "the kit's pause waits for aborted requests itself"),
     "InferenceEngineConfig.return_routed_experts": (IGNORED, "no MoE routing replay in the kit"),
@@ -613,7 +618,7 @@ AREAL_ONLY_FIELDS: Dict[str, Tuple[str, str]] = {
 # AReaL fields the kit acts on beyond its own (the ones it always had are not listed): `Class.field` -> how.
 AREAL_HONOURED: Dict[str, str] = {
     "InferenceEngineConfig.backend": "its prefix (sglang, vllm, or the kit's embedded) picks the server",
-    "InferenceEngineConfig.tokenizer_path": "decodes the dumped trajectories; empty: the experiment's",
+    "InferenceEngineConfig.tokenizer_path": "filled from the experiment's tokenizer_path when empty",
     "InferenceEngineConfig.experiment_name": "filled from the experiment when empty",
     "InferenceEngineConfig.trial_name": "filled from the experiment when empty",
     "InferenceEngineConfig.fileroot": "filled from the experiment when empty",
