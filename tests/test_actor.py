@@ -886,3 +886,21 @@ def test_areals_list_of_trajectories_gives_the_same_step_as_one_batch(tiny_model
     b.ppo_update(joined)
     for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         torch.testing.assert_close(p, q, msg=name)
+
+
+def test_disable_dropout_zeroes_every_dropout(tmp_path):
+    """AReaL's `disable_dropout` is honoured: a model built with dropout trains without it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from areal_lite.api.cli_args import PPOActorConfig
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, attention_dropout=0.3)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    actor = FSDPPPOActor(PPOActorConfig(path=str(tmp_path), dtype="float32", device="cpu", disable_dropout=True))
+    actor.initialize(None, None)
+    rates = [m.attention_dropout for m in actor.model.modules() if hasattr(m, "attention_dropout")]
+    rates += [m.p for m in actor.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert rates and all(r == 0.0 for r in rates)
+    actor.destroy()

@@ -148,6 +148,18 @@ def _load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: 
     return model
 
 
+def _disable_dropout(model: torch.nn.Module) -> None:
+    # Dropout makes the training forward differ from the server's; AReaL's disable_dropout zeroes every p.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # attention layers keep their own copy
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key):
+            setattr(model.config, key, 0.0)
+
+
 def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     # use_reentrant=False, PyTorch's recommended variant: the reentrant one passes no gradient through a block none
     # of whose inputs requires grad, and warns on every call.
@@ -384,6 +396,8 @@ class _TrainEngine:
         self.model = _load_model(self.model_path, self._dtype, self.device, trainable=True)
         if cfg.gradient_checkpointing:
             _enable_gradient_checkpointing(self.model)
+        if cfg.disable_dropout:
+            _disable_dropout(self.model)
         if self.ref_config is not None:
             ref_path = resolve_model_path(self.ref_config.path or cfg.path)
             self.ref_model = _load_model(ref_path, self._dtype, self.device, trainable=False)
