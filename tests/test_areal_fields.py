@@ -183,3 +183,16 @@ def test_a_refused_field_is_an_error_that_says_why():
         kit.PPOActorConfig(discount=0.99)
     with pytest.raises(kit.ConfigError, match="only level=token, action=mask, metric=ratio"):
         kit.PPOActorConfig(rejection_sampling=kit.RejectionSamplingConfig(level="sequence"))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith(".yaml")))
+def test_the_shipped_configs_load_without_a_no_effect_line(name, capsys):
+    """A YAML that sets no AReaL-only field prints nothing: OmegaConf hands tuple defaults back as lists, which is
+    the same setting, not a change."""
+    from areal_lite.kit.train import TrainConfig
+
+    areal_only._reported.clear()
+    for profile in ("cpu", "gpu"):
+        kit.load_expr_config(["--config", os.path.join(ROOT, "configs", name), f"profile={profile}"], TrainConfig,
+                             verbose=False)  # fmt: skip
+    assert "has no effect" not in capsys.readouterr().out

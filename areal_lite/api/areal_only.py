@@ -648,6 +648,18 @@ def _default_of(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
+def _plain(v: Any) -> Any:
+    """`v` with tuples as lists and dataclasses as dicts: OmegaConf turns a tuple default into a list, which is the
+    same setting and must not count as "changed"."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 def report_areal_only(obj: Any, owner: Optional[str] = None) -> None:
     """Check `obj`'s AReaL-only fields against `AREAL_ONLY_FIELDS`: one line per ignored field set to a non-default
     value (once per process), a ValueError for a refused one. `owner`: the class name the table uses (default:
@@ -660,7 +672,7 @@ def report_areal_only(obj: Any, owner: Optional[str] = None) -> None:
             entry = AREAL_ONLY_FIELDS.get(key)
             if entry is not None:
                 break
-        if entry is None or getattr(obj, f.name) == _default_of(f):
+        if entry is None or _plain(getattr(obj, f.name)) == _plain(_default_of(f)):
             continue
         kind, why = entry
         if kind == REFUSED:
