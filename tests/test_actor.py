@@ -904,3 +904,29 @@ def test_disable_dropout_zeroes_every_dropout(tmp_path):
     rates += [m.p for m in actor.model.modules() if isinstance(m, torch.nn.Dropout)]
     assert rates and all(r == 0.0 for r in rates)
     actor.destroy()
+
+
+def test_one_minibatch_needs_no_separate_proximal_pass(tiny_model_path, loss_batch):
+    """With one optimizer step on the batch, the proximal policy is the weights of the update's own forward pass:
+    ppo_update without `prox_logp` (no compute_logp pass) trains what it trains with a recomputed `prox_logp`."""
+    assert PPOActorConfig().use_decoupled_loss and PPOActorConfig().ppo_n_minibatches == 1  # what trained_with runs
+    b = {k: v for k, v in loss_batch.items() if k != "prox_logp"}
+    recomputed = dict(b)
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
+    recomputed["prox_logp"] = actor.compute_logp(recomputed)
+    actor.destroy()
+    with_pass, stats_a = trained_with(tiny_model_path, recomputed)
+    actor = FSDPPPOActor(
+        actor_cfg(tiny_model_path, optimizer=OptimizerConfig(type="sgd", lr=0.5, gradient_clipping=0.0))
+    ).initialize()
+
+    def no_second_pass(batch):
+        raise AssertionError("ppo_update ran a separate log-prob pass with one minibatch")
+
+    actor.compute_logp = no_second_pass
+    stats_b = actor.ppo_update({k: v.clone() for k, v in b.items()})
+    without = params(actor)
+    actor.destroy()
+    assert_close_dicts(with_pass, without, atol=1e-6, rtol=1e-5)
+    for key in ("loss", "clip_frac", "approx_kl"):
+        assert stats_b[key] == pytest.approx(stats_a[key], rel=1e-5, abs=1e-7), key

@@ -727,12 +727,15 @@ class FSDPPPOActor(_TrainEngine):
         cfg = self.config
         if "advantages" not in batch:
             raise KeyError("ppo_update: no 'advantages' in the batch; call actor.compute_advantages(batch) first")
-        if cfg.use_decoupled_loss and "prox_logp" not in batch:
-            if not cfg.recompute_logprob:
-                raise KeyError("use_decoupled_loss needs batch['prox_logp'] (or recompute_logprob=True)")
-            batch["prox_logp"] = self.compute_logp(batch)
         B = batch["input_ids"].shape[0]
         n_mini = max(1, min(int(cfg.ppo_n_minibatches), B))
+        if cfg.use_decoupled_loss and "prox_logp" not in batch and n_mini > 1:
+            # After the first minibatch the weights have moved: the proximal policy needs a pass of its own.
+            # With one minibatch, the update's own forward supplies it (see _microbatch_backward).
+            if not cfg.recompute_logprob:
+                raise KeyError("use_decoupled_loss with several minibatches needs batch['prox_logp'] "
+                               "(or recompute_logprob=True)")  # fmt: skip
+            batch["prox_logp"] = self.compute_logp(batch)
         bounds = [round(j * B / n_mini) for j in range(n_mini + 1)]
         t0 = time.perf_counter()
         per_step = [
@@ -860,6 +863,10 @@ class FSDPPPOActor(_TrainEngine):
         with torch.no_grad():
             entropies = entropy(logits.detach(), cfg.temperature)  # one row per policy token
         token_entropy = torch.zeros_like(logp, requires_grad=False).masked_scatter(m, entropies.to(logp.dtype))
+        if "prox_logp" not in packed:
+            # One optimizer step: the weights of this forward pass are the proximal policy, so their detached
+            # log-probs are exactly what a separate compute_logp pass would return, one forward pass cheaper.
+            packed["prox_logp"] = logp.detach()
         if share == 0.0:
             loss = logp.sum() * 0.0  # keeps the backward (and FSDP's collectives) without a loss to add
         else:
