@@ -14,7 +14,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat test-gpu vllm test-vllm vllm-notebooks lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat test-gpu vllm test-vllm vllm-notebooks areal-run lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -27,6 +27,7 @@ help:
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make vllm      - opt-in: the vLLM backend's own venv (.venv-vllm, ~2.5 GB)"
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
+	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 07's export, 2 steps + a resumed one (~5 min)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 
 $(BIN)/python:
@@ -125,6 +126,16 @@ vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
 	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/0*.ipynb
+
+# AReaL's own trainer on notebook 07's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
+# AReaL's checkpoint and trains step 3. Executes notebook 07 first when runs/areal_export has no export yet.
+AREAL_EXPORT ?= runs/areal_export
+areal-run: $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.kit.prepare
+	test -f $(AREAL_EXPORT)/search_agent_areal.py || (cd notebooks/en && OMP_NUM_THREADS=1 MPLBACKEND=Agg \
+	  ../../$(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1200 \
+	  --output-dir ../../runs/areal-run-notebook 07_to_areal.ipynb)
+	OMP_NUM_THREADS=1 $(BIN)/python -m areal_lite.kit.areal_run --export $(AREAL_EXPORT)
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info

@@ -48,6 +48,7 @@ __all__ = [
     "MODEL_REGISTRY",
     "prepare_model",
     "resolve_model_path",
+    "as_qwen2_layout",
     "build_tiny_tokenizer",
     "build_tiny_model",
     "load_tokenizer",
@@ -263,6 +264,64 @@ def resolve_model_path(name_or_path: str) -> str:
     if os.path.isdir(expanded):
         return expanded
     return name_or_path
+
+
+def _llama_as_qwen2(src_dir: str, out_dir: str) -> None:
+    """Write the Llama checkpoint `src_dir` as a Qwen2 checkpoint in `out_dir` and check both give the same logits.
+
+    Qwen2 is Llama with biases on the q/k/v projections; with those biases zero the two compute the same function.
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
+    c = llama.config
+    if c.model_type != "llama" or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ValueError(f"{src_dir}: expected a Llama model without biases, got {c.model_type}")
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    qcfg = Qwen2Config(**{k: getattr(c, k) for k in same}, rope_parameters=dict(c.rope_parameters),
+                       use_sliding_window=False)  # fmt: skip
+    with torch.device("meta"):
+        qwen = Qwen2ForCausalLM(qcfg)
+    state = llama.state_dict()
+    for name, p in qwen.named_parameters():
+        if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            state[name] = torch.zeros(p.shape)
+    qwen.load_state_dict(state, strict=True, assign=True)
+    qwen.tie_weights()
+    for name, buf in list(qwen.named_buffers()):  # rotary inv_freq: not in the state dict, still on meta
+        owner, _, attr = name.rpartition(".")
+        qwen.get_submodule(owner)._buffers[attr] = llama.get_buffer(name).clone()
+    ids = torch.arange(3, 67).reshape(1, -1) % c.vocab_size
+    with torch.no_grad():
+        gap = (llama(ids).logits - qwen(ids).logits).abs().max().item()
+    if gap > 1e-4:
+        raise RuntimeError(f"the Qwen2 layout of {src_dir} does not reproduce its logits (max gap {gap:.2e})")
+    qwen.save_pretrained(out_dir)
+    for name in os.listdir(src_dir):  # tokenizer, chat template, generation config
+        if not name.startswith(("model", "config.json", ".")):
+            shutil.copy(os.path.join(src_dir, name), out_dir)
+
+
+def as_qwen2_layout(name_or_path: str) -> str:
+    """The model `name_or_path` (a Llama, e.g. SmolLM2) saved in Qwen2's layout, cached beside it; same logits.
+
+    Why: AReaL 1.0.4's FSDP actor hands every model a per-layer-type attention-mask dict, which Qwen-family models
+    accept and Llama models reject ("'dict' object has no attribute 'ndim'"), so AReaL trains SmolLM2 only in this
+    layout.
+    """
+    src = os.path.abspath(resolve_model_path(name_or_path))
+    marker = {"kind": "qwen2-layout", "source": src, "version": CONVERSION_VERSION}
+    return build_atomically(
+        src.rstrip("/") + "-qwen2",
+        lambda out: _llama_as_qwen2(src, out),
+        marker,
+        is_current=lambda info: info == marker,
+        owned=True,
+    )
 
 
 def _tokenizer_corpus():
