@@ -142,6 +142,7 @@ def claim_weight_dir(base: str, sweep_root: Optional[str] = None) -> str:
     again in this process returns the slot it already holds.
     """
     base = os.path.abspath(base)
+    sweep_root = os.path.abspath(sweep_root) if sweep_root is not None else None
     with _GUARD:
         held = _CLAIMS.get(base)
         if held is not None and held.owner == os.getpid():
