@@ -49,7 +49,7 @@ PACKAGE = os.path.dirname(os.path.abspath(areal_lite.__file__))
 
 # What AReaL 1.0.4 has no counterpart of: the embedded server and vLLM's worker extension, the RAG server, the
 # launcher and its child processes, plots, the trajectory viewer, notebook checks, preparation, the demo, the CPU
-# training script and the bridge to AReaL (cell conversion, config export).
+# training script and its run folders, and the bridge to AReaL (cell conversion, config export).
 KIT_MODULES = [
     "serve",
     "vllm_ext",
@@ -62,6 +62,7 @@ KIT_MODULES = [
     "prepare",
     "demo",
     "train",
+    "rundir",
     "areal_compat",
     "areal_config",
 ]

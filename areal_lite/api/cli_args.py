@@ -1305,14 +1305,18 @@ def default_weight_update_dir(experiment_name: str, trial_name: str, fileroot: s
     """Where disk weight updates go: RAM (`/dev/shm`) when the machine has it, since every step writes a full copy
     of the weights (0.5 GB for SmolLM2 in float32) and the server reads it right back; else under `fileroot`.
 
-    The folder is per process (`weights-<pid>`): two runs with the same names at once (the English and the Chinese
-    notebook side by side) must not prune each other's versions. The actor removes what it wrote when destroyed."""
-    name = f"weights-{os.getpid()}"
+    The folder belongs to the run, `<exp>/<trial>/weights`, claimed under a lock for as long as this process lives
+    (`utils.weight_dirs`): a restarted or resumed run first removes what dead runs left, and a second live run with
+    the same names (the English and the Chinese notebook side by side) gets `weights.1` instead of pruning the
+    first one's versions. The actor removes its versions when destroyed; the folder goes at exit."""
+    from areal_lite.utils.weight_dirs import claim_weight_dir
+
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
         user = os.environ.get("USER") or str(os.getuid())
-        return os.path.join(shm, f"areal-lite-{user}", experiment_name, trial_name, name)
-    return os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, name))
+        root = os.path.join(shm, f"areal-lite-{user}")
+        return claim_weight_dir(os.path.join(root, experiment_name, trial_name, "weights"), sweep_root=root)
+    return claim_weight_dir(os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, "weights")))
 
 
 def describe(cls: type, prefix: str = "") -> str:

@@ -11,6 +11,9 @@ Design decisions:
   calls hit by a crashed worker (BrokenProcessPool), are retried on the new pool (up to `max_retries` times).
   Functions defined in a notebook or script (`__main__`) cannot be imported by a worker, so they
   are shipped by value with cloudpickle; anything else must pickle by reference (module-level).
+- No orphans, whoever dies: each worker exits when the process that started the pool ends (a pidfd watch,
+  `utils.lifeline`), SIGKILL included, and when its parent, the forkserver, dies. The forkserver and the resource
+  tracker exit by themselves once the workers are gone (the workers hold their pipes open until then).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import threading
 import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
+from typing import Optional
+
+from areal_lite.utils.lifeline import Identity, exit_when_gone, process_identity, set_parent_death_signal
 
 __all__ = ["AsyncRewardWrapper"]
 
@@ -36,11 +42,20 @@ logger = logging.getLogger(__name__)
 
 
 # ============================================================================ async wrapper
-def _worker_init():
+def _worker_init(owner: Optional[Identity] = None):
     import signal
 
     # Ctrl-C in the notebook interrupts the cell, not the reward workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if owner is None:
+        return
+    # No orphans when the owner (the trainer, the kernel) dies, SIGKILL included: a worker's parent is the
+    # forkserver, not the owner, so it watches the owner itself; it also dies with its parent, the forkserver
+    # (single-threaded, so the parent-death signal cannot fire early). Once every worker is gone, the forkserver
+    # and the resource tracker see their pipes close and exit on their own.
+    if os.getppid() != owner[0]:
+        set_parent_death_signal(signal.SIGKILL)
+    exit_when_gone(owner)
 
 
 def _call_by_value(payload: bytes, args, kwargs):
@@ -96,7 +111,10 @@ def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
     """A pool whose workers are all started now, with the script hidden (see `_main_script_hidden`): a worker is
     started inside `submit`, so `max_workers` concurrent no-op calls start every one of them."""
     pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=max_workers, mp_context=_mp_context(), initializer=_worker_init
+        max_workers=max_workers,
+        mp_context=_mp_context(),
+        initializer=_worker_init,
+        initargs=(process_identity(os.getpid()),),
     )
     with _main_script_hidden():
         warmups = [pool.submit(_noop) for _ in range(max_workers)]

@@ -35,20 +35,20 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import logging
 import os
 import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+
+from areal_lite.utils.lifeline import PR_SET_PDEATHSIG, prctl_function
 
 __all__ = [
     "ServerLaunchError",
@@ -100,14 +100,10 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def _parent_death_preexec() -> Optional[Callable[[], None]]:
     """preexec_fn for Popen: SIGTERM this child when the forking thread/process dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, in the parent: no dlopen after fork
-    except (OSError, AttributeError):
+    prctl = prctl_function()  # resolved here, in the parent: no dlopen after fork
+    if prctl is None:
         return None
     parent = os.getpid()
-    PR_SET_PDEATHSIG = 1
 
     def preexec() -> None:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)

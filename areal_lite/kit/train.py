@@ -15,9 +15,16 @@ Design decisions
   which reward); any GRPOConfig YAML loads as a TrainConfig unchanged.
 - The server is a separate process (`launch_server`); trainer and server each get one torch thread on a 2-core CPU
   (a process with more threads than cores slows the other down badly). `server_addrs=` reuses running servers.
-- Weight updates go through disk: version k is written to `<weights>/v<k>` (temp folder + rename, old versions
-  pruned, all removed by `actor.destroy()` at the end) and loaded by every server; trainer and engine versions are
-  bumped together *before* `resume()`, so every rollout started afterwards is tagged with the new version.
+- Weight updates go through disk: version k is written to `<weights>/weight_update_v<k>` (temp folder + rename,
+  old versions pruned, all removed by `actor.destroy()` at the end) and loaded by every server; trainer and engine
+  versions are bumped together *before* `resume()`, so every rollout started afterwards is tagged with the new
+  version. `<weights>` is `weight_update_dir`, which the config loader sets to
+  `/dev/shm/areal-lite-<user>/<experiment>/<trial>/weights` (RAM), a folder owned by the run while it lives
+  (`utils.weight_dirs`): any later run removes what a killed run left there. A run refuses to start, in one line,
+  when that folder's file system lacks room for the versions it holds at its peak: `keep_last` + the one being
+  written, each the parameter count x the dtype's size.
+- No orphans: the server dies with the trainer (`kit.procs`), and so do the reward workers, their forkserver and
+  resource tracker (`api.reward_api`), SIGKILL included.
 - Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
   eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
   time the trainer waited for data (generation otherwise overlaps training).
@@ -25,9 +32,15 @@ Design decisions
   `evaluator.freq_steps` steps and at the end. It runs through its own short-lived engine client so its episodes do
   not count against the training staleness bound.
 - Checkpoints (`saver.freq_steps`) hold the actor (weights, optimizer, schedule, version, RNG), the dataloader's
-  position and the step, written to a temp folder and renamed. `--resume` continues from the newest one at the
-  same step and data position; `stats.jsonl` is cut back to that step. In async mode the saved data position is
-  the loader's, which runs ahead of the consumed batches by the rollouts in flight; those prompts are skipped.
+  position, the step and the run's id, written to a temp folder and renamed. `--resume` (AReaL's `recover.mode=on`;
+  `auto` is the same) continues from the newest one at the same step and data position; `stats.jsonl` is cut back
+  to that step. In async mode the saved data position is the loader's, which runs ahead of the consumed batches
+  by the rollouts in flight; those prompts are skipped.
+- A run folder is never silently reused (`kit.rundir`): a fresh run writes `run.json` (its id) and locks the
+  folder while it lives; `--resume` refuses checkpoints of another run; the same command without `--resume` (and
+  `recover.mode` off/disabled, the default) on a folder holding a run's statistics or checkpoints refuses with a
+  message naming `--resume` and how to start fresh (exit status 2). `train()` called from Python (notebooks, the
+  demo) moves to the next free trial folder `<trial>-2`, ... instead, and says so.
 - Statistics: one JSON line per step in `<fileroot>/<experiment>/<trial>/stats.jsonl` (reward, accuracy,
   response length, clip fraction, KL, grad norm, entropy, staleness, and the time of each phase: generate / logp /
   update / weight_sync), optionally TensorBoard and Weights & Biases; a reward-curve PNG at the end.
@@ -48,14 +61,16 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from areal_lite.api.cli_args import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-from areal_lite.utils.atomic import atomic_dir, recover_dirs
+from areal_lite.kit.rundir import RunDir, RunDirError, open_run_dir
+from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
+from areal_lite.utils.weight_dirs import NoRoomError, check_room, version_bytes
 
 __all__ = ["TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
 
@@ -239,24 +254,14 @@ class StatsLogger:
             self.wandb.finish()
 
 
-def _latest_checkpoint(ckpt_root: str) -> Optional[str]:
-    if not os.path.isdir(ckpt_root):
-        return None
-    recover_dirs(ckpt_root)  # a crash while re-saving a step left its previous copy renamed aside
-    done = [
-        d
-        for d in os.listdir(ckpt_root)
-        if d.startswith("step_") and os.path.isfile(os.path.join(ckpt_root, d, "trainer_state.pt"))
-    ]
-    return os.path.join(ckpt_root, max(done, key=lambda d: int(d[5:]))) if done else None
-
-
-def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int) -> str:
-    """actor + dataloader position + step, in folder step_<step>, written whole or not at all (`atomic_dir`)."""
+def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int, run_id: Optional[str] = None) -> str:
+    """actor + dataloader position + step + the run's id, in folder step_<step>, written whole or not at all
+    (`atomic_dir`)."""
 
     def fill(tmp: str) -> None:
         actor.save(os.path.join(tmp, "actor"))
         state = {"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()}
+        state["run_id"] = run_id  # `rundir`: a resumed run refuses another run's checkpoints
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
 
     final = atomic_dir(os.path.join(ckpt_root, f"step_{step:06d}"), fill)  # a re-saved step keeps its old copy
@@ -325,11 +330,8 @@ def _load_run_data(config: Any) -> _RunData:
     return _RunData(tokenizer, dataloader, valid_rows, ft_spec, total)
 
 
-def _start_weights(resume: bool, ckpt_root: str, launched: bool, actor, engine, dataloader, meta) -> int:
-    """Restore the latest checkpoint (`resume`) or adopt running servers; returns the first step to run."""
-    ckpt = _latest_checkpoint(ckpt_root) if resume else None
-    if resume and ckpt is None:
-        print(f"train: --resume but no checkpoint under {ckpt_root}; starting from step 0")
+def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloader, meta) -> int:
+    """Restore checkpoint `ckpt` (when continuing a run) or adopt running servers; returns the first step to run."""
     if ckpt is not None:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
         actor.load(os.path.join(ckpt, "actor"))
@@ -396,72 +398,50 @@ def train(
     server_addrs: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None,
     progress: bool = True,
+    existing: str = "new_trial",
 ) -> List[Dict[str, Any]]:
     """Run GRPO as configured; returns the per-step stats (also in stats.jsonl).
 
     `workflow` / `reward_fn` override the config's; `server_addrs` uses running servers instead of launching one;
-    `on_step(step, stats)` is called after each step (raise in it to stop).
+    `on_step(step, stats)` is called after each step (raise in it to stop). `resume=True` (recover mode 'on')
+    continues this run from its newest checkpoint; a fresh start on a folder that holds another run moves to the
+    next free trial folder (`existing="new_trial"`) or refuses (`"refuse"`, the command line's choice): `rundir`.
     """
-    from tqdm.auto import tqdm
-
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
     from areal_lite.kit.launch import launch_server
-    from areal_lite.utils.data import cycle_dataloader
     from areal_lite.workflow.rlvr import RLVRWorkflow
 
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     _threads(config)
     reconcile_temperature(config.actor, config.gconfig)  # a config built in Python skipped the loader
-    run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
-    ckpt_root = os.path.join(run_dir, "checkpoints")
-    meta = WeightUpdateMeta.from_disk(config.weight_update_dir or os.path.join(run_dir, "weights"))
-    data = _load_run_data(config)
-    total = data.total
-    reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
-    workflow = workflow or build_workflow(config, data.tokenizer, reward_fn)
-    # One evaluation workflow for the whole run: its reward worker pool starts once.
-    system_prompt = getattr(config, "system_prompt", None)
-    eval_workflow = RLVRWorkflow(
-        reward_fn, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
-    )
+    run, meta = _open_run(config, resume, existing)
     handle = engine = actor = logger = None
     try:
+        data = _load_run_data(config)
+        reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
+        workflow = workflow or build_workflow(config, data.tokenizer, reward_fn)
+        # One evaluation workflow for the whole run: its reward worker pool starts once.
+        system_prompt = getattr(config, "system_prompt", None)
+        eval_workflow = RLVRWorkflow(
+            reward_fn, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
+        )
         if server_addrs is None:
-            handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run_dir, "logs"))
+            handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run.path, "logs"))
             server_addrs = [handle.wait_ready(timeout=config.rollout.setup_timeout).address]
         server_addrs = list(server_addrs)
         engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
         actor = FSDPPPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
-        start = _start_weights(resume, ckpt_root, handle is not None, actor, engine, data.dataloader, meta)
-        logger = StatsLogger(config, run_dir, start)
+        start = _start_weights(run.checkpoint, handle is not None, actor, engine, data.dataloader, meta)
+        logger = StatsLogger(config, run.path, start)
 
         def run_eval(step: int) -> Dict[str, float]:
             return _held_out_eval(config, server_addrs, data.valid_rows, eval_workflow, step, progress)
 
-        pending_eval = run_eval(start) if start == 0 else {}
-        data_iter = cycle_dataloader(data.dataloader)
-        bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
-        for step in bar:
-            stats, t_step = grpo_step(config, step, engine, actor, meta, data.dataloader, data_iter, workflow)
-            done = step + 1
-            if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
-                save_checkpoint(ckpt_root, done, actor, data.dataloader, config.saver.keep_last)
-            freq = config.evaluator.freq_steps
-            if step == start and pending_eval:
-                stats.update({k: v for k, v in pending_eval.items() if k != "eval_accuracy"})
-                stats["eval_accuracy_before"] = pending_eval["eval_accuracy"]
-            if done == total or (freq and done % freq == 0):
-                stats.update(run_eval(done))
-            stats["time/step"] = time.perf_counter() - t_step
-            logger.log(stats)
-            bar.set_postfix(reward=f"{stats['reward']:.3f}", len=f"{stats['response_length']:.0f}")
-            if on_step is not None:
-                on_step(step, stats)
-        if config.saver.freq_steps and total > start:
-            save_checkpoint(ckpt_root, total, actor, data.dataloader, config.saver.keep_last)
-        _save_curve(config, logger.history, run_dir)
+        loop = _Loop(config, run, engine, actor, meta, data, workflow, logger)
+        loop.steps(start, run_eval, on_step, progress)
+        _save_curve(config, logger.history, run.path)
         return logger.history
     finally:
         if logger is not None:
@@ -472,6 +452,83 @@ def train(
             actor.destroy()
         if handle is not None:
             handle.stop()
+        run.close()
+
+
+def _open_run(config: Any, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
+    """The run folder, continued or fresh (`rundir`), and where the weight versions go, with room checked for them."""
+    run = open_run_dir(config, resume=resume, existing=existing)
+    try:
+        meta = WeightUpdateMeta.from_disk(config.weight_update_dir or os.path.join(run.path, "weights"))
+        _check_weight_room(config, os.path.dirname(meta.path), meta.keep_last)
+    except BaseException:
+        run.close()
+        raise
+    if run.resume and run.checkpoint is None:
+        print(f"train: no checkpoint of this run in {run.path} yet; it starts again from step 0")
+    elif resume and not run.resume:
+        print(f"train: --resume but no run to continue in {run.path}; starting a fresh run")
+    return run, meta
+
+
+def _check_weight_room(config: Any, folder: str, keep_last: int) -> None:
+    """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak:
+    `keep_last` plus the one being written, each the model's parameter count times the actor's dtype size."""
+    from areal_lite.utils.model_store import resolve_model_path
+
+    per_version = version_bytes(resolve_model_path(config.actor.path), config.actor.dtype)
+    if per_version is not None:
+        n = keep_last + 1
+        what = f"{n} weight versions ({keep_last} kept + 1 being written) of {per_version / 2**20:.1f} MiB each"
+        check_room(folder, n * per_version, what)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The steps of one run, from `start` to the budget: step, checkpoint, evaluate, log."""
+
+    config: Any
+    run: RunDir
+    engine: Any
+    actor: Any
+    meta: WeightUpdateMeta
+    data: _RunData
+    workflow: Any
+    logger: StatsLogger
+
+    def save(self, step: int) -> None:
+        ckpt_root = os.path.join(self.run.path, "checkpoints")
+        save_checkpoint(ckpt_root, step, self.actor, self.data.dataloader, self.config.saver.keep_last, self.run.run_id)
+
+    def steps(self, start: int, run_eval: Callable, on_step: Optional[Callable], progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        from areal_lite.utils.data import cycle_dataloader
+
+        config, total = self.config, self.data.total
+        pending_eval = run_eval(start) if start == 0 else {}
+        data_iter = cycle_dataloader(self.data.dataloader)
+        bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
+        for step in bar:
+            stats, t_step = grpo_step(
+                config, step, self.engine, self.actor, self.meta, self.data.dataloader, data_iter, self.workflow
+            )
+            done = step + 1
+            if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
+                self.save(done)
+            freq = config.evaluator.freq_steps
+            if step == start and pending_eval:
+                stats.update({k: v for k, v in pending_eval.items() if k != "eval_accuracy"})
+                stats["eval_accuracy_before"] = pending_eval["eval_accuracy"]
+            if done == total or (freq and done % freq == 0):
+                stats.update(run_eval(done))
+            stats["time/step"] = time.perf_counter() - t_step
+            self.logger.log(stats)
+            bar.set_postfix(reward=f"{stats['reward']:.3f}", len=f"{stats['response_length']:.0f}")
+            if on_step is not None:
+                on_step(step, stats)
+        if config.saver.freq_steps and total > start:
+            self.save(total)
 
 
 def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, step: int, progress: bool):
@@ -499,7 +556,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
     config, path = load_expr_config(argv, TrainConfig)
-    stats = train(config, resume=resume)
+    try:
+        stats = train(config, resume=resume, existing="refuse")
+    except (RunDirError, NoRoomError) as e:
+        print(f"train: {e}", file=sys.stderr)  # one line, no traceback: the message says what to do
+        return 2
     if stats:
         first, last = stats[0], stats[-1]
         print(f"train: {len(stats)} steps logged; reward {first['reward']:.3f} -> {last['reward']:.3f}")

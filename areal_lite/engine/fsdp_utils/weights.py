@@ -9,6 +9,8 @@ Design decisions, and why
   full copy of the weights, often in RAM under /dev/shm.
 - Version folders are transport, not checkpoints: `WeightPublisher` remembers the folders it wrote and removes them,
   and their parent folder if that is left empty (never anything else in it), on `close()` or at interpreter exit.
+  A run's default folder (`cli_args.default_weight_update_dir`) is claimed by the process (`utils.weight_dirs`) and
+  stays, empty and locked, until it exits; a later run removes what a killed one left.
 - Tied weights (an LM head sharing the embedding matrix) are written once, under the embedding's name: transformers
   re-ties them on load, and safetensors refuses two names for one storage (leftover aliases are cloned).
 - NCCL route (GPU + SGLang). Trainer rank 0 joins a process group with the servers, which lie outside the trainer's
@@ -67,10 +69,15 @@ ACTOR_STATE = "actor_state.pt"
 
 
 def remove_weight_dirs(dirs: List[str]) -> None:
-    """Remove the weight versions in `dirs`, then each parent folder left empty (never anything else)."""
+    """Remove the weight versions in `dirs`, then each parent folder left empty (never anything else), unless this
+    process holds it as its claimed weight folder (`utils.weight_dirs`: it goes at exit, and stays locked until)."""
+    from areal_lite.utils.weight_dirs import is_claimed
+
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
     for root in {os.path.dirname(d) for d in dirs}:
+        if is_claimed(root):
+            continue
         try:
             os.rmdir(root)
         except OSError:
