@@ -178,6 +178,26 @@ def test_logprobs_equal_forward_pass(server, tiny):
             assert (got - want).abs().max().item() < 1e-3, (temperature, got, want)
 
 
+def test_frequency_and_presence_penalties_as_sglang(server, tiny):
+    """Greedy with penalties: each token is the argmax of the forward pass's logits less frequency_penalty times its
+    count among the tokens generated so far (the prompt does not count) and presence_penalty if it is among them;
+    its logprob is taken after the penalties, as SGLang's penalizers run before logprobs."""
+    model, _ = tiny
+    fp, pp = 1.5, 0.7
+    penalties = {"ignore_eos": True, "frequency_penalty": fp, "presence_penalty": pp}
+    out = generate(server, greedy(PROMPTS[2], 24, sp=penalties))
+    ids, lps = out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+    assert ids != generate(server, greedy(PROMPTS[2], 24, sp={"ignore_eos": True}))["output_ids"]  # they changed it
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[2] + ids])).logits[0, len(PROMPTS[2]) - 1 : -1].float()
+    counts = torch.zeros(logits.shape[-1])
+    for i, t in enumerate(ids):
+        penalized = logits[i] - fp * counts - pp * (counts > 0).float()
+        assert int(penalized.argmax()) == t, i
+        assert abs(torch.log_softmax(penalized, -1)[t].item() - lps[i]) < 1e-3, i
+        counts[t] += 1
+
+
 def test_greedy_deterministic_and_same_batched_or_alone(server):
     alone = [generate(server, greedy(p, 16, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
     again = [generate(server, greedy(p, 16, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
@@ -316,7 +336,8 @@ BAD_BODIES = [
     {"input_ids": [1], "sampling_params": {"ignore_eos": 1}},
     {"input_ids": [1], "sampling_params": {"max_tokens": 8}},  # unknown key (OpenAI's name)
     {"input_ids": [1], "sampling_params": {"temprature": 0.5}},
-    {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},  # SGLang key, not implemented here
+    {"input_ids": [1], "sampling_params": {"repetition_penalty": 1.5}},  # SGLang key, not implemented here
+    {"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}},  # implemented, out of range
     {"input_ids": [1], "sampling_params": {"regex": "a+"}},
     {"input_ids": [1], "sampling_params": [{"max_new_tokens": 1}]},  # a list for a single prompt
     {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}]},  # length mismatch
@@ -569,6 +590,12 @@ def test_parse_generate_body_units():
     assert parse_generate_body({"input_ids": [1] * 10}, **kw)[1][0].params.max_new_tokens == 54
     with pytest.raises(BadRequest, match="context length"):
         parse_generate_body({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}}, **kw)
+    penalties = {"frequency_penalty": -2, "presence_penalty": 2}
+    sp = parse_generate_body({"input_ids": [1], "sampling_params": penalties}, **kw)[1][0].params
+    assert (sp.frequency_penalty, sp.presence_penalty) == (-2.0, 2.0)
+    for bad in ({"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"temperature": 10**400}):
+        with pytest.raises(BadRequest, match="must be"):
+            parse_generate_body({"input_ids": [1], "sampling_params": bad}, **kw)
     with pytest.raises(BadRequest, match="unknown field `max_tokens`"):
         parse_generate_body({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, **kw)
 

@@ -20,8 +20,10 @@ Design decisions:
 - The server is aiohttp on 127.0.0.1 by default. Retrieval is CPU work and runs on one worker
   thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.utils.jsonhttp`,
   as the inference server's do: JSON `{"error": msg}` with a 4xx status (405 for a wrong method,
-  404 for an unknown route, 413 for a body over 1 MiB), and the server stays up. Unknown request
-  keys are refused: a typo like `top_k` would otherwise silently give 3 results.
+  404 for an unknown route, 413 for a body over 1 MiB, 400 for JSON nested deeper than
+  `jsonhttp.MAX_JSON_DEPTH`), and the server stays up. Unknown request keys are refused: a typo
+  like `top_k` would otherwise silently give 3 results. `/health` counts the requests answered
+  per route (`served`), so a client (or a test) can see that a refused request changed nothing.
 - `/access` maps a url to a "page": a corpus id, a doc's `url`, or a title (`.../wiki/Some_Title`
   works too) gives all passages with that title joined in corpus order; anything else is null.
 - `launch_rag_server` runs the server as a child process on a free loopback port through
@@ -357,22 +359,26 @@ def build_app(
     info = {"status": "ok", "num_docs": index.num_docs, "retriever": index.retriever.name}
     if getattr(index.retriever, "stemmer_name", None):
         info["stemmer"] = index.retriever.stemmer_name
+    served = {"retrieve": 0, "access": 0}  # requests answered with 200, per route (only the event loop writes)
 
     async def health(request):
-        return web.json_response(info)
+        return web.json_response({**info, "served": dict(served)})
 
     async def retrieve(request):
         body = await _read_body(request, '{"queries": ["capital of Peru"], "topk": 3}')
         queries, topk, return_scores = parse_retrieve_request(body)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(pool, index.retrieve, queries, topk, return_scores)
+        served["retrieve"] += 1
         return web.json_response({"result": result})
 
     async def access(request):
         body = await _read_body(request, '{"urls": ["Peru"]}')
         _check_keys(body, ACCESS_KEYS)
         urls = _check_str_list(body, "urls", MAX_URLS)
-        return web.json_response({"result": index.access(urls)})
+        result = index.access(urls)
+        served["access"] += 1
+        return web.json_response({"result": result})
 
     async def close_pool(app):
         pool.shutdown(wait=False)

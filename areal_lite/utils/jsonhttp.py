@@ -1,6 +1,6 @@
-"""JSON over HTTP for the kit's servers (the embedded inference server and the RAG server).
+"""JSON over HTTP for the kit's servers (the embedded inference server, the RAG server and the chat endpoint).
 
-Both servers promise the same thing to a client that sends bad input: a 4xx answer whose body is
+Every server promises the same thing to a client that sends bad input: a 4xx answer whose body is
 `{"error": "<what was wrong and what to send instead>"}`, and a server that stays up. This module is that promise,
 written once:
 - `BadRequest` is raised by body parsers with a message meant for the client; the middleware turns it into a 400.
@@ -11,6 +11,23 @@ written once:
 - A server with its own error body (the chat endpoint answers in OpenAI's shape) passes a renderer and a translation
   of its own exceptions; the rules above stay the same.
 aiohttp is imported inside the functions, so importing this module (and the packages that do) stays light.
+
+Bounded input, judged before it is parsed (a trusted server's rules: SGLang and vLLM answer 4xx to any of these)
+- Size: each server sets aiohttp's `client_max_size`. A body that declares a larger Content-Length is refused with
+  413 before a byte of it is read (in the middleware, so before any other check); a chunked one when it crosses the
+  limit.
+- Nesting: at most `MAX_JSON_DEPTH` levels. Python's json module recurses once per level, so '[' * 100000 raised
+  RecursionError (a 500), and a depth just under the interpreter's limit passed the reader only to exhaust the stack
+  of whatever walked the value next (a template renderer, a validator). The depth is measured on the raw bytes
+  (strings removed, brackets counted with numpy), which costs nothing for the usual body with fewer brackets than
+  the limit; RecursionError is caught as well, as a second line.
+- Text: UTF-8, and no lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not text: a tokenizer or a stemmer fails
+  on it later, as a 500). Pydantic's and orjson's readers refuse it the same way.
+- CPU time: the event loop answers /health, pause and abort, so work that can take more than a few ms runs on a
+  worker thread (`off_loop`): parsing a body over `OFF_LOOP_BYTES`, tokenizing long text (the servers decide
+  what is long). Below the thresholds the work runs inline, where a thread hop would cost more than the work. (The
+  json module holds the GIL while it parses; what keeps that pause short is the size limit, and the thread keeps
+  the loop running before and after it.)
 """
 
 from __future__ import annotations
@@ -18,9 +35,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable, Optional, Tuple
+import re
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
-__all__ = ["BadRequest", "describe", "json_error", "json_errors_middleware", "read_json", "read_json_object"]
+__all__ = [
+    "BadRequest",
+    "MAX_JSON_DEPTH",
+    "OFF_LOOP_BYTES",
+    "describe",
+    "json_error",
+    "json_errors_middleware",
+    "off_loop",
+    "parse_json_bytes",
+    "read_json",
+    "read_json_object",
+]
+
+MAX_JSON_DEPTH = 100  # a chat request with a nested JSON schema in a tool reaches ~20; /generate needs 3
+OFF_LOOP_BYTES = 64 * 1024  # ~1 ms of json.loads: larger bodies are parsed on a worker thread
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # brackets inside strings are text
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+T = TypeVar("T")
 
 
 class BadRequest(ValueError):
@@ -40,17 +78,87 @@ def json_error(status: int, error: str, headers: Optional[dict] = None, **extra:
     return web.json_response({"error": error, **extra}, status=status, headers=headers)
 
 
-async def read_json(request) -> Any:
-    """The request body parsed as JSON; None for an empty body. Raises BadRequest for anything unreadable."""
-    raw = await request.read()  # aiohttp raises 413 past the app's client_max_size
+async def off_loop(big: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, on a worker thread when `big` (CPU work of more than a few ms must not hold up the
+    event loop), inline otherwise (a thread hop costs more than small work)."""
+    if big:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def too_large(limit: int, size: Optional[int] = None):
+    """The 413 for a body over `limit` bytes (`size`: its declared length, None when it was not declared)."""
+    from aiohttp import web
+
+    what = f"the request body ({size} bytes)" if size is not None else "the request body"
+    return web.HTTPRequestEntityTooLarge(
+        max_size=limit,
+        actual_size=size if size is not None else limit + 1,
+        text=f"{what} exceeded this server's limit of {limit} bytes; send less per request (fewer prompts, "
+        "shorter texts)",
+    )
+
+
+def _json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest, read from the bytes without parsing them."""
+    import numpy as np
+
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    # '[' and '{' have bit 1 set, ']' and '}' do not: +1 for an opener, -1 for a closer
+    steps = (np.frombuffer(brackets, dtype=np.uint8) & 2).astype(np.int32) - 1
+    return int(steps.cumsum().max())
+
+
+def _too_deep(depth: Optional[int] = None) -> BadRequest:
+    found = f"{depth} levels" if depth is not None else "deeper than this server reads"
+    return BadRequest(
+        f"the request body nests JSON arrays/objects {found} deep; at most {MAX_JSON_DEPTH} levels are accepted"
+    )
+
+
+def parse_json_bytes(raw: bytes) -> Any:
+    """A request body parsed as JSON under the rules of the module docstring (None for an empty body)."""
     if not raw.strip():
         return None
     try:
-        return json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise BadRequest("the request body is not UTF-8") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # fewer brackets than the limit cannot nest deeper
+        depth = _json_depth(raw)
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(depth)
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
     except ValueError as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        why = str(e)
+        if "integer string conversion" in why:  # Python reads ints of at most 4300 digits from text
+            why = "it has an integer of more than 4300 digits"
+        raise BadRequest(f"the request body is not valid JSON: {why}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "the request body has a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), which is "
+                "not text; send valid Unicode"
+            ) from None
+    return value
+
+
+async def read_json(request) -> Any:
+    """The request body parsed as JSON (`parse_json_bytes`); None for an empty body. Raises BadRequest."""
+    from aiohttp import web
+
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:  # a chunked body, past the limit
+        raise too_large(request.client_max_size) from None
+    return await off_loop(len(raw) > OFF_LOOP_BYTES, parse_json_bytes, raw)
 
 
 async def read_json_object(request, empty_ok: bool = True) -> dict:
@@ -87,6 +195,9 @@ def json_errors_middleware(
     @web.middleware
     async def json_errors(request, handler):
         try:
+            declared, limit = request.content_length, request.client_max_size
+            if declared is not None and limit and declared > limit:  # refused before a byte of it is read
+                raise too_large(limit, declared)
             return await handler(request)
         except BadRequest as e:
             return render(400, str(e), "invalid_request_error")

@@ -112,10 +112,26 @@ class ChatTemplate:
         chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> List[int]:
         """Prompt ids of the whole conversation, ending with the assistant header (`add_generation_prompt=True`)."""
-        kw = {**self.template_kwargs, **dict(chat_template_kwargs or {})}
+        kw = self._render_kwargs(tools, chat_template_kwargs)
+        return chat_prompt_ids(self.tokenizer, self.messages_for_template(messages, tools), **kw)
+
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Optional[Sequence[Mapping]] = None,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+    ) -> str:
+        """The text `render` tokenizes (its ids are those of this text, without added special tokens)."""
+        kw = self._render_kwargs(tools, chat_template_kwargs)
+        msgs = list(self.messages_for_template(messages, tools))
+        out = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+        return out if isinstance(out, str) else str(out)
+
+    def _render_kwargs(self, tools, chat_template_kwargs) -> Dict[str, Any]:
+        kw = {**self.template_kwargs, **dict(chat_template_kwargs or {})}  # the request's win
         if self.native_tools and tools:
             kw["tools"] = list(tools)
-        return chat_prompt_ids(self.tokenizer, self.messages_for_template(messages, tools), **kw)
+        return kw
 
     def closing_tokens(self, output_ids: Sequence[int]) -> List[int]:
         """The part of the end-of-turn ids that `output_ids` did not already end with (all of it after a length

@@ -4,6 +4,11 @@ Design decisions
 - Handlers are thin: read the body (`areal_lite.utils.jsonhttp`), validate it (`protocol`), hand the work to the
   `Scheduler` and wait on its future, render the answer (`protocol`). They run on the event loop and never touch
   the model, so a long decode never blocks a health check or a pause.
+- Nor does long text: a /generate body whose text prompts total more than `OFF_LOOP_CHARS` characters is
+  validated and tokenized on a worker thread (a 10 MB prompt took ~10 s of tokenization on the loop, and /health,
+  pause and abort waited for it), and answers of more than `OFF_LOOP_TOKENS` tokens are decoded and serialized
+  there. Smaller ones are handled inline: they take well under a millisecond. The tokenizer is only read, never
+  reconfigured, so threads may share it.
 - One error contract for every route, shared with the kit's other server (`jsonhttp.json_errors_middleware`): a bad
   body gets 400 `{"error": "..."}`, an unknown route 404 and a wrong method 405 (both listing the routes), a route
   hit while the model is still loading 503, and a bug 500; the server keeps serving in every case.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import uuid
 from typing import Any, Optional
@@ -37,11 +43,21 @@ from areal_lite.kit.serve.protocol import (
     render_generate_response,
 )
 from areal_lite.kit.serve.scheduler import Scheduler
-from areal_lite.utils.jsonhttp import BadRequest, json_error, json_errors_middleware, read_json, read_json_object
+from areal_lite.utils.hf_utils import count_tokens
+from areal_lite.utils.jsonhttp import (
+    BadRequest,
+    json_error,
+    json_errors_middleware,
+    off_loop,
+    read_json,
+    read_json_object,
+)
 
 log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a batch of long prompts as JSON token ids is large; aiohttp's default is 1 MiB
+OFF_LOOP_CHARS = 4096  # ~2 ms of tokenization: longer text prompts are tokenized on a worker thread
+OFF_LOOP_TOKENS = 4096  # generated tokens of one request above which its answer is rendered on a worker thread
 
 
 class ServerState:
@@ -154,24 +170,53 @@ async def server_info(request: web.Request) -> web.Response:
     return web.json_response({"server": "areal-lite-embedded", "args": args, **scheduler.stats()})
 
 
+def _text_chars(body: Any) -> int:
+    """How many characters of text prompts a /generate body carries (0 for token ids or a malformed body)."""
+    text = body.get("text") if isinstance(body, dict) else None
+    texts = text if isinstance(text, list) else [text]
+    return sum(len(t) for t in texts if isinstance(t, str))
+
+
+def _tokenize(tok: Any, context_length: int) -> Any:
+    """Text -> prompt ids for `parse_generate_body`. A long text that cannot fit comes back as `range(n)`, n its
+    token count: the parser reads only its length before refusing it (see the module docstring)."""
+
+    def tokenize(text: str):
+        if len(text) > OFF_LOOP_CHARS:
+            n = count_tokens(tok, text)
+            if n >= context_length:
+                return range(n)
+        return tok(text)["input_ids"]
+
+    return tokenize if tok is not None else None
+
+
+def _render(states: list[GenerationState], tokenizer: Any, text_in_lp: bool, as_list: bool) -> str:
+    out = [render_generate_response(s, tokenizer, text_in_lp) for s in states]
+    return json.dumps(out if as_list else out[0])
+
+
 async def generate(request: web.Request) -> web.Response:
     state = _state(request)
     scheduler = _scheduler_or_503(request)
     body = await read_json(request)
     tok = state.tokenizer
-    is_batch, specs, text_in_lp = parse_generate_body(
+    is_batch, specs, text_in_lp = await off_loop(
+        _text_chars(body) > OFF_LOOP_CHARS,
+        parse_generate_body,
         body,
         vocab_size=scheduler.vocab_size,
         context_length=scheduler.context_length,
-        tokenize=(lambda t: tok(t)["input_ids"]) if tok is not None else None,
+        tokenize=_tokenize(tok, scheduler.context_length),
     )
     states = [scheduler.new_state(spec, j) for spec in specs for j in range(spec.params.n)]
     clash = [s.rid for s in states if s.rid in state.inflight]
     if clash:
         raise BadRequest(f"rid {clash[0]!r} is already in flight; request ids must be unique")
     await run_states(state, states)
-    out = [render_generate_response(s, tok, text_in_lp) for s in states]
-    return web.json_response(out if (is_batch or len(out) > 1) else out[0])
+    big = sum(len(s.output) for s in states) > OFF_LOOP_TOKENS
+    text = await off_loop(big, _render, states, tok, text_in_lp, is_batch or len(states) > 1)
+    return web.Response(text=text, content_type="application/json")
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -204,7 +249,9 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     update = parse_update_weights_body(await read_json_object(request))
     result = await asyncio.wrap_future(_scheduler_or_503(request).update_weights(update))
-    return web.json_response(result, status=200 if result["success"] else 400)
+    if not result["success"]:  # SGLang's body, plus the kit's "error" (every 4xx of this server has one)
+        return json_error(400, result["message"], **result)
+    return web.json_response(result)
 
 
 async def not_supported(request: web.Request) -> web.Response:

@@ -5,9 +5,10 @@ Design decisions
   unknown `sampling_params` keys and wrong types are rejected, `16.0` is not an integer, booleans are not numbers.
   A bad body raises `BadRequest` with a message that says what to send instead; the HTTP layer answers 400 and the
   scheduler never sees it, so one bad client cannot disturb the batch of the others.
-- SGLang parameters this server does not implement (penalties, grammars, ...) are accepted only at their neutral
-  values and rejected otherwise, rather than silently ignored: a rollout that asks for a repetition penalty must
-  not silently get none.
+- SGLang parameters this server does not implement (repetition penalty, min_p, grammars, ...) are accepted only at
+  their neutral values and rejected otherwise, rather than silently ignored: a rollout that asks for a repetition
+  penalty must not silently get none. Frequency and presence penalties are implemented (`sampling.apply_penalties`),
+  since the OpenAI-compatible endpoint passes them on.
 - Defaults are SGLang's: an unset `max_new_tokens` is 128, shortened to what still fits in the context; a batch with
   a single `rid` string gets `rid_0`, `rid_1`, ...; null means "default" for every sampling field.
 - `GenerationState`, one row of generation, is defined here with the request it comes from and the response it
@@ -45,7 +46,7 @@ SGLANG_SAMPLING_KEYS = (
 )  # fmt: skip
 # Keys we accept but do not implement: only their neutral value is allowed (None is always allowed).
 NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
-    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "repetition_penalty": 1.0,
     "stop_regex": [], "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
     "logit_bias": {}, "custom_params": None, "beam_width": 1, "watermark": None,
     "choice": [],
@@ -75,9 +76,13 @@ def want_int(where: str, v: Any) -> int:
 def want_float(where: str, v: Any) -> float:
     if not _is_number(v):
         raise BadRequest(f"{where}: expected a number, got {describe(v)}")
-    if not math.isfinite(v):
-        raise BadRequest(f"{where}: must be finite, got {v}")
-    return float(v)
+    try:
+        x = float(v)  # an int past 1.8e308 overflows
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x):
+        raise BadRequest(f"{where}: must be a finite number, got {describe(v)}")
+    return x
 
 
 def want_bool(where: str, v: Any) -> bool:
@@ -112,6 +117,8 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: Optional[int] = None  # None: the server derives the row's seed (see sampling.RowSeeds)
+    frequency_penalty: float = 0.0  # lowers a generated token's logit by this times its count so far
+    presence_penalty: float = 0.0  # lowers the logit of every token generated so far by this
 
     @property
     def greedy(self) -> bool:
@@ -140,7 +147,7 @@ def _set_sampling_field(sp: SamplingParams, key: str, v: Any, w: str, vocab_size
     """Type-check one non-null `sampling_params` value and store it on `sp` (or check it is neutral)."""
     if key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"):
         setattr(sp, key, want_int(w, v))
-    elif key in ("temperature", "top_p"):
+    elif key in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
         setattr(sp, key, want_float(w, v))
     elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
         setattr(sp, key, want_bool(w, v))
@@ -170,6 +177,9 @@ def _check_sampling_ranges(sp: SamplingParams, where: str) -> None:
         raise BadRequest(f"{where}: temperature must be a non-negative finite number, got {sp.temperature}.")
     if not 0.0 < sp.top_p <= 1.0:
         raise BadRequest(f"{where}: top_p must be in (0, 1], got {sp.top_p}.")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= getattr(sp, name) <= 2.0:
+            raise BadRequest(f"{where}: {name} must be in [-2, 2], got {getattr(sp, name)}.")
     if sp.top_k != -1 and sp.top_k < 1:
         raise BadRequest(f"{where}: top_k must be -1 (disable) or at least 1, got {sp.top_k}.")
     if sp.max_new_tokens is not None and sp.max_new_tokens < 0:
@@ -223,7 +233,10 @@ def parse_generate_body(
     context_length: int,
     tokenize: Optional[Callable[[str], list[int]]],
 ) -> tuple[bool, list[PromptSpec], bool]:
-    """Validate a /generate body. Returns (is_batch, prompts, return_text_in_logprobs); raises BadRequest."""
+    """Validate a /generate body. Returns (is_batch, prompts, return_text_in_logprobs); raises BadRequest.
+
+    `tokenize` may return any sized sequence (`range(n)`) for a text it knows cannot fit the context: only its length
+    is read before such a prompt is refused."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {describe(body)}")
     _refuse_unsupported_fields(body)

@@ -6,8 +6,8 @@ Design decisions
   applied; greedy rows (temperature < 1e-6) get `log_softmax(logits)`. With `original_logprob` (SGLang's
   `SGLANG_RETURN_ORIGINAL_LOGPROB=1`) it is `log_softmax(logits)` always. A trainer recomputing logprobs must get
   the same numbers from either server, so these rules are SGLang's, not the textbook's.
-- Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) are applied before logprobs,
-  as SGLang's penalizers are.
+- Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) and the frequency and presence
+  penalties are applied before temperature and logprobs, as SGLang's penalizers are (`apply_penalties`).
 - One batched draw per step: rows with different temperatures, top-k and top-p share one softmax and one
   inverse-CDF draw (`draw`); greedy rows skip the draw. Each row brings its own uniform number, from its own
   random stream (`GenerationState.rng`), so what a row samples does not depend on which other rows share its batch.
@@ -71,10 +71,7 @@ def sample_tokens(
     """One token per row of `logits` [B, V] (float32) and its logprob, with each row's own sampling parameters and
     random stream (`rng`, which sampled rows must have)."""
     B = logits.shape[0]
-    # min_new_tokens: EOS and stop ids cannot be sampled yet (like SGLang's penalizer, before logprobs).
-    for i, s in enumerate(seqs):
-        if s.stop_ids and len(s.output) < s.params.min_new_tokens:
-            logits[i, list(s.stop_ids)] = float("-inf")
+    apply_penalties(logits, seqs)
     greedy = [s.params.greedy for s in seqs]
     temps = [1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)]
     scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device)[:, None]
@@ -97,6 +94,20 @@ def sample_tokens(
     logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     assert tokens.shape == (B,)
     return tokens, logprobs
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[GenerationState]) -> None:
+    """SGLang's penalizers, in place on `logits` [B, V]: until `min_new_tokens`, EOS and the stop ids cannot be
+    sampled; each token the row has generated so far (its prompt does not count) loses `frequency_penalty` times its
+    count plus `presence_penalty` (OpenAI's definition; negative values favour repeats)."""
+    for i, s in enumerate(seqs):
+        p = s.params
+        if s.stop_ids and len(s.output) < p.min_new_tokens:
+            logits[i, list(s.stop_ids)] = float("-inf")
+        if s.output and (p.frequency_penalty or p.presence_penalty):
+            ids, counts = torch.tensor(s.output).unique(return_counts=True)
+            penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            logits[i, ids.to(logits.device)] -= penalty.to(logits.device)
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,12 @@ Design decisions
 - `model` is any string: the server serves one model (it reports its own name in responses and `/v1/models`).
 - Extras under `extra_body` (vLLM's and SGLang's names): `chat_template_kwargs` (passed to the template),
   `return_token_ids` (adds `prompt_token_ids` and each choice's `token_ids`), `top_k`.
+- `chat_template_kwargs` are variables of the template (`enable_thinking`, ...). The arguments the endpoint passes
+  itself (`add_generation_prompt`, `tools`, `tokenize`, every other named argument of `apply_chat_template`, and the
+  `messages` the template reads) are refused with a 400 naming the key: passed twice they were a TypeError (500),
+  and one that changes what comes back (`tokenize`, `return_dict`) would break the prompt silently.
+- Every accepted field is checked for its type and range here, so what reaches the engine is something it serves:
+  the engine's own 4xx is the exception, and the server passes it on as a 4xx.
 - Streaming is answered as server-sent events built from the finished completion (one content chunk, one chunk of
   tool calls, one with the finish reason, optionally usage, then `[DONE]`): generation is not streamed token by
   token, but clients and agent frameworks that ask for `stream=true` work and record the same interaction.
@@ -47,6 +53,13 @@ _SUPPORTED = {
     "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
     "logit_bias", "response_format", "chat_template_kwargs", "return_token_ids", "top_k", "store",
 }  # fmt: skip
+# The arguments of transformers' apply_chat_template and of the template renderer (tests check the list against the
+# installed transformers): the endpoint sets them, so chat_template_kwargs must not.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 _IGNORED = {
     "user", "metadata", "seed", "parallel_tool_calls", "service_tier", "prompt_cache_key", "safety_identifier",
     "reasoning_effort", "modalities", "verbosity",
@@ -99,12 +112,19 @@ class ChatRequest:
 # ------------------------------------------------------------------------------------------------ fields
 
 
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past 1.8e308
+        return False
+
+
 def _number(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) -> Optional[float]:
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ChatRequestError(f"'{key}' must be a number, got {_kind(v)}", key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+        raise ChatRequestError(f"'{key}' must be a finite number, got {_kind(v)}", key)
     if v < lo or v > hi or (lo_open and v == lo):
         raise ChatRequestError(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
     return float(v)
@@ -121,10 +141,10 @@ def _integer(body: dict, key: str, lo: int, hi: Optional[int] = None) -> Optiona
     return v
 
 
-def _flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
+def _flag(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise ChatRequestError(f"'{key}' must be true or false, got {_kind(v)}", key)
     return v
@@ -218,7 +238,7 @@ def _tool_choice(body: dict, tools: Optional[list]) -> Any:
         return tc
     fn = tc.get("function") if isinstance(tc, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if name not in {t["function"]["name"] for t in tools}:
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
         raise ChatRequestError(
             "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': <a tool>}}",
             "tool_choice",
@@ -253,6 +273,22 @@ def _refuse_unsupported(body: dict) -> None:
         raise ChatRequestError("'response_format' other than {'type': 'text'} is not supported", "response_format")
 
 
+def _template_kwargs(body: dict) -> Dict[str, Any]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ChatRequestError(f"'chat_template_kwargs' must be an object, got {_kind(kwargs)}", "chat_template_kwargs")
+    taken = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if taken:
+        raise ChatRequestError(
+            f"'chat_template_kwargs' must not set {', '.join(repr(k) for k in taken)}: the endpoint sets it itself "
+            "(chat_template_kwargs are the template's own variables, e.g. enable_thinking)",
+            "chat_template_kwargs",
+        )
+    return kwargs
+
+
 def _max_tokens(body: dict) -> Optional[int]:
     a, b = _integer(body, "max_tokens", 1), _integer(body, "max_completion_tokens", 1)
     if a is not None and b is not None and a != b:
@@ -271,9 +307,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ChatRequestError(f"'model' must be a string, got {_kind(model)}", "model")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ChatRequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    kwargs = _template_kwargs(body)
     stream = _flag(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict)):
@@ -291,11 +325,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stop=_stop(body),
         n=_integer(body, "n", 1, MAX_N) or 1,
         stream=stream,
-        stream_usage=bool((opts or {}).get("include_usage")),
+        stream_usage=_flag(opts or {}, "include_usage"),
         logprobs=_flag(body, "logprobs"),
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
         return_token_ids=_flag(body, "return_token_ids"),
-        store=body.get("store") is not False,
+        store=_flag(body, "store", default=True),
         chat_template_kwargs=dict(kwargs),
     )
 

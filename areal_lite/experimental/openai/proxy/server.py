@@ -27,8 +27,18 @@ Design decisions
   session from its ids (no re-tokenization drift) and `areal_lite.experimental.openai.cache` stores each choice with its
   `ModelResponse`. `store=false` serves a request without recording it (AReaL's switch).
 - Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad bodies 400 (`chat_protocol`),
-  unknown key 401, unknown route 404, wrong method 405, a prompt too long for `gconfig.max_tokens` 400
-  `context_length_exceeded`, an engine failure 502, a bug 500 (logged). The server keeps serving in every case.
+  unknown key 401, unknown route 404, wrong method 405, a body over `MAX_BODY_BYTES` 413, a prompt too long for
+  `gconfig.max_tokens` 400 `context_length_exceeded`, an engine that refuses a request (its 4xx) that 4xx with the
+  engine's message, an engine failure 502, a bug 500 (logged). The server keeps serving in every case.
+- The context length is judged here, as OpenAI and vLLM do, not left to the engine (whose refusal would reach the
+  client as an engine error): prompt + `max_tokens` over the model's context is a 400 `context_length_exceeded`
+  stating the limit, and a request without `max_tokens` generates at most what the context leaves. The limit is
+  `context_length`, by default the model's `max_position_embeddings` (the embedded server's default too), read
+  from the tokenizer's folder.
+- Nothing slow on the event loop: rendering and tokenizing a conversation of more than `OFF_LOOP_CHARS` characters
+  runs on a worker thread (a 10 MB message took ~9 s, during which /health did not answer), and such a
+  conversation is counted before its ids are built, so one that cannot fit is refused without them; bodies are
+  read under `jsonhttp`'s rules (size, nesting, big ones parsed off the loop).
 - Malformed tool calls in model output are not errors: the completion is a text answer and the failure is counted
   (`stats()["tool_parse_failures"]`, also per session).
 - `tool_choice`: "none" turns tool parsing off (the tools stay in the prompt, as OpenAI keeps them in context);
@@ -65,7 +75,8 @@ from areal_lite.experimental.openai.proxy.protocol import (
     stream_events,
 )
 from areal_lite.experimental.openai.tool_call_parser import parse_tool_calls
-from areal_lite.utils.jsonhttp import json_errors_middleware, read_json
+from areal_lite.utils.hf_utils import count_tokens
+from areal_lite.utils.jsonhttp import json_errors_middleware, off_loop, read_json
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
 
@@ -81,6 +92,8 @@ _STAT_KEYS = (
     "template_drifts",
     "template_mismatches",
 )
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a long agent conversation with tool results is large; aiohttp's default is 1 MiB
+OFF_LOOP_CHARS = 4096  # ~2 ms of rendering and tokenization: longer conversations are prompted on a worker thread
 _FINISH = {"stop": "stop", "length": "length", "abort": "length", "tool_calls": "tool_calls"}
 
 
@@ -127,20 +140,60 @@ def _request_gconfig(base: GenerationHyperparameters, req: ChatRequest, stop_ids
     return g.new(**changes)
 
 
+def model_context_length(tokenizer) -> Optional[int]:
+    """The model's context length: `max_position_embeddings` of the config next to the tokenizer (what the embedded
+    server serves by default), else the tokenizer's `model_max_length` when it is a real limit (tokenizers without
+    one say 1e30); None when neither is known (the engine's own refusal is then passed on)."""
+    try:
+        from transformers import AutoConfig
+
+        n = getattr(AutoConfig.from_pretrained(tokenizer.name_or_path), "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    except (OSError, ValueError, KeyError):  # a tokenizer that does not come from a model folder
+        pass
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < 10**7 else None
+
+
+def _context_error(limit: int, prompt: int, max_tokens: Optional[int]) -> ChatRequestError:
+    """OpenAI's and vLLM's words for a request that does not fit the model's context."""
+    if max_tokens is None:
+        asked, param = f"your messages resulted in {prompt} tokens", "messages"
+        fix = "Please reduce the length of the messages."
+    else:
+        asked = f"you requested {prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion)"
+        param, fix = "max_tokens", "Please reduce the length of the messages or completion."
+    message = f"This model's maximum context length is {limit} tokens. However, {asked}. {fix}"
+    return ChatRequestError(message, param, "context_length_exceeded")
+
+
 class ChatCompleter:
     """Turns a validated request into recorded completions (the part of the server that is not HTTP)."""
 
-    def __init__(self, engine, tokenizer, template: ChatTemplate, stats: Counter):
+    def __init__(self, engine, tokenizer, template: ChatTemplate, stats: Counter, context_length: Optional[int]):
         self.engine, self.tokenizer, self.template, self.stats = engine, tokenizer, template, stats
+        self.context_length = context_length
 
-    def prompt(self, session: ChatSession, req: ChatRequest):
-        """(prompt ids, parent interaction or None, drift) for this request."""
+    def _render(self, req: ChatRequest, long: bool) -> List[int]:
+        """The prompt ids of the whole conversation. A long one is counted first, and refused when it cannot fit
+        without building its ids (`hf_utils.count_tokens` says why)."""
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
+        args = (req.messages, req.tools, req.chat_template_kwargs)
         try:
-            full = self.template.render(req.messages, req.tools, req.chat_template_kwargs)
+            if long and self.context_length is not None:
+                n = count_tokens(self.tokenizer, self.template.render_text(*args), add_special_tokens=False)
+                if n >= self.context_length:
+                    raise _context_error(self.context_length, n, req.max_tokens)
+            return self.template.render(*args)
         except TemplateError as e:  # e.g. a template that insists on alternating roles
             raise ChatRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+
+    async def prompt(self, session: ChatSession, req: ChatRequest):
+        """(prompt ids, parent interaction or None, drift) for this request."""
+        long = sum(len(m.get("content") or "") for m in req.messages) > OFF_LOOP_CHARS
+        full = await off_loop(long, self._render, req, long)
         parent = session.cache.find_parent(req.messages, req.tools) if req.store else None
         if parent is None:
             return full, None, False
@@ -180,16 +233,27 @@ class ChatCompleter:
         texts = [self.tokenizer.decode([t]) for t in resp.output_tokens] if req.logprobs else []
         return ChoiceResult(message, finish, list(resp.output_tokens), list(resp.output_logprobs), texts)
 
-    async def complete(self, session: ChatSession, req: ChatRequest, model: str) -> Dict[str, Any]:
-        """Generate `req.n` choices, record them in the session, return the `chat.completion` body."""
-        ids, parent, drift = self.prompt(session, req)
+    def _gconfig(self, session: ChatSession, req: ChatRequest, prompt: int):
+        """The request's sampling settings, after checking that it fits the model's context and the session's."""
         g = _request_gconfig(session.gconfig, req, self.template.stop_token_ids)
-        if g.max_tokens - len(ids) <= 0:
+        limit = self.context_length
+        if limit is not None:
+            if prompt >= limit or (req.max_tokens is not None and prompt + req.max_tokens > limit):
+                raise _context_error(limit, prompt, req.max_tokens)
+            if req.max_tokens is None:
+                g = g.new(max_new_tokens=min(g.max_new_tokens, limit - prompt))
+        if g.max_tokens - prompt <= 0:
             raise ChatRequestError(
-                f"the prompt has {len(ids)} tokens and the session allows {g.max_tokens} in all (gconfig.max_tokens)",
+                f"the prompt has {prompt} tokens and the session allows {g.max_tokens} in all (gconfig.max_tokens)",
                 "messages",
                 "context_length_exceeded",
             )
+        return g
+
+    async def complete(self, session: ChatSession, req: ChatRequest, model: str) -> Dict[str, Any]:
+        """Generate `req.n` choices, record them in the session, return the `chat.completion` body."""
+        ids, parent, drift = await self.prompt(session, req)
+        g = self._gconfig(session, req, len(ids))
         reqs = [ModelRequest(input_ids=list(ids), gconfig=g, tokenizer=self.tokenizer) for _ in range(req.n)]
         resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:29]}", int(time.time())
@@ -224,14 +288,16 @@ class ChatServer:
         host: str = "127.0.0.1",
         port: int = 0,
         chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        context_length: Optional[int] = None,
     ):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.context_length = context_length if context_length is not None else model_context_length(tokenizer)
         self.gconfig = gconfig if gconfig is not None else GenerationHyperparameters(max_new_tokens=512)
         self.host, self.port = host, int(port)
         self.template = ChatTemplate(tokenizer, chat_template_kwargs)
         # Every key up front: stats() copies the counter from another thread, which must never see it grow.
         self._stats: Counter = Counter(dict.fromkeys(_STAT_KEYS, 0))
-        self.completer = ChatCompleter(engine, tokenizer, self.template, self._stats)
+        self.completer = ChatCompleter(engine, tokenizer, self.template, self._stats, self.context_length)
         self._sessions: Dict[str, ChatSession] = {}
         self._lock = threading.Lock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -268,7 +334,7 @@ class ChatServer:
     async def _serve(self, sock: socket.socket) -> None:
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._errors_middleware()], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._errors_middleware()], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._handle_chat)
         app.router.add_get("/v1/models", self._handle_models)
         app.router.add_get("/health", lambda request: web.json_response({"status": "ok"}))
@@ -382,6 +448,8 @@ class ChatServer:
         def translate(e: Exception):
             if isinstance(e, ChatRequestError):
                 return e.status, str(e), {"param": e.param, "code": e.code}
+            if isinstance(e, EngineError) and e.status is not None and 400 <= e.status < 500:
+                return e.status, f"the inference engine refused the request: {e}", {}  # the request is wrong
             if isinstance(e, EngineError):
                 return 502, f"the inference engine failed: {e}", {"kind": "api_error"}
             return None
