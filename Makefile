@@ -75,7 +75,7 @@ lint: $(DEVSTAMP)
 
 test: lint
 	$(BIN)/python -m areal_lite.kit.prepare
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm" \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
 
@@ -84,7 +84,7 @@ test-zh: $(DEVSTAMP)
 		notebooks/zh --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg
 
 test-fast: $(DEVSTAMP)
-	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm"
+	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm and not areal_run"
 
 # A flaky test blocks every landing: to check a fix, run it many times, under the same load as `make test` (two workers
 # running repetitions side by side). Stops at the first failure. Not part of `make test`.
@@ -92,7 +92,7 @@ REPEAT ?= 3
 TESTS  ?= tests
 test-repeat: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm" --count $(REPEAT) -x -q \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm and not areal_run" --count $(REPEAT) -x -q \
 		-n $(TEST_WORKERS) --dist load -p no:cacheprovider
 
 lab: $(DEVSTAMP)
@@ -129,13 +129,12 @@ vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
 
 # AReaL's own trainer on notebook 07's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
 # AReaL's checkpoint and trains step 3. Executes notebook 07 first when runs/areal_export has no export yet.
-AREAL_EXPORT ?= runs/areal_export
 areal-run: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
-	test -f $(AREAL_EXPORT)/search_agent_areal.py || (cd notebooks/en && OMP_NUM_THREADS=1 MPLBACKEND=Agg \
+	test -f runs/areal_export/search_agent_areal.py || (cd notebooks/en && OMP_NUM_THREADS=1 MPLBACKEND=Agg \
 	  ../../$(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1200 \
 	  --output-dir ../../runs/areal-run-notebook 07_to_areal.ipynb)
-	OMP_NUM_THREADS=1 $(BIN)/python -m areal_lite.kit.areal_run --export $(AREAL_EXPORT)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/test_areal_run.py -m areal_run -s -q -p no:cacheprovider
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info

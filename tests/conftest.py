@@ -22,6 +22,7 @@ def pytest_configure(config):
     torch.set_num_threads(1)
     config.addinivalue_line("markers", "slow: takes more than a minute (still runs in CI)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; run by `make test-gpu`")
+    config.addinivalue_line("markers", "areal_run: trains under AReaL's own trainer (~5 min); run by `make areal-run`")
     config.addinivalue_line("markers", "vllm: starts a real vLLM server (needs `make vllm`); run by `make test-vllm`")
 
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from areal_lite.kit.train import _latest_checkpoint, save_checkpoint
+from areal_lite.kit.rundir import latest_checkpoint
+from areal_lite.kit.train import save_checkpoint
 from areal_lite.utils import atomic
 from areal_lite.utils.atomic import atomic_dir, atomic_file, recover_dir, recover_dirs
 
@@ -118,7 +119,7 @@ def test_resaving_a_checkpoint_that_fails_keeps_the_previous_one(tmp_path):
     first = save_checkpoint(root, 5, _Actor("v1"), _Loader(), keep_last=2)
     with pytest.raises(OSError):
         save_checkpoint(root, 5, _Actor("v2", fail=True), _Loader(), keep_last=2)
-    assert _latest_checkpoint(root) == first
+    assert latest_checkpoint(root) == first
     assert read(os.path.join(first, "actor", "weights")) == "v1"
     save_checkpoint(root, 6, _Actor("v3"), _Loader(), keep_last=1)
     assert os.listdir(root) == ["step_000006"], "keep_last prunes older steps"

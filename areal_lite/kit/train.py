@@ -4,7 +4,7 @@ The notebooks spell out the same loop cell by cell; `train(config)` runs it in-p
 the per-step statistics. One step:
 
     batch = engine.rollout_batch(data, workflow)       # sync;  async: engine.prepare_batch(dataloader, workflow)
-    batch["prox_logp"] = actor.compute_logp(batch)     # recompute with the trainer's weights
+    batch["prox_logp"] = actor.compute_logp(batch)     # only with several minibatches (else ppo_update's forward)
     actor.compute_advantages(batch)
     stats = actor.ppo_update(batch); actor.step_lr_scheduler()
     engine.pause(); fut = engine.update_weights(meta); actor.update_weights(meta); fut.result()
@@ -370,7 +370,9 @@ def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dat
     stats: Dict[str, Any] = {"step": step, **batch_stats(batch, actor.get_version())}
 
     t = time.perf_counter()
-    if config.actor.use_decoupled_loss:  # without it, PPO's old policy is the behaviour policy
+    if config.actor.use_decoupled_loss and config.actor.ppo_n_minibatches > 1:
+        # Several minibatches move the weights between steps, so the proximal log-probs need a pass of their own;
+        # with one, ppo_update takes them from its own forward pass (one pass fewer, same numbers).
         batch["prox_logp"] = actor.compute_logp(batch)
     t_logp = time.perf_counter() - t
     t = time.perf_counter()

@@ -292,7 +292,7 @@ def _llama_as_qwen2(src_dir: str, out_dir: str) -> None:
             state[name] = torch.zeros(p.shape)
     qwen.load_state_dict(state, strict=True, assign=True)
     qwen.tie_weights()
-    for name, buf in list(qwen.named_buffers()):  # rotary inv_freq: not in the state dict, still on meta
+    for name, _buf in list(qwen.named_buffers()):  # rotary inv_freq: not in the state dict, still on meta
         owner, _, attr = name.rpartition(".")
         qwen.get_submodule(owner)._buffers[attr] = llama.get_buffer(name).clone()
     ids = torch.arange(3, 67).reshape(1, -1) % c.vocab_size
