@@ -196,3 +196,29 @@ def test_the_shipped_configs_load_without_a_no_effect_line(name, capsys):
         kit.load_expr_config(["--config", os.path.join(ROOT, "configs", name), f"profile={profile}"], TrainConfig,
                              verbose=False)  # fmt: skip
     assert "has no effect" not in capsys.readouterr().out
+
+
+def test_to_areal_config_keeps_apart_only_what_areal_lacks():
+    """Every key `to_areal_config` lists as kit-only is really missing from AReaL's config (a list of AReaL specs,
+    such as `scheduling_spec`, is copied, not set aside)."""
+    import typing
+
+    from areal.api.cli_args import GRPOConfig as AReaLGRPOConfig
+
+    from areal_lite.kit.areal_config import to_areal_config
+
+    def areal_has(cls, dotted):
+        head, _, rest = dotted.partition(".")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if head not in fields:
+            return False
+        if not rest:
+            return True
+        hint = typing.get_type_hints(cls)[head]
+        sub = next((c for c in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(c)), None)
+        return sub is not None and areal_has(sub, rest)
+
+    _, kit_only = to_areal_config(os.path.join(ROOT, "configs", "search_agent.yaml"), profile="cpu")
+    # A dataset's `type` is the one name with another meaning (the kit's packaged data; AReaL's training method).
+    same_name_other_meaning = {"train_dataset.type", "valid_dataset.type"}
+    assert kit_only and not [k for k in kit_only if areal_has(AReaLGRPOConfig, k) and k not in same_name_other_meaning]

@@ -64,6 +64,8 @@ def _split(values: Dict[str, Any], areal_cls, prefix: str, kit_only: Dict[str, A
         sub_cls = next((c for c in (sub, *typing.get_args(sub)) if dataclasses.is_dataclass(c)), None)
         if sub_cls is not None and isinstance(value, dict):
             out[key] = _split(value, sub_cls, f"{prefix}{key}.", kit_only)
+        elif sub_cls is not None and isinstance(value, (list, tuple)):  # e.g. scheduling_spec: a list of specs
+            out[key] = [_split(v, sub_cls, f"{prefix}{key}.", kit_only) if isinstance(v, dict) else v for v in value]
         elif sub_cls is not None and value is not None:
             kit_only[prefix + key] = value  # same name, another meaning (e.g. the kit's `tensorboard: false`)
         else:
