@@ -172,6 +172,7 @@ MALFORMED = [
     ({"tools": {"name": "add"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0]"),
     ({"tool_choice": "auto"}, "tool_choice"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": "add"}}], "tool_choice": {"function": {"name": "x"}}}, ""),
     ({"max_token": 5}, "Unrecognized request argument supplied: max_token"),
     ({"functions": [{"name": "f"}]}, "use 'tools'"),

@@ -8,10 +8,13 @@ Design decisions
   say what was wrong and what to send instead.
 - Unknown top-level fields are refused (OpenAI answers "Unrecognized request argument"), which catches typos such
   as `max_token`. Fields that only change bookkeeping are accepted and ignored (`user`, `metadata`, `seed`,
-  `parallel_tool_calls`, `service_tier`, ...). Fields that would change the answer in a way the kit cannot honour
+  `service_tier`, ...). Fields that would change the answer in a way the kit cannot honour
   are refused when set to anything but their neutral value (`presence_penalty`, `logit_bias`, `top_logprobs > 0`,
   a `response_format` other than text, images): silently ignoring them would hand an agent an answer to another
   question. The legacy `functions` / `function_call` fields are refused with a pointer to `tools`.
+- `parallel_tool_calls=false` is honoured as vLLM honours it: a reply keeps only its first tool call (the server
+  records the whole sample and counts what it dropped). LangChain sends it (`with_structured_output`, `bind_tools(
+  parallel_tool_calls=False)`); ignoring it would hand such an agent several calls after it asked for at most one.
 - `model` is any string: the server serves one model (it reports its own name in responses and `/v1/models`).
 - Extras under `extra_body` (vLLM's and SGLang's names): `chat_template_kwargs` (passed to the template),
   `return_token_ids` (adds `prompt_token_ids` and each choice's `token_ids`), `top_k`.
@@ -52,6 +55,7 @@ _SUPPORTED = {
     "messages", "model", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
     "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
     "logit_bias", "response_format", "chat_template_kwargs", "return_token_ids", "top_k", "store",
+    "parallel_tool_calls",
 }  # fmt: skip
 # The arguments of transformers' apply_chat_template and of the template renderer (tests check the list against the
 # installed transformers): the endpoint sets them, so chat_template_kwargs must not.
@@ -61,7 +65,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })  # fmt: skip
 _IGNORED = {
-    "user", "metadata", "seed", "parallel_tool_calls", "service_tier", "prompt_cache_key", "safety_identifier",
+    "user", "metadata", "seed", "service_tier", "prompt_cache_key", "safety_identifier",
     "reasoning_effort", "modalities", "verbosity",
 }  # fmt: skip
 
@@ -90,6 +94,7 @@ class ChatRequest:
     model: Optional[str] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -318,6 +323,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         model=model,
         tools=tools,
         tool_choice=_tool_choice(body, tools),
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", default=True),
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
         top_k=_integer(body, "top_k", -1),

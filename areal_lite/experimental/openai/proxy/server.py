@@ -45,6 +45,11 @@ Design decisions
   "auto" is the default. "required" and a named function are not forced by constrained decoding (the embedded
   server has no grammar engine, and a forced token would not be the policy's sample): the reply is what the model
   wrote, and a reply without the required call is counted (`stats()["tool_choice_unmet"]`).
+- `parallel_tool_calls=false`: a reply with several calls hands the agent only the first (vLLM's rule), so an agent
+  that asked for at most one gets at most one. The interaction records the whole sample (its ids are what the
+  policy wrote) with the message the agent got, so the agent's next turn, which sends that message back, still
+  continues it (the re-rendered call drifts from the ids, which are kept); the dropped calls are counted
+  (`stats()["tool_calls_dropped"]`). `stats()["tool_calls"]` counts the calls the model wrote.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ _STAT_KEYS = (
     "errors",
     "tool_calls",
     "tool_parse_failures",
+    "tool_calls_dropped",
     "template_drifts",
     "template_mismatches",
 )
@@ -226,7 +232,11 @@ class ChatCompleter:
                 logger.info("tool call not parsed (%s); answered as text", parsed.error)
             elif parsed.tool_calls:
                 self._count(session, "tool_calls", len(parsed.tool_calls))
-                message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                calls = parsed.tool_calls
+                if not req.parallel_tool_calls and len(calls) > 1:
+                    self._count(session, "tool_calls_dropped", len(calls) - 1)
+                    calls = calls[:1]
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
             if not _meets_tool_choice(req.tool_choice, message.get("tool_calls")):
                 self._count(session, "tool_choice_unmet")
@@ -388,8 +398,9 @@ class ChatServer:
             return self._sessions.get(api_key)
 
     def stats(self) -> Dict[str, int]:
-        """Counters since start: requests, completions, errors, tool_calls, tool_parse_failures, template_drifts,
-        template_mismatches, open_sessions; and tool_choice_unmet once a reply has ignored a required tool call."""
+        """Counters since start: requests, completions, errors, tool_calls, tool_parse_failures, tool_calls_dropped,
+        template_drifts, template_mismatches, open_sessions; and tool_choice_unmet once a reply has ignored a
+        required tool call."""
         with self._lock:
             return {**self._stats, "open_sessions": len(self._sessions)}
 
