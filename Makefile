@@ -14,13 +14,14 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat test-gpu vllm test-vllm vllm-notebooks areal-run lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks areal-run lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
 	@echo "make test      - install dev dependencies and run the whole suite (notebooks included)"
 	@echo "make lint      - ruff: lint and format check (make test runs it first)"
 	@echo "make test-repeat - the non-notebook tests REPEAT times (default 3), e.g. TESTS=\"tests/test_serve.py -k abort\" REPEAT=30"
+	@echo "make soak      - opt-in: 500 generated bodies per endpoint, then load + faults + a crash on the real servers (~3 min)"
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
@@ -94,6 +95,18 @@ test-repeat: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm and not areal_run" --count $(REPEAT) -x -q \
 		-n $(TEST_WORKERS) --dist load -p no:cacheprovider
+
+# Opt-in, not part of `make test` (~2.5 min on 2 cores): (a) the property-based tests of tests/test_bad_requests.py with
+# SOAK_EXAMPLES generated bodies per endpoint (`make test` runs 40); (b) tools/soak.py, bursts of load and faults
+# (aborts, pauses, hang-ups, invalid bodies) against the real servers and a SIGKILLed training run resumed to its
+# end. It prints requests sent/answered/lost, 5xx, orphans and /dev/shm bytes left, and fails when one is off.
+SOAK_EXAMPLES ?= 500
+soak: $(DEVSTAMP)
+	@start=$$(date +%s); \
+	OMP_NUM_THREADS=1 AREAL_LITE_SOAK_EXAMPLES=$(SOAK_EXAMPLES) $(BIN)/python -m pytest tests/test_bad_requests.py \
+		-k generated_bodies -p no:cacheprovider -v \
+	&& OMP_NUM_THREADS=1 $(BIN)/python tools/soak.py; \
+	rc=$$?; echo "make soak: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
