@@ -111,3 +111,14 @@ def import_areal():
                     os.environ[k] = v
 
     return load
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_server):
+    """An engine client on the shared embedded server (the chat tests' default; a test file may define its own)."""
+    from areal_lite import InferenceEngineConfig, RemoteSGLangEngine
+
+    cfg = InferenceEngineConfig(max_concurrent_rollouts=8, consumer_batch_size=2, max_head_offpolicyness=10_000)
+    engine = RemoteSGLangEngine(cfg).initialize(addr=embedded_server.address)
+    yield engine
+    engine.destroy()

@@ -101,16 +101,6 @@ def inference(embedded_server) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(embedded_server):
-    from areal_lite import InferenceEngineConfig, RemoteSGLangEngine
-
-    cfg = InferenceEngineConfig(max_concurrent_rollouts=8, consumer_batch_size=2, max_head_offpolicyness=10_000)
-    engine = RemoteSGLangEngine(cfg).initialize(addr=embedded_server.address)
-    yield engine
-    engine.destroy()
-
-
-@pytest.fixture(scope="module")
 def tok(tiny_model_path):
     from transformers import AutoTokenizer
 
@@ -299,7 +289,8 @@ def _while_running(work, probes: dict, min_rounds: int = 5):
 
 
 def test_a_10mb_prompt_does_not_hold_up_the_inference_server(inference, tok):
-    """Before: tokenizing it on the event loop blocked /health, pause and abort for 7-10 s."""
+    """Before: tokenizing it on the event loop blocked /health, pause and abort for 7-10 s. Now it is refused from
+    its length alone (`token_lower_bound`), within a second: the probes have nothing to wait for."""
 
     def probe(path, body=None):
         def run():
@@ -317,8 +308,9 @@ def test_a_10mb_prompt_does_not_hold_up_the_inference_server(inference, tok):
         "POST /continue_generation": probe("/continue_generation", {}),
     }
     before = inference_counters(inference)
-    status, body, _ = _while_running(lambda: send(inference + "/generate", dump({"text": BIG_TEXT})), probes)
+    status, body, took = _while_running(lambda: send(inference + "/generate", dump({"text": BIG_TEXT})), probes, 0)
     assert status == 400 and "longer than the context length 4096" in body["error"], body
+    assert took < 2.0, f"refusing a 10 MB prompt took {took:.1f} s"
     assert inference_counters(inference) == before
     fits = "hello world, this is text " * 200  # long enough to be counted first, then tokenized as always
     status, out, _ = send(inference + "/generate", dump({"text": fits, "sampling_params": {"max_new_tokens": 1}}))
@@ -333,9 +325,13 @@ def test_a_10mb_message_does_not_hold_up_the_chat_endpoint(chat, session):
 
     before = chat.stats()["completions"]
     big = {"messages": [{"role": "user", "content": BIG_TEXT}]}
-    status, body, _ = _while_running(lambda: post_chat(chat, session, big), {"GET /health": health})
+    t0 = time.perf_counter()
+    status, body, _ = _while_running(lambda: post_chat(chat, session, big), {"GET /health": health}, 0)
+    took = time.perf_counter() - t0
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-    assert "maximum context length is 4096 tokens" in body["error"]["message"], body
+    message = body["error"]["message"]
+    assert "maximum context length is 4096 tokens. However, your messages resulted in at least" in message, body
+    assert took < 2.5, f"refusing a 10 MB message took {took:.1f} s"
     assert chat.stats()["completions"] == before
 
 
@@ -559,3 +555,13 @@ def test_generated_bodies_on_the_rag_server(rag, route, raw):
     key = route.strip("/")
     assert after == (before if status >= 400 else {**before, key: before[key] + 1}), (route, raw[:300])
     assert_healthy(rag + "/health")
+
+
+@settings(max_examples=int(os.environ.get("AREAL_LITE_SOAK_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(text=st.text(min_size=0, max_size=3000) | st.builds(lambda c, n: c * n, st.characters(), st.integers(1, 5000)))
+def test_the_length_bound_never_exceeds_the_real_token_count(tok, text):
+    """A prompt refused from its length alone (`token_lower_bound`) would have been refused after tokenizing too."""
+    from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
+
+    assert token_lower_bound(tok, text) <= count_tokens(tok, text, add_special_tokens=False)

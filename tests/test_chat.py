@@ -63,16 +63,6 @@ def tok(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def engine(embedded_server):
-    from areal_lite import InferenceEngineConfig, RemoteSGLangEngine
-
-    cfg = InferenceEngineConfig(max_concurrent_rollouts=8, consumer_batch_size=2, max_head_offpolicyness=10_000)
-    engine = RemoteSGLangEngine(cfg).initialize(addr=embedded_server.address)
-    yield engine
-    engine.destroy()
-
-
-@pytest.fixture(scope="module")
 def server(engine, tok):
     with ChatServer(engine, tok, GenerationHyperparameters(max_new_tokens=8), model="tiny") as server:
         yield server

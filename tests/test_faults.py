@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from typing import List
@@ -24,6 +23,7 @@ from typing import List
 import psutil
 import pytest
 import torch
+from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite.api.cli_args import GRPOConfig, RecoverConfig
 from areal_lite.kit.rundir import RunDirError, open_run_dir
@@ -71,15 +71,6 @@ def gone(p: psutil.Process) -> bool:
         return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE  # is_running also checks the start time
     except psutil.NoSuchProcess:
         return True
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def files_under(path: str) -> List[str]:

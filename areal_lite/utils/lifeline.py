@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, Optional, Tuple
 
-__all__ = ["process_identity", "exit_when_gone", "set_parent_death_signal", "prctl_function"]
+__all__ = ["pid_alive", "process_identity", "exit_when_gone", "set_parent_death_signal", "prctl_function"]
 
 PR_SET_PDEATHSIG = 1
 Identity = Tuple[int, Optional[int]]
@@ -50,10 +50,8 @@ def process_identity(pid: int) -> Identity:
     return pid, _start_time(pid)
 
 
-def _same_process(ident: Identity) -> bool:
-    pid, started = ident
-    if started is not None:
-        return _start_time(pid) == started
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (possibly another user's)."""
     try:
         os.kill(pid, 0)
         return True
@@ -61,6 +59,13 @@ def _same_process(ident: Identity) -> bool:
         return False
     except PermissionError:
         return True  # exists, owned by someone else
+
+
+def _same_process(ident: Identity) -> bool:
+    pid, started = ident
+    if started is not None:
+        return _start_time(pid) == started
+    return pid_alive(pid)
 
 
 def exit_when_gone(ident: Identity, interval: float = 1.0) -> threading.Thread:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from areal_lite.utils.flock import lock_folder, try_lock_folder
+from areal_lite.utils.lifeline import pid_alive
 
 __all__ = [
     "NoRoomError",
@@ -60,21 +61,11 @@ _CLAIMS: Dict[str, _Claim] = {}  # base path -> claim
 _GUARD = threading.Lock()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def _remove_if_dead(path: str) -> bool:
     """Remove slot `path` if no live process owns it (its lock is free, or its legacy pid is gone)."""
     legacy = _LEGACY.match(os.path.basename(path))
     if legacy:
-        if _pid_alive(int(legacy.group(1))):
+        if pid_alive(int(legacy.group(1))):
             return False
         shutil.rmtree(path, ignore_errors=True)
         return True

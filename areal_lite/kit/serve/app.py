@@ -43,7 +43,7 @@ from areal_lite.kit.serve.protocol import (
     render_generate_response,
 )
 from areal_lite.kit.serve.scheduler import Scheduler
-from areal_lite.utils.hf_utils import count_tokens
+from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 from areal_lite.utils.jsonhttp import (
     BadRequest,
     json_error,
@@ -183,6 +183,10 @@ def _tokenize(tok: Any, context_length: int) -> Any:
 
     def tokenize(text: str):
         if len(text) > OFF_LOOP_CHARS:
+            at_least = token_lower_bound(tok, text)
+            if at_least >= context_length:  # refused from its length alone, without tokenizing megabytes
+                raise BadRequest(f"a text prompt of {len(text)} characters is longer than the context length "
+                                 f"{context_length}: it has at least {at_least} tokens")  # fmt: skip
             n = count_tokens(tok, text)
             if n >= context_length:
                 return range(n)

@@ -80,7 +80,7 @@ from areal_lite.experimental.openai.proxy.protocol import (
     stream_events,
 )
 from areal_lite.experimental.openai.tool_call_parser import parse_tool_calls
-from areal_lite.utils.hf_utils import count_tokens
+from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 from areal_lite.utils.jsonhttp import json_errors_middleware, off_loop, read_json
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
@@ -162,13 +162,16 @@ def model_context_length(tokenizer) -> Optional[int]:
     return n if isinstance(n, int) and 0 < n < 10**7 else None
 
 
-def _context_error(limit: int, prompt: int, max_tokens: Optional[int]) -> ChatRequestError:
-    """OpenAI's and vLLM's words for a request that does not fit the model's context."""
+def _context_error(limit: int, prompt: int, max_tokens: Optional[int], at_least: bool = False) -> ChatRequestError:
+    """OpenAI's and vLLM's words for a request that does not fit the model's context (`at_least`: `prompt` is a
+    lower bound, for a prompt refused from its length alone)."""
+    some = "at least " if at_least else ""
     if max_tokens is None:
-        asked, param = f"your messages resulted in {prompt} tokens", "messages"
+        asked, param = f"your messages resulted in {some}{prompt} tokens", "messages"
         fix = "Please reduce the length of the messages."
     else:
-        asked = f"you requested {prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion)"
+        asked = (f"you requested {some}{prompt + max_tokens} tokens ({some}{prompt} in the messages, {max_tokens} in "
+                 "the completion)")  # fmt: skip
         param, fix = "max_tokens", "Please reduce the length of the messages or completion."
     message = f"This model's maximum context length is {limit} tokens. However, {asked}. {fix}"
     return ChatRequestError(message, param, "context_length_exceeded")
@@ -189,9 +192,11 @@ class ChatCompleter:
         args = (req.messages, req.tools, req.chat_template_kwargs)
         try:
             if long and self.context_length is not None:
-                n = count_tokens(self.tokenizer, self.template.render_text(*args), add_special_tokens=False)
+                text = self.template.render_text(*args)
+                at_least = token_lower_bound(self.tokenizer, text)  # megabytes are refused without tokenizing
+                n = at_least if at_least >= self.context_length else count_tokens(self.tokenizer, text, False)
                 if n >= self.context_length:
-                    raise _context_error(self.context_length, n, req.max_tokens)
+                    raise _context_error(self.context_length, n, req.max_tokens, at_least=n == at_least)
             return self.template.render(*args)
         except TemplateError as e:  # e.g. a template that insists on alternating roles
             raise ChatRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
