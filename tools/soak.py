@@ -1,4 +1,4 @@
-"""`make soak`'s load + fault + crash cycle against the real servers, and what it counted (issue 31).
+"""`make soak`'s load + fault + crash cycle against the real servers, and what it counted.
 
 Usage: python tools/soak.py [--seed 0] [--burst 48] [--chat-clients 12] [--keep]   (~3 min on 2 cores)
 

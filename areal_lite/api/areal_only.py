@@ -1,7 +1,7 @@
 """AReaL 1.0.4 config sections the kit accepts but has no machinery for, and the table of what it ignores.
 
 Design decisions
-- AReaL's configs load in the kit unchanged (issue 27): every field of AReaL 1.0.4's config classes exists in the
+- AReaL's configs load in the kit unchanged: every field of AReaL 1.0.4's config classes exists in the
   kit's, with AReaL's type and default. The sections below (schedulers, clusters, Megatron/Archon engines, trackers)
   belong to machinery the kit does not have; they are AReaL's fields, order and defaults, so a YAML written for
   AReaL passes the kit's strict checker. `tests/test_areal_fields.py` diffs every class against the installed AReaL.
