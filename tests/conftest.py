@@ -114,6 +114,14 @@ def import_areal():
 
 
 @pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    """The tiny model's tokenizer (a test file may define its own, e.g. SmolLM2's)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
 def engine(embedded_server):
     """An engine client on the shared embedded server (the chat tests' default; a test file may define its own)."""
     from areal_lite import InferenceEngineConfig, RemoteSGLangEngine

@@ -21,13 +21,6 @@ G = 2  # group size
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def areal_engine(embedded_server):
     from areal.api.cli_args import InferenceEngineConfig
     from areal.engine.sglang_remote import RemoteSGLangEngine

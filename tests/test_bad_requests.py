@@ -101,13 +101,6 @@ def inference(embedded_server) -> str:
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def chat(engine, tok):
     with ChatServer(engine, tok, GenerationHyperparameters(max_new_tokens=4), model="tiny") as server:
         yield server
@@ -268,23 +261,18 @@ def test_frequency_penalty_works_end_to_end(chat, session, inference):
 # ------------------------------------------------------------------------------------------------ failure 5
 
 
-def _while_running(work, probes: dict, min_rounds: int = 5):
+def _while_running(work, probes: dict):
     """Run `work()` (a request with a 10 MB body) on a thread; meanwhile call each probe in turn until it finishes.
-    Every probe must answer within `HEALTH_BUDGET_S` each time, and the work must outlast `min_rounds` rounds of
-    probes (or nothing was measured). Returns what `work()` returned."""
+    Every probe must answer within `HEALTH_BUDGET_S` each time. Returns what `work()` returned."""
     slowest = dict.fromkeys(probes, 0.0)
-    rounds = 0
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(work)
-        time.sleep(0.2)  # the body is on its way (10 MB over loopback takes milliseconds)
         while not fut.done():
             for name, probe in probes.items():
                 slowest[name] = max(slowest[name], probe())
-            rounds += 1
         result = fut.result()
     for name, took in slowest.items():
         assert took < HEALTH_BUDGET_S, f"{name} took {took:.2f} s while a 10 MB body was being refused"
-    assert rounds >= min_rounds, f"the 10 MB request ended after {rounds} rounds of probes: nothing was measured"
     return result
 
 
@@ -308,7 +296,7 @@ def test_a_10mb_prompt_does_not_hold_up_the_inference_server(inference, tok):
         "POST /continue_generation": probe("/continue_generation", {}),
     }
     before = inference_counters(inference)
-    status, body, took = _while_running(lambda: send(inference + "/generate", dump({"text": BIG_TEXT})), probes, 0)
+    status, body, took = _while_running(lambda: send(inference + "/generate", dump({"text": BIG_TEXT})), probes)
     assert status == 400 and "longer than the context length 4096" in body["error"], body
     assert took < 2.0, f"refusing a 10 MB prompt took {took:.1f} s"
     assert inference_counters(inference) == before
@@ -326,7 +314,7 @@ def test_a_10mb_message_does_not_hold_up_the_chat_endpoint(chat, session):
     before = chat.stats()["completions"]
     big = {"messages": [{"role": "user", "content": BIG_TEXT}]}
     t0 = time.perf_counter()
-    status, body, _ = _while_running(lambda: post_chat(chat, session, big), {"GET /health": health}, 0)
+    status, body, _ = _while_running(lambda: post_chat(chat, session, big), {"GET /health": health})
     took = time.perf_counter() - t0
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     message = body["error"]["message"]

@@ -56,13 +56,6 @@ def test_parse_error_names_the_field():
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def server(engine, tok):
     with ChatServer(engine, tok, GenerationHyperparameters(max_new_tokens=8), model="tiny") as server:
         yield server

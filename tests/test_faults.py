@@ -245,19 +245,22 @@ def test_folder_in_use_by_a_live_run_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------------ weight folders
 
 CLAIM = (
-    "import os, sys, time\n"
+    "import os, sys\n"
     "from areal_lite.utils.weight_dirs import claim_weight_dir\n"
     "path = claim_weight_dir(os.path.join(sys.argv[1], 'e', 't', 'weights'), sweep_root=sys.argv[1])\n"
     "open(os.path.join(path, 'blob'), 'w').write('x')\n"
     "print(path, flush=True)\n"
-    "time.sleep(float(sys.argv[2]))\n"
+    "sys.stdin.read()\n"  # a holder lives until killed; the others get an empty stdin and end at once
 )
 
 
-def claim(root, seconds: float = 0.0, wait: bool = True):
-    proc = subprocess.Popen([PY, "-c", CLAIM, str(root), str(seconds)], env=ENV, stdout=subprocess.PIPE, text=True)
+def claim(root, hold: bool = False):
+    """A process that claims a weight folder under `root`: (process, path). With `hold` it stays alive (until
+    killed); without, it has ended when this returns."""
+    stdin = subprocess.PIPE if hold else subprocess.DEVNULL
+    proc = subprocess.Popen([PY, "-c", CLAIM, str(root)], env=ENV, stdin=stdin, stdout=subprocess.PIPE, text=True)
     path = proc.stdout.readline().strip()
-    if wait:
+    if not hold:
         proc.wait(timeout=60)
     return proc, path
 
@@ -269,7 +272,7 @@ def test_weight_folders_belong_to_live_runs_only(tmp_path):
     legacy_live = tmp_path / "old" / "t" / f"weights-{os.getpid()}"
     for d in (legacy_dead, legacy_live):
         d.mkdir(parents=True)
-    owner, first = claim(tmp_path, 600, wait=False)
+    owner, first = claim(tmp_path, hold=True)
     try:
         _, second = claim(tmp_path)
         assert first.endswith("/e/t/weights") and second.endswith("/e/t/weights.1")

@@ -34,7 +34,7 @@ from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
-from test_chat import ScriptedEngine, tok  # noqa: F401  (tok: the tiny model's tokenizer fixture)
+from test_chat import ScriptedEngine
 
 from areal_lite import check_trajectory
 from areal_lite.experimental.openai.proxy import server as chat_server

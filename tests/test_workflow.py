@@ -86,13 +86,6 @@ def nth_call_succeeds(prompt, completions, prompt_ids, completion_ids, answer, *
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def engine(embedded_server):
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 

@@ -82,13 +82,12 @@ def _rows_per_step(config_path: str) -> int:
     return int(cfg["train_dataset"]["batch_size"]) * int(cfg["gconfig"]["n_samples"])
 
 
-def run_exported(export: str, steps: int, addrs: Dict[str, str], log_path: str) -> tuple[int, str, float]:
-    """One `torchrun` of the exported script under AReaL (SPMD mode); returns (exit code, log text, seconds)."""
+def run_exported(export: str, model: str, steps: int, addrs: Dict[str, str], log_path: str) -> tuple[int, str, float]:
+    """One `torchrun` of the exported script under AReaL (SPMD mode) on `model` (the Qwen2 layout the server also
+    serves); returns (exit code, log text, seconds)."""
     from areal_lite.kit.procs import find_free_port
-    from areal_lite.utils.model_store import as_qwen2_layout
 
     config = os.path.join(export, "search_agent_cpu.yaml")
-    model = as_qwen2_layout("smollm2-135m-instruct")
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "1",
            "--master-addr", "localhost", "--master-port", str(find_free_port()),
            "search_agent_areal.py", "--config", config,
@@ -137,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             server.wait_ready()
             for total, what in runs:
                 log_path = os.path.join(export, f"areal_run_{what}.log")
-                code, log, seconds = run_exported(export, total, {"server": server.address, "rag": rag.address},
+                code, log, seconds = run_exported(export, model, total, {"server": server.address, "rag": rag.address},
                                                   log_path)  # fmt: skip
                 steps = parse_steps(log)
                 print(f"areal-run {what}: AReaL's PPOTrainer, exit {code}, {seconds:.0f} s, log {log_path}")

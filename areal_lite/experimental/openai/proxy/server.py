@@ -194,9 +194,10 @@ class ChatCompleter:
             if long and self.context_length is not None:
                 text = self.template.render_text(*args)
                 at_least = token_lower_bound(self.tokenizer, text)  # megabytes are refused without tokenizing
-                n = at_least if at_least >= self.context_length else count_tokens(self.tokenizer, text, False)
+                by_length = at_least >= self.context_length
+                n = at_least if by_length else count_tokens(self.tokenizer, text, False)
                 if n >= self.context_length:
-                    raise _context_error(self.context_length, n, req.max_tokens, at_least=n == at_least)
+                    raise _context_error(self.context_length, n, req.max_tokens, at_least=by_length)
             return self.template.render(*args)
         except TemplateError as e:  # e.g. a template that insists on alternating roles
             raise ChatRequestError(f"the model's chat template refused these messages: {e}", "messages") from None
