@@ -50,7 +50,7 @@ _export(
 _export("api.io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
 _export("api.workflow_api", "RolloutWorkflow")
 _export("api.reward_api", "AsyncRewardWrapper")
-_export("dataset.arithmetic", "load_arithmetic")
+_export("dataset.arithmetic", "load_arithmetic", "load_products")
 _export("dataset.common", "to_messages")
 _export(
     "dataset.factbook",

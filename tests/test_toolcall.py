@@ -14,8 +14,12 @@ import pytest
 from areal_lite.experimental.openai.chat_template import ChatTemplate
 from areal_lite.experimental.openai.tool_call_parser import (
     hermes_messages,
+    compact_messages,
+    compact_tools_prompt,
     native_tool_messages,
+    parse_compact_tool_calls,
     parse_tool_calls,
+    render_compact_tool_calls,
     render_tool_calls,
     tools_system_prompt,
 )
@@ -118,6 +122,84 @@ def test_native_tool_messages_parse_arguments():
     assert call["function"]["arguments"] == '{"a": 1}'  # the caller's message is not modified
 
 
+# ------------------------------------------------------------------------------------------------ compact syntax
+
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an expression",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+COMPACT_TOOLS = [CALC, TOOLS[0], NOW]  # one parameter, two, none
+
+
+def _call(name, arguments):
+    return {"id": "c1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+@pytest.mark.parametrize(
+    "call, text",
+    [
+        (_call("calculator", {"expression": "12 * 34"}), "<calculator>12 * 34</calculator>"),
+        (_call("add", {"a": 1, "b": 2}), '<add>{"a": 1, "b": 2}</add>'),
+        (_call("now", {}), "<now></now>"),
+    ],
+)
+def test_compact_calls_round_trip(call, text):
+    assert render_compact_tool_calls(None, [call], COMPACT_TOOLS) == text
+    p = parse_compact_tool_calls(f"Let me see.\n{text}", COMPACT_TOOLS)
+    assert p.error is None and p.content == "Let me see."
+    assert [c["function"] for c in p.tool_calls] == [call["function"]]
+
+
+def test_compact_prompt_shows_each_call_shape():
+    prompt = compact_tools_prompt(COMPACT_TOOLS, "Be brief.")
+    assert prompt.startswith("Be brief.\n\n# Tools")
+    for shape in (
+        "<calculator>expression</calculator>: Evaluate an expression",
+        '<add>{"a": ..., "b": ...}</add>',
+        "<now></now>",
+        "<result>value</result>",
+    ):
+        assert shape in prompt
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("<calculator>12 * 34", "not closed"),
+        ("<calculator>1</calculator> then <calculator>2 *", "not closed"),
+        ("<add>a=1</add>", "not a JSON object"),
+        ("<add>[1, 2]</add>", "must be a JSON object"),
+    ],
+)
+def test_compact_malformed_calls_are_text_with_a_reason(text, why):
+    p = parse_compact_tool_calls(text, COMPACT_TOOLS)
+    assert p.tool_calls == [] and p.content == text and why in p.error
+
+
+def test_compact_ignores_tags_of_tools_not_offered_and_plain_text():
+    assert parse_compact_tool_calls("<search>x</search> 42", COMPACT_TOOLS).tool_calls == []
+    assert parse_compact_tool_calls("<calculator>1+1</calculator>", [TOOLS[0]]).tool_calls == []
+    assert parse_compact_tool_calls("42", None).content == "42"
+
+
+def test_compact_messages_rewrite_calls_and_results():
+    msgs = [
+        {"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "12 * 34"})]},
+        {"role": "tool", "tool_call_id": "c1", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
+    out = compact_messages(msgs, [CALC])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "assistant"]
+    assert out[0]["content"] == compact_tools_prompt([CALC])
+    assert out[2]["content"] == "<calculator>12 * 34</calculator>" and out[3]["content"] == "<result>408</result>"
+
+
 # ------------------------------------------------------------------------------------------------ template
 
 
@@ -179,3 +261,15 @@ def test_continue_refuses_a_conversation_it_cannot_align(template, smol_tok):
     # fewer messages than the parent had: no anchor to continue from
     short = template.render([{"role": "user", "content": "x"}])
     assert template.continue_from(prompt + out + prompt, out, short) is None
+
+
+def test_compact_template_renders_and_parses_its_syntax(smol_tok):
+    compact = ChatTemplate(smol_tok, tool_syntax="compact")
+    assert compact.tool_syntax == "compact" and ChatTemplate(smol_tok).tool_syntax == "hermes"
+    msgs = [{"role": "user", "content": "What is 12 * 34?"}]
+    text = smol_tok.decode(compact.render(msgs, [CALC]))
+    assert "<calculator>expression</calculator>" in text and "<tool_call>" not in text
+    [call] = compact.parse_tool_calls("<calculator>12 * 34</calculator>", [CALC]).tool_calls
+    assert json.loads(call["function"]["arguments"]) == {"expression": "12 * 34"}
+    with pytest.raises(ValueError, match="tool_syntax must be one of"):
+        ChatTemplate(smol_tok, tool_syntax="json")

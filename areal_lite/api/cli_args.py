@@ -501,7 +501,16 @@ VLLM_FLAGS_WHEN_SET = ("skip_tokenizer_init", "block_size", "cpu_offload_gb", "n
 # --------------------------------------------------------------------------------------------------------------
 
 
-DATASET_TYPES = ("gsm8k", "arith", "factbook_qa", "rl", "sft", "rw", "dpo")  # the kit's data, then AReaL's methods
+DATASET_TYPES = (
+    "gsm8k",
+    "arith",
+    "products",
+    "factbook_qa",
+    "rl",
+    "sft",
+    "rw",
+    "dpo",
+)  # the kit's data, then AReaL's methods
 
 
 @dataclass

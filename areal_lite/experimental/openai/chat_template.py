@@ -21,6 +21,9 @@ Design decisions
   (SmolLM2's plain ChatML; detected by rendering a probe with and without a tool) gets the conversation rewritten
   by `tool_call_parser.hermes_messages`: the tool list in the system prompt in Hermes format, tool calls and
   tool results as text. Either way the model is asked for `<tool_call>` blocks, which `parse_tool_calls` reads.
+  `tool_syntax="compact"` asks such a template's model for `<name>argument</name>` instead (`compact_messages`,
+  `parse_compact_tool_calls`), which a 135M model picks up from one worked example; a template with tool support
+  keeps its own format whatever `tool_syntax` says, since that is the format its model was tuned on.
 - Stop tokens are the tokenizer's EOS and pad and the template's end-of-turn token, so a completion ends where an
   assistant message ends, whatever the model's generation config says.
 """
@@ -30,7 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from areal_lite.experimental.openai.tool_call_parser import hermes_messages, native_tool_messages
+from areal_lite.experimental.openai.tool_call_parser import (
+    TOOL_SYNTAXES,
+    ToolCallParse,
+    compact_messages,
+    hermes_messages,
+    native_tool_messages,
+    parse_compact_tool_calls,
+    parse_tool_calls,
+)
 from areal_lite.utils.hf_utils import chat_prompt_ids
 
 __all__ = ["ChatTemplate", "Continuation"]
@@ -61,12 +72,18 @@ def _kth(ids: Sequence[int], target: int, k: int) -> int:
 class ChatTemplate:
     """A tokenizer's chat template as a token-exact, tool-aware prompt builder (see the module docstring)."""
 
-    def __init__(self, tokenizer, chat_template_kwargs: Optional[Mapping[str, Any]] = None):
+    def __init__(
+        self, tokenizer, chat_template_kwargs: Optional[Mapping[str, Any]] = None, tool_syntax: str = "hermes"
+    ):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; a chat endpoint needs one (an instruct model)")
+        if tool_syntax not in TOOL_SYNTAXES:
+            raise ValueError(f"tool_syntax must be one of {TOOL_SYNTAXES}, got {tool_syntax!r}")
         self.tokenizer = tokenizer
         self.template_kwargs: Dict[str, Any] = dict(chat_template_kwargs or {})
         self.native_tools = self._renders_tools()
+        # What the model reads and writes: its template's own format, else the one asked for.
+        self.tool_syntax = "native" if self.native_tools else tool_syntax
         self.end_of_turn = self._end_of_turn_ids()
         self.anchor: Optional[int] = self.end_of_turn[0] if self.end_of_turn else None
         stops = {tokenizer.eos_token_id, tokenizer.pad_token_id, self.anchor} - {None}
@@ -100,10 +117,18 @@ class ChatTemplate:
     # ------------------------------------------------------------------------------------------------ rendering
 
     def messages_for_template(self, messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]):
-        """The conversation as this template should see it (Hermes rewriting when it has no tool support)."""
+        """The conversation as this template should see it (rewritten when it has no tool support)."""
         if self.native_tools:
             return native_tool_messages(messages)
+        if self.tool_syntax == "compact":
+            return compact_messages(messages, tools)
         return hermes_messages(messages, tools)
+
+    def parse_tool_calls(self, text: str, tools: Sequence[Mapping[str, Any]]) -> ToolCallParse:
+        """A completion's text -> content and OpenAI tool calls, in the syntax this template asks for."""
+        if self.tool_syntax == "compact":
+            return parse_compact_tool_calls(text, tools)
+        return parse_tool_calls(text, [(t.get("function") or {}).get("name") for t in tools])
 
     def render(
         self,
@@ -161,6 +186,6 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return (
-            f"ChatTemplate(native_tools={self.native_tools}, end_of_turn={self.end_of_turn}, "
+            f"ChatTemplate(tool_syntax={self.tool_syntax!r}, end_of_turn={self.end_of_turn}, "
             f"stop_token_ids={self.stop_token_ids})"
         )

@@ -23,6 +23,12 @@ Design decisions
   blocks -- the text Qwen2.5's template renders for the same conversation. Templates that render `tools`
   themselves get the conversation unchanged (apart from arguments parsed back to objects, which those templates
   expect).
+- A compact syntax for small models (`tool_syntax="compact"`), measured on SmolLM2-135M: with one worked example
+  the Hermes JSON format gave 0 well-formed calls in 16 episodes, the compact one `<calculator>12 * 34</calculator>`
+  a call in 8 of 64. A call is the tool's name as a tag around its argument: the bare value for a tool with one
+  parameter, a JSON object for several, nothing for none; results come back as `<result>` blocks in a user turn.
+  The agent still sends and receives standard OpenAI `tool_calls` and `role="tool"` messages: only the text the
+  model reads and writes changes. Parsing keeps the all-or-nothing rule (a tag left open is a counted failure).
 """
 
 from __future__ import annotations
@@ -41,7 +47,14 @@ __all__ = [
     "hermes_messages",
     "native_tool_messages",
     "new_tool_call_id",
+    "TOOL_SYNTAXES",
+    "compact_messages",
+    "compact_tools_prompt",
+    "parse_compact_tool_calls",
+    "render_compact_tool_calls",
 ]
+
+TOOL_SYNTAXES = ("hermes", "compact")
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -192,3 +205,126 @@ def native_tool_messages(messages: Sequence[Mapping[str, Any]]) -> List[dict]:
             m["tool_calls"] = calls
         out.append(m)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ compact syntax
+
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+
+
+def _parameters(tool: Mapping[str, Any]) -> List[str]:
+    """A function tool's parameter names, required ones first (the order a one-argument call relies on)."""
+    params = (tool.get("function") or {}).get("parameters") or {}
+    names = list((params.get("properties") or {}).keys())
+    required = [n for n in params.get("required") or [] if n in names]
+    return required + [n for n in names if n not in required]
+
+
+def _compact_call_text(name: str, params: Sequence[str], arguments: Any) -> str:
+    args = _arguments_object(arguments)
+    if len(params) == 1 and isinstance(args, dict) and set(args) <= {params[0]}:
+        body = str(args.get(params[0], ""))
+    elif not params and not args:
+        body = ""
+    else:
+        body = json.dumps(args, ensure_ascii=False)
+    return f"<{name}>{body}</{name}>"
+
+
+def compact_tools_prompt(tools: Sequence[Mapping[str, Any]], system: Optional[str] = None) -> str:
+    """The system prompt that offers `tools` in the compact syntax, after `system` when there is one."""
+    lines = ["# Tools", "", "To call a tool, write its call as shown; its result comes back as <result>value</result>."]
+    for t in tools:
+        fn = t.get("function") or {}
+        params = _parameters(t)
+        if len(params) == 1:
+            shape = f"<{fn.get('name')}>{params[0]}</{fn.get('name')}>"
+        elif not params:
+            shape = f"<{fn.get('name')}></{fn.get('name')}>"
+        else:
+            shape = f"<{fn.get('name')}>{{" + ", ".join(f'"{p}": ...' for p in params) + f"}}</{fn.get('name')}>"
+        lines.append(f"{shape}: {fn.get('description') or ''}".rstrip(": "))
+    block = "\n".join(lines)
+    return f"{system}\n\n{block}" if system else block
+
+
+def render_compact_tool_calls(
+    content: Optional[str], tool_calls: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]
+) -> str:
+    """An assistant message's text in the compact syntax: its content, then one tag per call."""
+    params = {(t.get("function") or {}).get("name"): _parameters(t) for t in tools or []}
+    parts = [content] if content else []
+    for call in tool_calls:
+        fn = call.get("function") or {}
+        parts.append(_compact_call_text(fn.get("name"), params.get(fn.get("name"), []), fn.get("arguments", {})))
+    return "\n".join(parts)
+
+
+def compact_messages(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]) -> List[dict]:
+    """`hermes_messages` in the compact syntax: calls as tags, results as `<result>` blocks in a user turn."""
+    out: List[dict] = []
+    pending: List[str] = []
+
+    def flush() -> None:
+        if pending:
+            out.append({"role": "user", "content": "\n".join(pending)})
+            pending.clear()
+
+    for m in messages:
+        role = m.get("role")
+        if role == "tool":
+            pending.append(f"{RESULT_OPEN}{m.get('content') or ''}{RESULT_CLOSE}")
+            continue
+        flush()
+        if role == "assistant" and m.get("tool_calls"):
+            out.append(
+                {"role": "assistant", "content": render_compact_tool_calls(m.get("content"), m["tool_calls"], tools)}
+            )
+        else:
+            out.append({"role": role, "content": m.get("content") or ""})
+    flush()
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": compact_tools_prompt(tools, out[0]["content"])}
+        else:
+            out.insert(0, {"role": "system", "content": compact_tools_prompt(tools)})
+    return out
+
+
+def parse_compact_tool_calls(text: str, tools: Optional[Sequence[Mapping[str, Any]]]) -> ToolCallParse:
+    """`parse_tool_calls` for the compact syntax: `<name>argument</name>` for each offered tool `name`."""
+    params = {(t.get("function") or {}).get("name"): _parameters(t) for t in tools or []}
+    names = [n for n in params if n]
+    if not names or not any(f"<{n}>" in text for n in names):
+        return ToolCallParse(content=text)
+    pattern = re.compile("<(" + "|".join(re.escape(n) for n in names) + r")>(.*?)</\1>", re.DOTALL)
+    calls: List[Dict[str, Any]] = []
+    try:
+        for m in pattern.finditer(text):
+            name, body = m.group(1), m.group(2).strip()
+            p = params[name]
+            if len(p) == 1 and not body.startswith("{"):
+                args: Any = {p[0]: body}
+            elif not body:
+                args = {}
+            else:
+                try:
+                    args = json.loads(body)
+                except ValueError as e:
+                    raise ValueError(f"<{name}> arguments are not a JSON object ({e}): {body[:80]!r}") from None
+                if not isinstance(args, dict):
+                    raise ValueError(f"<{name}> arguments must be a JSON object, got {type(args).__name__}")
+            calls.append(
+                {
+                    "id": new_tool_call_id(),
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+                }
+            )
+        rest = pattern.sub("", text)
+        left_open = [n for n in names if f"<{n}>" in rest]
+        if left_open:
+            raise ValueError(f"a <{left_open[0]}> call is not closed (the completion was probably cut by max_tokens)")
+    except ValueError as e:
+        return ToolCallParse(content=text, error=str(e))
+    return ToolCallParse(content=rest.strip() or None, tool_calls=calls)

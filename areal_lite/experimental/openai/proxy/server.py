@@ -39,6 +39,9 @@ Design decisions
   runs on a worker thread (a 10 MB message took ~9 s, during which /health did not answer), and such a
   conversation is counted before its ids are built, so one that cannot fit is refused without them; bodies are
   read under `jsonhttp`'s rules (size, nesting, big ones parsed off the loop).
+- Tool syntax: the model reads and writes its template's tool format; a template without one gets Hermes blocks,
+  or `tool_syntax="compact"` (`<name>argument</name>`, for small models: `experimental.openai.tool_call_parser`).
+  The client sees OpenAI `tool_calls` either way.
 - Malformed tool calls in model output are not errors: the completion is a text answer and the failure is counted
   (`stats()["tool_parse_failures"]`, also per session).
 - `tool_choice`: "none" turns tool parsing off (the tools stay in the prompt, as OpenAI keeps them in context);
@@ -79,7 +82,6 @@ from areal_lite.experimental.openai.proxy.protocol import (
     parse_chat_request,
     stream_events,
 )
-from areal_lite.experimental.openai.tool_call_parser import parse_tool_calls
 from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 from areal_lite.utils.jsonhttp import json_errors_middleware, off_loop, read_json
 
@@ -232,7 +234,7 @@ class ChatCompleter:
                 break
         message: Dict[str, Any] = {"role": "assistant", "content": text}
         if req.parses_tools:
-            parsed = parse_tool_calls(text, [t["function"]["name"] for t in req.tools])
+            parsed = self.template.parse_tool_calls(text, req.tools)
             if parsed.error is not None:
                 self._count(session, "tool_parse_failures")
                 logger.info("tool call not parsed (%s); answered as text", parsed.error)
@@ -305,12 +307,13 @@ class ChatServer:
         port: int = 0,
         chat_template_kwargs: Optional[Dict[str, Any]] = None,
         context_length: Optional[int] = None,
+        tool_syntax: str = "hermes",
     ):
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.context_length = context_length if context_length is not None else model_context_length(tokenizer)
         self.gconfig = gconfig if gconfig is not None else GenerationHyperparameters(max_new_tokens=512)
         self.host, self.port = host, int(port)
-        self.template = ChatTemplate(tokenizer, chat_template_kwargs)
+        self.template = ChatTemplate(tokenizer, chat_template_kwargs, tool_syntax)
         # Every key up front: stats() copies the counter from another thread, which must never see it grow.
         self._stats: Counter = Counter(dict.fromkeys(_STAT_KEYS, 0))
         self.completer = ChatCompleter(engine, tokenizer, self.template, self._stats, self.context_length)

@@ -20,6 +20,9 @@ Design decisions
   the rows as a tensor batch (`cache.interactions_to_batch`), so the GRPO loop is unchanged.
   AReaL's `discount` is called `turn_discount` here (the name of the cache method it feeds); its default export
   style is "individual", the kit's "concat" (one row per linear conversation, which is what GRPO groups need).
+- `discount_fn(rewards, turn_discount) -> rewards` (kit-only) replaces the cache's walk with your own: it gets the
+  session's rewards in finishing order (None where none was set) and returns the discounted ones. Notebook 08 trains
+  with the learner's function this way, so the discount a learner writes is the one that trains.
 - Row counts: "concat" gives one row per leaf of the conversation tree -- one per episode for an agent that keeps
   one conversation -- so `group_size=G` gives the G contiguous rows group normalisation expects. "individual"
   gives one row per completion: use it with batch-level normalisation, not group normalisation.
@@ -46,7 +49,7 @@ import math
 import numbers
 import threading
 from collections import Counter
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -94,6 +97,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         on_error: str = "zero",
         per_turn_returns: bool = False,
         chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        tool_syntax: str = "hermes",
+        discount_fn: Optional[Callable[[Sequence[Optional[float]], float], List[float]]] = None,
         verbose: bool = False,
     ):
         run = getattr(agent, "run", None)
@@ -108,7 +113,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.export_style, self.turn_discount = export_style, float(turn_discount)
         self.model, self.timeout, self.on_error = model, timeout, on_error
         self.per_turn_returns, self.verbose = bool(per_turn_returns), verbose
-        self.chat_template_kwargs = chat_template_kwargs
+        self.chat_template_kwargs, self.tool_syntax = chat_template_kwargs, tool_syntax
+        self.discount_fn = discount_fn
         # Shared by the shallow copies GroupedWorkflow makes: one server per engine, one set of counters.
         self._shared: Dict[str, Any] = {"servers": [], "lock": threading.Lock(), "stats": Counter()}
         if server is not None:
@@ -126,7 +132,12 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 if owner is None or owner is engine:
                     return server
             server = ChatServer(
-                engine, self.tokenizer, self.gconfig, self.model, chat_template_kwargs=self.chat_template_kwargs
+                engine,
+                self.tokenizer,
+                self.gconfig,
+                self.model,
+                chat_template_kwargs=self.chat_template_kwargs,
+                tool_syntax=self.tool_syntax,
             ).start()
             self._shared["servers"].append((engine, server))
             return server
@@ -181,6 +192,17 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             session.cache.set_last_reward(0.0)
         return trains
 
+    def _discount(self, session: ChatSession) -> None:
+        if self.discount_fn is None:
+            session.cache.apply_reward_discount(self.turn_discount)
+            return
+        items = list(session.cache.values())  # finishing order, as the cache's own walk
+        discounted = list(self.discount_fn([it.reward for it in items], self.turn_discount))
+        if len(discounted) != len(items):
+            raise ValueError(f"discount_fn returned {len(discounted)} rewards for {len(items)} completions")
+        for it, r in zip(items, discounted):
+            it.reward = float(r)
+
     async def arun_episode(self, engine, data: Mapping[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
         self.stats["episodes"] += 1
         server = self.server_for(engine)
@@ -204,7 +226,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             logger.warning("the agent made no chat completion: episode rejected; data %.200s", data)
             self.stats["rejected_empty"] += 1
             return None
-        session.cache.apply_reward_discount(self.turn_discount)
+        self._discount(session)
         rows = session.cache.export_interactions(self.export_style)
         if self.verbose:
             print(f"[OpenAIAgent] {len(session.cache)} completions, {len(rows)} rows, stats {dict(session.stats)}")
