@@ -438,6 +438,87 @@ def test_workflow_rolls_out_groups_and_trains_one_grpo_step(engine, tok, tiny_mo
     assert all(math.isfinite(v) for v in stats.values() if isinstance(v, float))
 
 
+def test_discount_fn_sets_the_rows_rewards(engine, tok):
+    seen = []
+
+    def halve_the_first(rewards, gamma):
+        seen.append((list(rewards), gamma))
+        return [0.5 * gamma] + [r or 0.0 for r in rewards[1:]]
+
+    wf = OpenAIAgentWorkflow(
+        CountingAgent(),
+        tok,
+        GenerationHyperparameters(max_new_tokens=6),
+        "individual",
+        0.8,
+        discount_fn=halve_the_first,
+    )
+    try:
+        [rows] = engine.rollout_batch([{"question": "Name a colour."}], wf)
+    finally:
+        wf.close()
+    [(rewards, gamma)] = seen
+    assert gamma == 0.8 and rewards[0] is None and rewards[1] in (0.0, 1.0)  # the agent's reward on the last one
+    assert rows["rewards"].tolist() == pytest.approx([0.4, rewards[1]])
+
+
+def test_tool_call_accounting_on_the_real_small_model(smollm_server, smollm_path):
+    """Counts on SmolLM2-135M through the compact syntax: what the server counts is what the client received.
+    Two worked examples make the model call the calculator in most samples; a 6-token budget cuts calls open
+    (14 tokens), which must be counted as parse failures and answered as text, never raised."""
+    from transformers import AutoTokenizer
+
+    from areal_lite import InferenceEngineConfig, RemoteSGLangEngine
+
+    smol = AutoTokenizer.from_pretrained(smollm_path)
+    calc = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+    msgs = []
+    for k, (a, b) in enumerate([(12, 34), (56, 78)]):
+        call = {
+            "id": f"c{k}",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{a} * {b}"})},
+        }
+        msgs += [
+            {"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{k}", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)},
+        ]
+    msgs.append({"role": "user", "content": "What is 59 * 63?"})
+    eng = RemoteSGLangEngine(InferenceEngineConfig(max_concurrent_rollouts=16)).initialize(addr=smollm_server.address)
+    try:
+        with ChatServer(eng, smol, tool_syntax="compact") as server:
+            session = server.open_session()
+
+            async def go(client):
+                ask = dict(model="t", messages=msgs, tools=[calc], n=8, temperature=1.0)
+                return await asyncio.gather(
+                    client.chat.completions.create(**ask, max_tokens=24),
+                    client.chat.completions.create(**ask, max_tokens=6),
+                )
+
+            replies = with_client(server, session, go)
+            stats, recorded = server.stats(), len(session.cache)
+    finally:
+        eng.destroy()
+    choices = [c for r in replies for c in r.choices]
+    calls = [tc for c in choices for tc in c.message.tool_calls or []]
+    cut_open = [c for c in choices if "<calculator>" in (c.message.content or "")]
+    assert stats["completions"] == recorded == 16
+    assert stats["tool_calls"] == len(calls) >= 1 and stats["tool_parse_failures"] == len(cut_open) >= 1
+    assert all(c.finish_reason == "length" and not c.message.tool_calls for c in cut_open)
+    assert all(json.loads(tc.function.arguments).keys() == {"expression"} for tc in calls)
+    assert all(c.finish_reason == "tool_calls" for c in choices if c.message.tool_calls)
+
+
 # ------------------------------------------------------------------------------------------------ AReaL's client
 
 
