@@ -37,10 +37,19 @@ Design decisions, and why
   fraction and entropy as the package's. A minibatch's statistics are summed in float64 into named fields
   (`_UpdateStats`) and added up over ranks in one all-reduce; `ppo_update` reports their means over policy tokens,
   averaged over minibatches.
+- bfloat16 on a CPU is autocast, not bf16 weights. `dtype="bfloat16"` on a CPU keeps the weights and the optimizer
+  state in float32 (master weights: a bf16 weight has an 8-bit mantissa, so an AdamW step below 1/256 of it is
+  rounded away) and runs every forward pass (log-probs, the update, the reference model) under
+  `torch.autocast("cpu", torch.bfloat16)`, the backward following it. Only where the CPU computes bf16 in hardware
+  (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`): elsewhere bf16 is emulated and slower than float32
+  (bench/update_speed.py), so the actor trains in float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1`
+  forces the autocast (tests reach it on any CPU), `=0` forbids it. On a GPU the weights are bf16, as before;
+  `dtype="float32"` is untouched (the parity tests run it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -99,6 +108,9 @@ _DTYPES = {
     "float64": torch.float64,  # tests only: the float64 reference checks
 }
 
+# AREAL_LITE_CPU_BF16=1 forces bf16 autocast for dtype="bfloat16" on a CPU whatever the hardware, =0 forbids it.
+CPU_BF16_ENV = "AREAL_LITE_CPU_BF16"
+
 Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
 # train_batch's callables, as AReaL's: loss_fn(logprobs, entropy, input_data, **kwargs) -> scalar, weight_fn(input_data)
 LossFn = Callable[..., torch.Tensor]
@@ -118,7 +130,33 @@ def _dist():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Set-up helpers: model, sharding, optimizer, LR schedule
+# Set-up helpers: precision, model, sharding, optimizer, LR schedule
+
+
+def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, bool, str]:
+    """(the weights' dtype, whether forward passes autocast to bf16, the one line to print or "").
+
+    Only `bfloat16` on a CPU is planned (see the module docstring); any other dtype or device loads as asked.
+    """
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return dtype, False, ""
+    from areal_lite.utils import device as device_utils  # looked up at call time: tests patch the detector
+
+    env = os.environ.get(CPU_BF16_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{CPU_BF16_ENV} must be 1 (force bf16 autocast on CPU), 0 (forbid it) or unset, got {env!r}")
+    native = device_utils.cpu_native_bf16()
+    head = "areal-lite: actor.dtype=bfloat16"
+    autocast = f"{head} on CPU: float32 weights and optimizer state, forward passes under bf16 autocast"
+    if env == "0":
+        return torch.float32, False, f"{head}: {CPU_BF16_ENV}=0 forbids bf16 autocast on CPU; training in float32"
+    if native:
+        return torch.float32, True, f"{autocast} (this CPU has {native})"
+    if env == "1":
+        return torch.float32, True, f"{autocast} (forced by {CPU_BF16_ENV}=1; no AVX-512 BF16/AMX: slower here)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    why = f"this CPU ({capability}) has no AVX-512 BF16/AMX, so bf16 would be slower here; training in float32"
+    return torch.float32, False, f"{head}: {why} ({CPU_BF16_ENV}=1 forces bf16 autocast)"
 
 
 def _load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: bool) -> torch.nn.Module:
@@ -352,6 +390,10 @@ class _TrainEngine:
         self._dtype = _DTYPES.get(config.dtype)
         if self._dtype is None:
             raise ValueError(f"actor.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+        # What initialize() decides from the dtype and the device (`_precision_plan`): the weights' dtype, and
+        # whether forward passes autocast to bf16 (CPU only).
+        self._param_dtype = self._dtype
+        self._autocast_bf16 = False
 
     # ---------------------------------------------------------------- setup
 
@@ -392,15 +434,18 @@ class _TrainEngine:
 
         if not cfg.path:
             raise ValueError("actor.path is empty: give a model folder, alias (smollm2-135m-instruct) or hub id")
+        self._param_dtype, self._autocast_bf16, note = _precision_plan(self._dtype, self.device)
+        if note and self._rank == 0:
+            print(note)
         self.model_path = resolve_model_path(cfg.path)
-        self.model = _load_model(self.model_path, self._dtype, self.device, trainable=True)
+        self.model = _load_model(self.model_path, self._param_dtype, self.device, trainable=True)
         if cfg.gradient_checkpointing:
             _enable_gradient_checkpointing(self.model)
         if cfg.disable_dropout:
             _disable_dropout(self.model)
         if self.ref_config is not None:
             ref_path = resolve_model_path(self.ref_config.path or cfg.path)
-            self.ref_model = _load_model(ref_path, self._dtype, self.device, trainable=False)
+            self.ref_model = _load_model(ref_path, self._param_dtype, self.device, trainable=False)
         if self._world > 1:
             for model in (self.model, self.ref_model):
                 if model is not None:
@@ -415,6 +460,13 @@ class _TrainEngine:
 
     # ---------------------------------------------------------------- packing and forward
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast around a forward pass where `_precision_plan` chose it; else nothing. The backward needs
+        none: autograd replays each op in the dtype its forward ran in."""
+        if self._autocast_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _pack(
         self, batch: Dict[str, torch.Tensor], rows: Sequence[int], keys: Sequence[str]
     ) -> Dict[str, torch.Tensor]:
@@ -424,8 +476,10 @@ class _TrainEngine:
     def _forward(
         self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], keep: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """Logits [T, V] of one packed row, or [len(keep), V] at the positions `keep` only."""
-        return packed_forward(model, packed, keep)
+        """Logits [T, V] of one packed row, or [len(keep), V] at the positions `keep` only (bf16 under autocast:
+        every log-softmax downstream computes in at least float32)."""
+        with self._autocast():
+            return packed_forward(model, packed, keep)
 
     def _policy_logp(
         self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], mask: torch.Tensor
@@ -441,7 +495,8 @@ class _TrainEngine:
     def _dummy_forward_backward(self, model: torch.nn.Module, backward: bool) -> None:
         """Keep FSDP collectives in step when this rank has fewer micro-batches than another."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
+        with self._autocast():
+            logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
         if backward:
             (logits.sum() * 0.0).backward()
 

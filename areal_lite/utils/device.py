@@ -3,6 +3,8 @@
 Design decisions: `pick_device("auto")` takes CUDA, else MPS, else the CPU, and an explicit name that is not
 available is an error rather than a silent fallback. On a 2-core laptop the server and the trainer share the cores,
 so threads per process go through one rule, `capped_threads` (the config's count, capped by `OMP_NUM_THREADS`).
+`cpu_native_bf16` says whether this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX): without it, bf16 matmuls
+are emulated and slower than float32, so the actor only autocasts to bf16 where it pays.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 
 import torch
 
-__all__ = ["capped_threads", "set_torch_threads", "pick_device"]
+__all__ = ["capped_threads", "cpu_native_bf16", "set_torch_threads", "pick_device"]
 
 
 def capped_threads(n: int) -> int:
@@ -60,3 +62,20 @@ def pick_device(preferred: str = "auto") -> torch.device:
         if mps is None or not mps.is_available():
             raise RuntimeError(f"device {preferred!r} requested but MPS is not available; use 'auto' or 'cpu'")
     return device
+
+
+def cpu_native_bf16() -> str:
+    """This CPU's native bfloat16 instructions, "AMX" or "AVX-512 BF16", or "" when it has neither.
+
+    torch 2.x exposes the checks as private `torch.cpu._is_amx_tile_supported` / `_is_avx512_bf16_supported`
+    (`torch.backends.cpu.get_cpu_capability()` only names the vector width, "AVX512" with or without BF16); a torch
+    without them, or one whose check fails, counts as "no", the safe answer (float32 is never the slow choice).
+    """
+    for name, what in (("_is_amx_tile_supported", "AMX"), ("_is_avx512_bf16_supported", "AVX-512 BF16")):
+        check = getattr(torch.cpu, name, None)
+        try:
+            if check is not None and check():
+                return what
+        except Exception:  # a private API: its failure must not stop an actor from starting
+            continue
+    return ""
