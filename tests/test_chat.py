@@ -4,7 +4,8 @@ Against the kit's real embedded server on the tiny model: models, completions, `
 bodies (each a 4xx in OpenAI's error shape, the server still serving), pause/resume, token exactness over three
 turns, the agent workflow under `rollout_batch` with groups followed by one GRPO step, and the same scripted agent
 through AReaL 1.0.4's own `ArealOpenAI` client (same rows). Tool calls end to end use a scripted engine, since a
-random model cannot be made to write one; the OpenAI Agents SDK runs a tool agent through it, streamed and not.
+random model cannot be made to write one; the OpenAI Agents SDK runs a tool agent through it, streamed and not; the
+tool-call accounting runs on SmolLM2-135M itself (compact syntax).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hermes tool calls (`experimental.openai.tool_call_parser`) and the token-exact chat template
+"""Hermes and compact tool calls (`experimental.openai.tool_call_parser`) and the token-exact chat template
 (`experimental.openai.chat_template`).
 
 Parsing is checked on hand-written completions (the model's output is under our control only as text); the template
@@ -13,9 +13,9 @@ import pytest
 
 from areal_lite.experimental.openai.chat_template import ChatTemplate
 from areal_lite.experimental.openai.tool_call_parser import (
-    hermes_messages,
     compact_messages,
     compact_tools_prompt,
+    hermes_messages,
     native_tool_messages,
     parse_compact_tool_calls,
     parse_tool_calls,

@@ -123,8 +123,10 @@ KIT_ONLY: Dict[str, str] = {
     "call_search_tool": "an HTTP call to your retrieval server (ASearcher's `/retrieve` API)",
     "format_search_results": "format passages as your prompt expects",
     "OpenAIAgentWorkflow": "`areal.experimental.openai.OpenAIProxyWorkflow(mode='inline', agent=..., "
-    "proxy_addr=..., discount=..., export_style=...)`; the agent class itself moves unchanged",
-    "ChatServer": "AReaL's proxy server (`areal.experimental.openai.proxy`), started by its launcher",
+    "proxy_addr=..., discount=..., export_style=...)`; the agent class itself moves unchanged. Kit-only "
+    "arguments: `discount_fn` (AReaL applies its own walk) and `tool_syntax` (AReaL parses the model's own format)",
+    "ChatServer": "AReaL's proxy server (`areal.experimental.openai.proxy`), started by its launcher; "
+    "`tool_syntax='compact'` is kit-only (AReaL's `tool_call_parser` reads the model family's format)",
     "ChatSession": "AReaL's proxy server opens one session per episode (`OpenAIProxyClient`)",
     "Interaction": "`areal.experimental.openai.types.InteractionWithTokenLogpReward`",
     "interactions_to_batch": "AReaL's engine converts exported interactions itself (`to_tensor_dict`)",

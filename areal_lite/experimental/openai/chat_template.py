@@ -22,7 +22,7 @@ Design decisions
   by `tool_call_parser.hermes_messages`: the tool list in the system prompt in Hermes format, tool calls and
   tool results as text. Either way the model is asked for `<tool_call>` blocks, which `parse_tool_calls` reads.
   `tool_syntax="compact"` asks such a template's model for `<name>argument</name>` instead (`compact_messages`,
-  `parse_compact_tool_calls`), which a 135M model picks up from one worked example; a template with tool support
+  `parse_compact_tool_calls`), which a 135M model picks up from a worked example; a template with tool support
   keeps its own format whatever `tool_syntax` says, since that is the format its model was tuned on.
 - Stop tokens are the tokenizer's EOS and pad and the template's end-of-turn token, so a completion ends where an
   assistant message ends, whatever the model's generation config says.
