@@ -162,33 +162,45 @@ def tools_system_prompt(tools: Sequence[Mapping[str, Any]], system: Optional[str
     return f"{system}\n\n{block}" if system else block
 
 
-def hermes_messages(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]) -> List[dict]:
-    """The conversation rewritten for a template without tool support (see the module docstring)."""
+def _rewrite(messages, tools, call_text, result_text, tools_prompt) -> List[dict]:
+    """A conversation as text turns: assistant calls through `call_text(content, calls)`, each run of tool results
+    as one user turn of `result_text(content)` blocks, the tool list in the system prompt by `tools_prompt`."""
     out: List[dict] = []
-    pending_responses: List[str] = []
+    pending: List[str] = []
 
     def flush() -> None:
-        if pending_responses:
-            out.append({"role": "user", "content": "\n".join(pending_responses)})
-            pending_responses.clear()
+        if pending:
+            out.append({"role": "user", "content": "\n".join(pending)})
+            pending.clear()
 
     for m in messages:
         role = m.get("role")
         if role == "tool":
-            pending_responses.append(f"<tool_response>\n{m.get('content') or ''}\n</tool_response>")
+            pending.append(result_text(m.get("content") or ""))
             continue
         flush()
         if role == "assistant" and m.get("tool_calls"):
-            out.append({"role": "assistant", "content": render_tool_calls(m.get("content"), m["tool_calls"])})
+            out.append({"role": "assistant", "content": call_text(m.get("content"), m["tool_calls"])})
         else:
             out.append({"role": role, "content": m.get("content") or ""})
     flush()
     if tools:
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": tools_system_prompt(tools, out[0]["content"])}
+            out[0] = {"role": "system", "content": tools_prompt(tools, out[0]["content"])}
         else:
-            out.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
+            out.insert(0, {"role": "system", "content": tools_prompt(tools)})
     return out
+
+
+def hermes_messages(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]) -> List[dict]:
+    """The conversation rewritten for a template without tool support (see the module docstring)."""
+    return _rewrite(
+        messages,
+        tools,
+        render_tool_calls,
+        lambda content: f"<tool_response>\n{content}\n</tool_response>",
+        tools_system_prompt,
+    )
 
 
 def native_tool_messages(messages: Sequence[Mapping[str, Any]]) -> List[dict]:
@@ -263,33 +275,13 @@ def render_compact_tool_calls(
 
 def compact_messages(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]) -> List[dict]:
     """`hermes_messages` in the compact syntax: calls as tags, results as `<result>` blocks in a user turn."""
-    out: List[dict] = []
-    pending: List[str] = []
-
-    def flush() -> None:
-        if pending:
-            out.append({"role": "user", "content": "\n".join(pending)})
-            pending.clear()
-
-    for m in messages:
-        role = m.get("role")
-        if role == "tool":
-            pending.append(f"{RESULT_OPEN}{m.get('content') or ''}{RESULT_CLOSE}")
-            continue
-        flush()
-        if role == "assistant" and m.get("tool_calls"):
-            out.append(
-                {"role": "assistant", "content": render_compact_tool_calls(m.get("content"), m["tool_calls"], tools)}
-            )
-        else:
-            out.append({"role": role, "content": m.get("content") or ""})
-    flush()
-    if tools:
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": compact_tools_prompt(tools, out[0]["content"])}
-        else:
-            out.insert(0, {"role": "system", "content": compact_tools_prompt(tools)})
-    return out
+    return _rewrite(
+        messages,
+        tools,
+        lambda content, calls: render_compact_tool_calls(content, calls, tools),
+        lambda content: f"{RESULT_OPEN}{content}{RESULT_CLOSE}",
+        compact_tools_prompt,
+    )
 
 
 def parse_compact_tool_calls(text: str, tools: Optional[Sequence[Mapping[str, Any]]]) -> ToolCallParse:
