@@ -12,7 +12,7 @@ import datasets
 import pytest
 
 from areal_lite.api.cli_args import DatasetConfig
-from areal_lite.dataset.arithmetic import load_arithmetic
+from areal_lite.dataset.arithmetic import load_arithmetic, load_products
 from areal_lite.dataset.common import to_messages
 from areal_lite.dataset.factbook import build_factbook_corpus, build_factbook_qa, factbook_qa_rows, load_search_dataset
 from areal_lite.dataset.gsm8k import load_gsm8k
@@ -117,6 +117,17 @@ def test_arithmetic_seeds_and_ops():
         load_arithmetic(ops=("/",))
 
 
+def test_products_are_two_digit_and_split_disjointly():
+    train, test = load_products("train"), load_products("test", size=50, seed=2)
+    assert len(train) == 8100 - 2025 and len(test) == 50
+    assert not set(train["question"]) & set(test["question"])
+    for row in test:
+        x, y = map(int, re.fullmatch(r"What is (\d\d) \* (\d\d)\?", row["question"]).groups())
+        assert 10 <= min(x, y) and int(ANSWER_RE.search(row["answer"]).group(1)) == x * y
+    with pytest.raises(ValueError, match="min_operand"):
+        load_arithmetic(min_operand=10, max_operand=9)
+
+
 def test_to_messages():
     row = {"question": "What is 1 + 1?", "answer": "#### 2"}
     out = to_messages(row)
@@ -215,6 +226,8 @@ def test_load_dataset_from_config():
     assert len(arith) == 25
     gsm = load_dataset_from_config(DatasetConfig(type="gsm8k", size=5, seed=3))
     assert gsm.to_list() == load_gsm8k("train", size=5, seed=3).to_list()
+    products = load_dataset_from_config(DatasetConfig(type="products", split="test", size=4, seed=1))
+    assert products.to_list() == load_products("test", size=4, seed=1).to_list()
     qa = load_dataset_from_config(DatasetConfig(type="factbook_qa", split="test", size=7))
     assert len(qa) == 7
     bad = DatasetConfig()
