@@ -124,7 +124,8 @@ KIT_ONLY: Dict[str, str] = {
     "format_search_results": "format passages as your prompt expects",
     "OpenAIAgentWorkflow": "`areal.experimental.openai.OpenAIProxyWorkflow(mode='inline', agent=..., "
     "proxy_addr=..., discount=..., export_style=...)`; the agent class itself moves unchanged. Kit-only "
-    "arguments: `discount_fn` (AReaL applies its own walk) and `tool_syntax` (AReaL parses the model's own format)",
+    "arguments: `discount_fn` (AReaL applies its own walk), `per_turn_returns` (AReaL trains a row with its leaf's "
+    "reward) and `tool_syntax` (AReaL parses the model's own format)",
     "ChatServer": "AReaL's proxy server (`areal.experimental.openai.proxy`), started by its launcher; "
     "`tool_syntax='compact'` is kit-only (AReaL's `tool_call_parser` reads the model family's format)",
     "ChatSession": "AReaL's proxy server opens one session per episode (`OpenAIProxyClient`)",
