@@ -86,6 +86,15 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def _openai_call(name: str, args: Dict[str, Any]) -> Dict[str, Any]:
+    """An OpenAI tool call; `arguments` as the JSON string OpenAI sends (see the module docstring)."""
+    return {
+        "id": new_tool_call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+
+
 def _parse_block(body: str, allowed: Optional[set]) -> Dict[str, Any]:
     """One block's JSON -> an OpenAI tool call; ValueError says what is wrong with it."""
     try:
@@ -107,11 +116,7 @@ def _parse_block(body: str, allowed: Optional[set]) -> Dict[str, Any]:
             raise ValueError(f"tool call arguments are a string that is not JSON: {args[:80]!r}") from None
     if not isinstance(args, dict):
         raise ValueError(f"tool call arguments must be a JSON object, got {type(args).__name__}")
-    return {
-        "id": new_tool_call_id(),
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-    }
+    return _openai_call(name, args)
 
 
 def parse_tool_calls(text: str, tool_names: Optional[Iterable[str]] = None) -> ToolCallParse:
@@ -307,13 +312,7 @@ def parse_compact_tool_calls(text: str, tools: Optional[Sequence[Mapping[str, An
                     raise ValueError(f"<{name}> arguments are not a JSON object ({e}): {body[:80]!r}") from None
                 if not isinstance(args, dict):
                     raise ValueError(f"<{name}> arguments must be a JSON object, got {type(args).__name__}")
-            calls.append(
-                {
-                    "id": new_tool_call_id(),
-                    "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-                }
-            )
+            calls.append(_openai_call(name, args))
         rest = pattern.sub("", text)
         left_open = [n for n in names if f"<{n}>" in rest]
         if left_open:
