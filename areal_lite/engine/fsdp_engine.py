@@ -223,8 +223,10 @@ def _fully_shard(model: torch.nn.Module, device: torch.device, world: int) -> No
 def _build_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if opt.type == "adam":
+        # fused=True as AReaL 1.0.4's FSDP engine: one kernel over all tensors. On this 2-core CPU an AdamW step of
+        # SmolLM2-135M (1 thread) takes 0.15 s fused against 0.89 s for torch's default per-tensor loop.
         return torch.optim.AdamW(
-            params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
+            params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay, fused=True
         )
     if opt.type == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
