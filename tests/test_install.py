@@ -27,3 +27,33 @@ def test_torch_is_the_pinned_cpu_build():
 
     assert torch.__version__.startswith("2.13.0"), torch.__version__
     assert torch.version.cuda is None
+
+
+def test_uv_gets_pips_index_settings():
+    """`make` installs with uv, which reads no pip configuration: tools/uv_args.py passes pip's settings on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "uv_args", os.path.join(os.path.dirname(__file__), "..", "tools", "uv_args.py")
+    )
+    uv_args = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(uv_args)
+    pip_config = "\n".join(
+        [
+            ":env:.find-links='/opt/wheels'",
+            "global.cert='/etc/ssl/certs/ca-certificates.crt'",
+            "global.constraint='/etc/pip/constraints.txt'",
+            "global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'",
+            "global.find-links='/opt/wheels'",  # the same folder again, from the file: passed once
+            "install.index-url='https://mirror.example/simple'",
+        ]
+    )
+    assert uv_args.uv_args(pip_config) == [
+        "--index-strategy", "unsafe-best-match",  # pip's rule: the best version from any index
+        "--find-links", "/opt/wheels",
+        "--constraint", "/etc/pip/constraints.txt",
+        "--extra-index-url", "file:///opt/a/simple",
+        "--extra-index-url", "file:///opt/b/simple",
+        "--index-url", "https://mirror.example/simple",
+    ]  # fmt: skip
+    assert uv_args.uv_args("") == ["--index-strategy", "unsafe-best-match"]  # no pip config: uv's defaults
