@@ -313,3 +313,21 @@ def train_(cfg, workflow, on_step, resume=False):
     from areal_lite.kit.train import train
 
     return train(cfg, resume=resume, workflow=workflow, on_step=on_step, progress=False)
+
+
+def test_the_cli_trains_the_demo_config_with_lora(tmp_path, tiny_model_path, capsys):
+    """`python -m areal_lite.kit.train --config configs/arith_grpo_demo.yaml actor.use_lora=true rollout.use_lora=true`
+    (in-process): held-out evaluation runs through its own engine client, which must ask for the current adapter."""
+    from areal_lite.kit.train import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--config", os.path.join(root, "configs", "arith_grpo_demo.yaml"), f"actor.path={tiny_model_path}",
+            f"tokenizer_path={tiny_model_path}", f"fileroot={tmp_path / 'runs'}", "total_train_steps=2",
+            "gconfig.max_new_tokens=6", "eval_gconfig.max_new_tokens=6", "evaluator.size=4", "evaluator.freq_steps=1",
+            "actor.threads=1", "embedded.threads=1", "gconfig.n_samples=2", "train_dataset.batch_size=2",
+            "actor.use_lora=true", "rollout.use_lora=true", "actor.lora_rank=4"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "areal-lite: LoRA r=4 alpha=16" in out and "2 steps logged" in out
+    rows = [json.loads(line) for line in open(tmp_path / "runs" / "arith-grpo-demo" / "run0" / "stats.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1] and all("eval_accuracy" in r for r in rows)
