@@ -1,17 +1,21 @@
-"""One PPO update on a CPU in float32 vs bfloat16 autocast: seconds per update, and what bf16 changes in the log-probs.
+"""One PPO update on a CPU in float32 vs bfloat16 autocast, full or LoRA: seconds per update, and what bf16 changes
+in the log-probs.
 
     PYTHONPATH=. .venv/bin/python bench/update_speed.py [--model smollm2-135m-instruct] [--rows 8] [--tokens 128]
-        [--prompt 32] [--repeats 3] [--threads 2]
+        [--prompt 32] [--repeats 3] [--threads 2] [--lora-rank 16] [--no-lora]
 
 The workload is one `FSDPPPOActor.ppo_update` (packed forward, backward, gradient clipping, AdamW step) of
 SmolLM2-135M-Instruct on one batch of `--rows` rows x `--tokens` tokens (random ids, the first `--prompt` tokens of
 each row a prompt, the rest policy tokens), the same batch every time. Two actors from the same weights:
 1. `float32`: `dtype="float32"`, what the kit trains in on a CPU by default;
 2. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`, i.e. float32 weights and AdamW state, forward
-   passes under `torch.autocast("cpu", torch.bfloat16)` (forced, so the row exists on any CPU).
+   passes under `torch.autocast("cpu", torch.bfloat16)` (forced, so the row exists on any CPU);
+3. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
+   the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
+4. `LoRA + bf16`: the same adapter under the bf16 autocast.
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), the median seconds per
-update of each with its spread (lowest-highest), the ratio bf16 / float32 (below 1: bf16 is faster), and the largest
-difference between the two actors' log-probs on the batch (`compute_logp`, before any update).
+update of each with its spread (lowest-highest), each row's time over float32's (below 1: faster), and the largest
+difference between the bf16 and float32 actors' log-probs on the batch (`compute_logp`, before any update).
 
 Design decisions
 - The two actors take turns `--repeats` times after one warm-up update each (the first AdamW step allocates its
@@ -24,7 +28,7 @@ Design decisions
 - Measured on the 2-core AVX2 machine this was written on, shared with another job (load ~2.8), `--repeats 2`:
   float32 65 s per update (57-73), bf16 autocast 241 s (226-256), 3.7x slower; log-probs differ by 0.04 on
   average, 0.23 at most. The whole run took 17 minutes.
-- No LoRA rows: the kit does not implement LoRA yet (`use_lora` is an AReaL field it accepts and does not act on).
+  (Before the LoRA rows existed; they have not been measured here yet.)
 """
 
 from __future__ import annotations
@@ -58,9 +62,10 @@ def make_batch(rows: int, tokens: int, prompt: int, vocab: int, seed: int = 0) -
     }
 
 
-def build_actor(path: str, dtype: str, threads: int) -> FSDPPPOActor:
+def build_actor(path: str, dtype: str, threads: int, lora_rank: int = 0) -> FSDPPPOActor:
     opt = OptimizerConfig(type="adam", lr=1e-7)
-    cfg = PPOActorConfig(path=path, dtype=dtype, device="cpu", threads=threads, optimizer=opt)
+    lora = dict(use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank) if lora_rank else {}
+    cfg = PPOActorConfig(path=path, dtype=dtype, device="cpu", threads=threads, optimizer=opt, **lora)
     if dtype != "bfloat16":
         return FSDPPPOActor(cfg).initialize()
     saved = os.environ.get(CPU_BF16_ENV)
@@ -89,11 +94,16 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per row (the rest are policy tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA rows")
+    ap.add_argument("--no-lora", action="store_true", help="only the float32 and bf16 rows")
     args = ap.parse_args()
 
     path = bench_model_path(args.model)
     actors = {"float32": build_actor(path, "float32", args.threads)}
     actors["bf16 autocast"] = build_actor(path, "bfloat16", args.threads)
+    if not args.no_lora:
+        actors[f"LoRA r{args.lora_rank}"] = build_actor(path, "float32", args.threads, args.lora_rank)
+        actors[f"LoRA r{args.lora_rank} bf16"] = build_actor(path, "bfloat16", args.threads, args.lora_rank)
     fp32 = actors["float32"]
     batch = make_batch(args.rows, args.tokens, args.prompt, fp32.model.config.vocab_size)
     logp = {name: actor.compute_logp(batch) for name, actor in actors.items()}
@@ -116,8 +126,11 @@ def main() -> int:
             times[name].append(one_update(actor, batch))
     med = {name: statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
-        print(f"{name:13s}: median {med[name]:.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs)")
-    print(f"bf16 / float32 time: {med['bf16 autocast'] / med['float32']:.2f}x (below 1: bf16 is faster)")
+        trainable = sum(p.numel() for p in actors[name].model.parameters() if p.requires_grad) / 1e6
+        print(
+            f"{name:18s}: median {med[name]:.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs), "
+            f"{med[name] / med['float32']:.2f}x float32's time, {trainable:.2f} M trainable params"
+        )
     print(f"largest |log-prob difference| bf16 vs float32 on the batch: {lp_diff:.2e}")
     for actor in actors.values():
         actor.destroy()

@@ -177,8 +177,8 @@ def test_an_ignored_field_is_reported_once_and_defaults_never(capsys):
 
 
 def test_a_refused_field_is_an_error_that_says_why():
-    with pytest.raises(kit.ConfigError, match="`TrainEngineConfig.use_lora` = True is not supported by the kit"):
-        kit.PPOActorConfig(use_lora=True)
+    with pytest.raises(kit.ConfigError, match="`TrainEngineConfig.init_from_scratch` = True is not supported by"):
+        kit.PPOActorConfig(init_from_scratch=True)
     with pytest.raises(kit.ConfigError, match="discount"):
         kit.PPOActorConfig(discount=0.99)
     with pytest.raises(kit.ConfigError, match="only level=token, action=mask, metric=ratio"):

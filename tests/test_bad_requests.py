@@ -443,7 +443,8 @@ def test_generated_bodies_on_generate(inference, raw):
 
 
 CONTROL_ROUTES = ["/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
-                  "/update_weights_from_disk", "/init_weights_update_group"]  # fmt: skip
+                  "/update_weights_from_disk", "/init_weights_update_group", "/load_lora_adapter",
+                  "/unload_lora_adapter"]  # fmt: skip
 CONTROL_FIELDS = {
     "mode": st.sampled_from(["abort", "retract", "in_place", "sideways"]),
     "rid": TEXT,
@@ -452,6 +453,9 @@ CONTROL_FIELDS = {
     "weight_version": TEXT,
     "abort_all_requests": st.booleans(),
     "flush_cache": st.booleans(),
+    "lora_name": TEXT,
+    "lora_path": TEXT,
+    "pinned": st.booleans(),
 }
 
 

@@ -459,7 +459,7 @@ class SchedulerConfig:
 IGNORED, REFUSED = "ignored", "refused"
 _NO_SCHEDULER = "the kit has no scheduler or controller: it runs in this process and one server"
 _NO_ENGINE = "the kit trains with its own single-process engine (no Megatron/Archon/FSDP sharding)"
-_NO_LORA = "the kit has no LoRA: it fine-tunes every weight"
+_NO_VLLM_LORA = "the kit's LoRA adapters go to the embedded server or SGLang; vLLM's are not wired yet"
 _NO_SERVICE = "the kit has no inference-service gateway or agent service"
 _TRACKERS = "the kit logs to stats.jsonl (and TensorBoard/W&B); no other tracker"
 
@@ -517,17 +517,6 @@ AREAL_ONLY_FIELDS: Dict[str, Tuple[str, str]] = {
     "InferenceEngineConfig.enable_rollout_tracing": (IGNORED, "the kit's executor has its own `explain()`"),
     "InferenceEngineConfig.pause_grace_period": (IGNORED, "the kit's pause waits for aborted requests itself"),
     "InferenceEngineConfig.return_routed_experts": (IGNORED, "no MoE routing replay in the kit"),
-    **_same(
-        _NO_LORA,
-        IGNORED,
-        "InferenceEngineConfig.use_lora",
-        "InferenceEngineConfig.lora_name",
-        "TrainEngineConfig.lora_rank",
-        "TrainEngineConfig.lora_alpha",
-        "TrainEngineConfig.target_modules",
-        "TrainEngineConfig.peft_type",
-    ),  # fmt: skip
-    "TrainEngineConfig.use_lora": (REFUSED, _NO_LORA),
     **_same(
         _NO_ENGINE,
         IGNORED,
@@ -606,7 +595,7 @@ AREAL_ONLY_FIELDS: Dict[str, Tuple[str, str]] = {
     "vLLMConfig.distributed_executor_backend": (IGNORED, "the kit starts one vLLM process"),
     "vLLMConfig.worker_extension_cls": (IGNORED, "the kit loads its own worker extension"),
     **_same(
-        _NO_LORA,
+        _NO_VLLM_LORA,
         IGNORED,
         "vLLMConfig.enable_lora",
         "vLLMConfig.max_lora_rank",
@@ -625,6 +614,15 @@ AREAL_HONOURED: Dict[str, str] = {
     "TrainEngineConfig.backend": "its prefix must be fsdp (the kit's engine is FSDP-style)",
     "PPOActorConfig.rejection_sampling": "token/mask/ratio with an upper bound is the kit's behav_imp_weight_cap",
     "TrainEngineConfig.disable_dropout": "sets every dropout probability to 0 before training",
+    "TrainEngineConfig.use_lora": "wraps the actor with a peft LoRA adapter; only the adapter trains and is synced",
+    "TrainEngineConfig.lora_rank": "the adapter's rank r",
+    "TrainEngineConfig.lora_alpha": "the adapter's alpha (its update is scaled by alpha / r)",
+    "TrainEngineConfig.target_modules": "the modules adapted; empty or [all-linear]: every decoder linear layer",
+    "TrainEngineConfig.peft_type": "must be lora (AReaL's only PEFT method)",
+    "InferenceEngineConfig.use_lora": "requests name the adapter <gconfig.lora_name>-v<version>; must equal "
+    "actor.use_lora",
+    "InferenceEngineConfig.lora_name": "the adapter name when gconfig.lora_name is empty",
+    "GenerationHyperparameters.lora_name": "the adapter name requests and weight updates use (AReaL's)",
     "StatsLoggerConfig.wandb": "wandb.mode is the kit's stats_logger.wandb_mode",
     "StatsLoggerConfig.tensorboard": "TensorBoard is on when tensorboard.path is set",
     "SGLangConfig.*": "a field left at AReaL's default is not passed; any other value is passed as its flag",

@@ -138,7 +138,7 @@ class GenerationHyperparameters:
     skip_special_tokens: bool = _f(True, "the server skips special tokens when it detokenizes (text output only)")
     stop: Optional[List[str]] = _f(None, "stop strings; the request ends when one appears in the output")
     frequency_penalty: float = _f(0.0, "penalty on tokens by their frequency so far, in [-2, 2]")
-    lora_name: str = _f("default_lora", "LoRA adapter name (AReaL; unused by the kit)")
+    lora_name: str = _f("default_lora", "LoRA adapter name: requests ask for <lora_name>-v<version> (use_lora)")
     use_beam_search: bool = _f(False, "beam search (AReaL's vLLM backend only; the kit refuses it)")
 
     def new(self, **kwargs: Any) -> "GenerationHyperparameters":
@@ -230,8 +230,8 @@ class InferenceEngineConfig:
     scheduling_strategy: SchedulingStrategy = _f(
         help="AReaL scheduler: separate or colocated", factory=SchedulingStrategy
     )
-    use_lora: bool = _f(False, "serve a LoRA adapter (must match the actor's use_lora)")
-    lora_name: str = _f("", "LoRA adapter name requests select")
+    use_lora: bool = _f(False, "requests ask for the trained LoRA adapter (must equal actor.use_lora)")
+    lora_name: str = _f("", "LoRA adapter name when gconfig.lora_name is empty")
     agent: AgentConfig = _f(
         help="AReaL's agent-service rollouts (OpenAI proxy)",
         factory=lambda: AgentConfig(agent_cls_path="areal.experimental.openai.proxy.online_agent._OnlineAgent"),
@@ -601,7 +601,7 @@ class TrainEngineConfig:
     use_lora: bool = _f(False, "train a LoRA adapter instead of every weight")
     lora_rank: int = _f(32, "LoRA rank")
     lora_alpha: int = _f(16, "LoRA alpha")
-    target_modules: List[str] = _f(help="modules LoRA adapts", factory=list)
+    target_modules: List[str] = _f(help="modules LoRA adapts; empty: every linear layer of the decoder", factory=list)
     peft_type: str = _f("lora", "PEFT method (LoRA only)")
     enable_tree_training: bool = _f(False, "tree training with flex attention")
     scheduling_spec: Tuple[SchedulingSpec, ...] = _f(
@@ -1271,6 +1271,35 @@ def reconcile_temperature(actor: Any, gconfig: Any) -> None:
     )
 
 
+def reconcile_lora(config: Any) -> None:
+    """LoRA is one switch on two sides: the actor trains an adapter (`actor.use_lora`) and the rollout client asks
+    the servers for it (`rollout.use_lora`). They must agree, and the server must be one the kit syncs adapters to:
+    the embedded server, or SGLang launched with `sglang.enable_lora=true` (same routes; not yet run by us on a GPU).
+    """
+    actor, rollout = getattr(config, "actor", None), getattr(config, "rollout", None)
+    if actor is None or rollout is None:
+        return
+    if bool(actor.use_lora) != bool(rollout.use_lora):
+        raise ConfigError(
+            f"actor.use_lora={actor.use_lora} and rollout.use_lora={rollout.use_lora} disagree: the trainer would "
+            "send one kind of weights and the servers expect the other; set both to the same value"
+        )
+    if not actor.use_lora:
+        return
+    backend = server_backend(config) if hasattr(config, "backend") else "auto"
+    if backend == "vllm":
+        raise ConfigError(
+            "actor.use_lora=true with backend vllm: the kit does not sync LoRA adapters to vLLM yet; "
+            "use backend=embedded (CPU) or sglang"
+        )
+    sglang = getattr(config, "sglang", None)
+    if backend == "sglang" and sglang is not None and not sglang.enable_lora:
+        raise ConfigError(
+            "actor.use_lora=true with backend sglang needs sglang.enable_lora=true (and sglang.max_lora_rank >= "
+            "actor.lora_rank) so the server accepts /load_lora_adapter"
+        )
+
+
 def _fill_derived(config: Any) -> None:
     """Fill the fields that default to another field, so the group size and model path are given once."""
     actor = getattr(config, "actor", None)
@@ -1299,6 +1328,7 @@ def _fill_derived(config: Any) -> None:
     rollout = getattr(config, "rollout", None)
     if rollout is not None and hasattr(config, "backend"):
         config.backend = server_backend(config)
+    reconcile_lora(config)
     if rollout is not None and hasattr(config, "train_dataset"):
         if rollout.consumer_batch_size == 1 and config.train_dataset.batch_size > 1:
             rollout.consumer_batch_size = config.train_dataset.batch_size

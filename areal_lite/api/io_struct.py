@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from areal_lite.api.cli_args import GenerationHyperparameters
 
-__all__ = ["ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec", "weight_dir"]
+__all__ = ["ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec", "weight_dir", "get_versioned_lora_name"]
 
 
 @dataclass
@@ -111,6 +111,11 @@ class ModelResponse:
         return list(self.output_tokens[:n])
 
 
+def get_versioned_lora_name(lora_name: str, version: int) -> str:
+    """The name of a LoRA adapter's version `version` on the servers, e.g. 'lora-v1' (AReaL's naming)."""
+    return f"{lora_name}-v{version}"
+
+
 def weight_dir(root: str, version: int) -> str:
     """Where the weights of policy version `version` live under a weight-update folder (AReaL's naming)."""
     return os.path.join(root, f"weight_update_v{int(version)}")
@@ -159,13 +164,30 @@ class WeightUpdateMeta:
         return self.type in ("xccl", "nccl")
 
     @classmethod
-    def from_disk(cls, path: str, keep_last: int = 2) -> "WeightUpdateMeta":
+    def from_disk(
+        cls,
+        path: str,
+        keep_last: int = 2,
+        *,
+        use_lora: bool = False,
+        lora_name: str = "",
+        lora_keep_versions: int = 0,
+    ) -> "WeightUpdateMeta":
         """Kit shortcut: versions go to `<path>/weight_update_v<k>` (put it on /dev/shm when it exists: RAM).
 
         AReaL's `from_disk(experiment_name, trial_name, file_root)` derives the folder from names instead; the
-        constructor `WeightUpdateMeta(type="disk", path=...)` is the same on both sides.
+        constructor `WeightUpdateMeta(type="disk", path=...)` is the same on both sides. `use_lora`, `lora_name` and
+        `lora_keep_versions` are AReaL's keywords: versions hold the adapter alone, loaded as `<lora_name>-v<k>`.
         """
-        return cls(type="disk", path=os.path.join(os.path.abspath(path), "weight_update"), keep_last=keep_last)
+        folder = os.path.join(os.path.abspath(path), "weight_update")
+        return cls(
+            type="disk",
+            path=folder,
+            keep_last=keep_last,
+            use_lora=use_lora,
+            lora_name=lora_name,
+            lora_keep_versions=lora_keep_versions,
+        )
 
     @classmethod
     def from_nccl(cls, master_address: str, master_port: int, group_name: str = "areal_lite_weights"):

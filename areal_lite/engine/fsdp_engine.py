@@ -8,7 +8,8 @@ Method names follow AReaL's `FSDPPPOActor` (`initialize`, `compute_logp`, `compu
 - `utils/functional.py`: the formulas (normalisation, KL estimates, the shift from logits to per-token log-probs,
   the PPO loss, GRPO advantages), pure tensor functions tested against float64 loops;
 - `fsdp_utils/packing.py`: rows packed into one sequence, micro-batch splitting, the packed sdpa attention;
-- `fsdp_utils/weights.py`: publishing weights (disk versions, NCCL broadcast) and actor checkpoints.
+- `fsdp_utils/weights.py`: publishing weights (disk versions, NCCL broadcast) and actor checkpoints;
+- `fsdp_utils/lora.py`: `use_lora` (peft wrapping, adapter-only weight versions and checkpoints).
 Their names are imported from those modules, not from this one.
 
 Design decisions, and why
@@ -33,6 +34,9 @@ Design decisions, and why
   backward calls on every rank, so a rank with fewer micro-batches runs empty ones (a 1-token forward times 0).
 - A step whose gradient norm is not finite is skipped: gradients are zeroed, the optimizer does not step, and the
   stats say `skipped = 1`. One bad batch must not turn every weight into NaN.
+- LoRA (`use_lora`, `fsdp_utils/lora.py`): the model is wrapped with peft after loading; only the adapter is
+  trainable and in the optimizer, the forward and loss are unchanged. Weight versions and checkpoints then hold the
+  adapter alone (`last_sync_bytes` says how much a sync wrote), and the servers load it with `/load_lora_adapter`.
 - Statistics come from the log-probs, not from the loss: a learner's loss reports the same approx KL, clip
   fraction and entropy as the package's. A minibatch's statistics are summed in float64 into named fields
   (`_UpdateStats`) and added up over ranks in one all-reduce; `ppo_update` reports their means over policy tokens,
@@ -63,6 +67,13 @@ import torch
 
 from areal_lite.api.cli_args import NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal_lite.engine.fsdp_utils.lora import (
+    adapter_state_dict,
+    apply_lora,
+    folder_bytes,
+    load_adapter_folder,
+    write_adapter_folder,
+)
 from areal_lite.engine.fsdp_utils.packing import (
     PACKED_SDPA,
     as_long,
@@ -389,6 +400,7 @@ class _TrainEngine:
         self._engine = None  # connect_engine(): the rollout engine update_weights() hands new weights to
         # The weight-update folders this actor writes, removed on destroy() or at exit, and its NCCL group.
         self._weights = WeightPublisher()
+        self.last_sync_bytes = 0  # bytes the last disk weight update wrote (the adapter only, with use_lora)
         self._dtype = _DTYPES.get(config.dtype)
         if self._dtype is None:
             raise ValueError(f"actor.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
@@ -445,6 +457,8 @@ class _TrainEngine:
             _enable_gradient_checkpointing(self.model)
         if cfg.disable_dropout:
             _disable_dropout(self.model)
+        if cfg.use_lora:  # after dropout/checkpointing, which act on the base modules peft wraps
+            self.model = apply_lora(self.model, cfg, self._world, verbose=self._rank == 0)
         if self.ref_config is not None:
             ref_path = resolve_model_path(self.ref_config.path or cfg.path)
             self.ref_model = _load_model(ref_path, self._param_dtype, self.device, trainable=False)
@@ -591,9 +605,16 @@ class _TrainEngine:
         future = None
         if self._engine is not None and self._rank == 0:
             future = self._engine.update_weights(meta)  # waits for the folder this call is about to write
+        if bool(meta.use_lora) != bool(self.config.use_lora):
+            raise ValueError(
+                f"WeightUpdateMeta.use_lora={meta.use_lora} but actor.use_lora={self.config.use_lora}: the servers "
+                "would be sent the wrong kind of weights (set both, as AReaL's WeightUpdateMeta.from_disk(use_lora=))"
+            )
         if meta.type == "disk":
             self._update_weights_disk(meta)
         elif meta.is_broadcast:
+            if self.config.use_lora:
+                raise NotImplementedError("LoRA adapters are synced through disk only (AReaL's rule for SGLang)")
             self._update_weights_nccl(meta)
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'xccl' or 'nccl', got {meta.type!r}")
@@ -605,10 +626,17 @@ class _TrainEngine:
     def _update_weights_disk(self, meta: WeightUpdateMeta) -> None:
         version = self.get_version() + 1
         final = meta.dir_for(version)  # a meta for another version fails here, on every rank alike
-        state = self._full_state_dict()  # collective: every rank takes part
+        write = self._model_writer()  # collective: every rank takes part
         if self._rank == 0:
-            self._weights.write_version(final, version, meta.keep_last, lambda tmp: self._write_hf_folder(state, tmp))
+            self.last_sync_bytes = folder_bytes(self._weights.write_version(final, version, meta.keep_last, write))
         self._barrier()
+
+    def _model_writer(self) -> Callable[[str], None]:
+        """What fills a weight version or a checkpoint's model folder: the full HF folder, or with `use_lora` the
+        adapter alone. Gathers the full state first (a collective under FSDP: every rank calls this)."""
+        if self.config.use_lora:
+            return partial(write_adapter_folder, self.model, adapter_state_dict(self.model))
+        return partial(self._write_hf_folder, self._full_state_dict())
 
     def _update_weights_nccl(self, meta: WeightUpdateMeta) -> None:
         """Broadcast every parameter from trainer rank 0 to the SGLang servers (GPU only).
@@ -637,19 +665,21 @@ class _TrainEngine:
         return fill_nccl_meta(meta, self.weight_update_specs(), n_server_gpus)
 
     def save(self, path: str) -> None:
-        """Model (a loadable HF folder under path/model), optimizer, LR schedule, version and RNG states."""
+        """Model (a loadable HF folder under path/model; with `use_lora` the adapter folder), optimizer, LR
+        schedule, version and RNG states."""
         self._require_model()
-        model_state = self._full_state_dict()  # collectives: every rank takes part
+        write_model = self._model_writer()  # collectives: every rank takes part
         optim_state = full_optimizer_state(self.model, self.optimizer)
         if self._rank == 0:
-            write_model = partial(self._write_hf_folder, model_state)
             save_checkpoint(path, write_model, optim_state, self.lr_scheduler, self._version)
         self._barrier()
 
     def load(self, path: str) -> None:
-        """Restore what `save` wrote (weights, optimizer, schedule, version, RNG)."""
+        """Restore what `save` wrote (weights, optimizer, schedule, version, RNG); with `use_lora` the adapter, the
+        base weights staying those of `actor.path`."""
         self._require_model()
-        self._version = load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler)
+        load_weights = partial(load_adapter_folder, self.model) if self.config.use_lora else None
+        self._version = load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler, load_weights)
 
     # ---------------------------------------------------------------- teardown
 

@@ -109,6 +109,8 @@ class VLLMClient(SGLangClient):
     def take_over(cls, other: SGLangClient) -> "VLLMClient":
         """A vLLM client with `other`'s servers and open session, for an engine that found out after connecting
         that its servers are vLLM (nothing has been sent through `other` but health checks)."""
+        if other.config.use_lora:  # would silently generate with the base weights and load nothing
+            raise EngineError("rollout.use_lora is not wired for vLLM servers yet: use the embedded server or SGLang")
         new = cls(other.config, other._current_version)
         new.addresses, new._session = list(other.addresses), other._session
         new.paused, new.closing = other.paused, other.closing
@@ -135,6 +137,8 @@ class VLLMClient(SGLangClient):
             await resp.read()
 
     def weight_update(self, meta: WeightUpdateMeta, version: int, timeout: float):
+        if meta.use_lora:
+            raise NotImplementedError("LoRA weight updates are not wired for vLLM servers yet")
         if meta.type != "disk":
             raise NotImplementedError(
                 f"the kit's vLLM client updates weights from disk only (WeightUpdateMeta.from_disk), not {meta.type!r}"

@@ -30,6 +30,11 @@ Design decisions
   rids are spread round-robin, and the oldest of `_RID_CACHE` rids is forgotten first. If a rid is already in flight
   (a group of samples sharing one request object), the wire rid gets a unique suffix so the server never sees
   duplicates.
+- LoRA (`rollout.use_lora`), AReaL's wire shapes: every /generate carries `lora_path = <gconfig.lora_name>-v<k>`,
+  k the version when the chunk is sent (a chunk resumed after a weight update names the new adapter); a disk update
+  with `meta.use_lora` POSTs /load_lora_adapter {lora_name: <meta.lora_name>-v<k>, lora_path: the version folder}
+  instead of /update_weights_from_disk, then, best effort, /unload_lora_adapter for version k -
+  `meta.lora_keep_versions` (when that is positive), as AReaL's client does.
 - Shutting down: `closing` makes an aborted request return its partial output marked `stop_reason="abort"` (the only
   way to get that stop reason) instead of resuming; `abort_inflight()` asks the servers to abort this client's
   requests with one short attempt each, since a server may be the reason for shutting down. The servers themselves
@@ -51,7 +56,7 @@ from typing import Any, Callable, Coroutine, Dict, List, Optional
 import aiohttp
 
 from areal_lite.api.cli_args import InferenceEngineConfig, sampling_params
-from areal_lite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta, get_versioned_lora_name
 
 __all__ = ["ADDRS_ENV", "EngineError", "SGLangClient", "parse_addrs"]
 
@@ -394,7 +399,16 @@ class SGLangClient:
             "rid": wire_rid,
             "stream": False,
         }
+        if self.config.use_lora:
+            payload["lora_path"] = self.lora_path(g)
         return _parse_generate(await self.request("POST", addr, "/generate", payload), addr)
+
+    def lora_path(self, g: Any) -> str:
+        """The adapter a request asks for: AReaL's `<gconfig.lora_name>-v<current version>`."""
+        name = getattr(g, "lora_name", "") or self.config.lora_name
+        if not name:
+            raise ValueError("rollout.use_lora needs an adapter name: set gconfig.lora_name (AReaL's rule)")
+        return get_versioned_lora_name(name, self._current_version())
 
     async def _wait_unpaused(self) -> bool:
         """Sleep while paused; False if the client is shutting down."""
@@ -454,20 +468,29 @@ class SGLangClient:
         A plain function returning a coroutine, so that a wrong meta raises here, in the caller's thread, before
         anything is scheduled. `timeout` bounds the wait for a disk folder.
         """
+        if meta.type == "disk" and meta.use_lora:
+            if not meta.lora_name:
+                raise ValueError("a LoRA weight update needs WeightUpdateMeta.lora_name (AReaL's rule)")
+            return self._update_from_disk(meta.dir_for(version), version, timeout, meta)
         if meta.type == "disk":
             return self._update_from_disk(meta.dir_for(version), version, timeout)
         if meta.is_broadcast:
             return self._update_from_distributed(meta, nccl_specs(meta), version)
         raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'xccl' or 'nccl', got {meta.type!r}")
 
-    async def _update_from_disk(self, path: str, version: int, timeout: float) -> int:
+    async def _update_from_disk(
+        self, path: str, version: int, timeout: float, lora: Optional[WeightUpdateMeta] = None
+    ) -> int:
         # The trainer renames the folder into place when it is complete, so its existence means "ready".
         deadline = time.monotonic() + timeout
         while not os.path.isdir(path):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {path} did not appear within {timeout:g}s (version {version})")
             await asyncio.sleep(max(0.01, self.config.pause_poll_interval))
-        await self.load_from_disk(path, version)
+        if lora is not None:
+            await self.load_lora(path, version, lora)
+        else:
+            await self.load_from_disk(path, version)
         logger.info("servers now hold weights version %d from %s", version, path)
         return version
 
@@ -478,6 +501,24 @@ class SGLangClient:
         for addr, ans in zip(self.addresses, answers):
             if isinstance(ans, dict) and ans.get("success") is False:
                 raise EngineError(f"{addr} failed to load weights from {path}: {ans.get('message')}", address=addr)
+
+    async def load_lora(self, path: str, version: int, meta: WeightUpdateMeta) -> None:
+        """Every server loads the adapter folder `path` as `<lora_name>-v<version>`; then, best effort, unloads the
+        version `lora_keep_versions` back (the embedded server holds one adapter: it is gone already)."""
+        body = {"lora_name": get_versioned_lora_name(meta.lora_name, version), "lora_path": path}
+        answers = await self.post_all("/load_lora_adapter", body)
+        for addr, ans in zip(self.addresses, answers):
+            if isinstance(ans, dict) and ans.get("success") is False:
+                msg = f"{addr} failed to load LoRA adapter {path}: {ans.get('error_message')}"
+                raise EngineError(msg, address=addr)
+        keep = int(meta.lora_keep_versions)
+        if keep > 0 and version - keep >= 0:
+            stale = {"lora_name": get_versioned_lora_name(meta.lora_name, version - keep)}
+            for addr in self.addresses:
+                try:
+                    await self.request("POST", addr, "/unload_lora_adapter", stale)
+                except EngineError as e:  # AReaL's best_effort: the adapter may be gone already
+                    logger.debug("unloading %s on %s: %s", stale["lora_name"], addr, e)
 
     async def _update_from_distributed(self, meta: WeightUpdateMeta, specs: dict, version: int) -> int:
         if not self._nccl_group_ready:  # the group is made once, then reused by every update

@@ -25,6 +25,10 @@ Design decisions
   written, each the parameter count x the dtype's size.
 - No orphans: the server dies with the trainer (`kit.procs`), and so do the reward workers, their forkserver and
   resource tracker (`api.reward_api`), SIGKILL included.
+- LoRA (`actor.use_lora=true`, with `rollout.use_lora=true`): each sync writes the adapter alone and the servers
+  load it with `/load_lora_adapter` as `<gconfig.lora_name>-v<k>` (AReaL's trainer: the meta keeps the last
+  eta + 2 versions). A fresh run syncs version 0 first, since the servers start without the adapter; checkpoints
+  hold the adapter, so a resume pushes it back. `weight_sync_bytes` in the stats is what each sync wrote.
 - Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
   eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
   time the trainer waited for data (generation otherwise overlaps training).
@@ -65,7 +69,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from areal_lite.api.cli_args import GRPOConfig, InferenceEngineConfig, load_expr_config, reconcile_temperature
+from areal_lite.api.cli_args import (
+    GRPOConfig,
+    InferenceEngineConfig,
+    load_expr_config,
+    reconcile_lora,
+    reconcile_temperature,
+)
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.kit.rundir import RunDir, RunDirError, open_run_dir
 from areal_lite.utils.atomic import atomic_dir
@@ -146,11 +156,12 @@ def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None)
 
 
 def evaluate(
-    addrs: Sequence[str], rows: Sequence[dict], workflow: Any, rollout: InferenceEngineConfig
+    addrs: Sequence[str], rows: Sequence[dict], workflow: Any, rollout: InferenceEngineConfig, version: int = 0
 ) -> Dict[str, float]:
     """Accuracy (mean reward) and mean response length of `workflow` (e.g. a greedy RLVRWorkflow) on `rows`.
 
     Runs through a fresh engine client, so its episodes never count against a training engine's staleness bound.
+    `version` is the servers' weight version (with `rollout.use_lora` the requests name that version's adapter).
     """
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
@@ -161,6 +172,7 @@ def evaluate(
         rollout, consumer_batch_size=n, max_concurrent_rollouts=n, max_head_offpolicyness=0, queue_size=None
     )
     engine = RemoteSGLangEngine(cfg).initialize(addr=list(addrs))
+    engine.set_version(version)
     try:
         batch = concat_padded_tensors(engine.rollout_batch(list(rows), workflow))
     finally:
@@ -344,8 +356,9 @@ def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloade
         _sync_weights(actor, engine, meta, start)
         print(f"train: resumed from {ckpt} at step {start}")
         return start
-    if not launched:
-        # Servers we did not start may hold other weights (an earlier run): give them ours, as version 0.
+    if not launched or actor.config.use_lora:
+        # Servers we did not start may hold other weights (an earlier run): give them ours, as version 0. With LoRA
+        # the servers hold no adapter yet, and requests ask for `<lora_name>-v0` (AReaL preloads it at launch).
         actor.set_version(-1)
         engine.set_version(-1)
         _sync_weights(actor, engine, meta, 0)
@@ -387,6 +400,7 @@ def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dat
     stats.update({k: v for k, v in train_stats.items() if k != "update_time"})
     stats["kl_reward"] = adv["kl_reward"]
     stats["version"] = actor.get_version()
+    stats["weight_sync_bytes"] = actor.last_sync_bytes  # with use_lora: the adapter only
     stats["data_fingerprint"] = fingerprint
     stats.update({"time/generate": t_gen, "time/logp": t_logp, "time/update": t_update, "time/weight_sync": t_sync})
     return stats, t_step
@@ -418,6 +432,7 @@ def train(
     torch.manual_seed(config.seed)
     _threads(config)
     reconcile_temperature(config.actor, config.gconfig)  # a config built in Python skipped the loader
+    reconcile_lora(config)
     run, meta = _open_run(config, resume, existing)
     handle = engine = actor = logger = None
     try:
@@ -461,7 +476,13 @@ def _open_run(config: Any, resume: bool, existing: str) -> Tuple[RunDir, WeightU
     """The run folder, continued or fresh (`rundir`), and where the weight versions go, with room checked for them."""
     run = open_run_dir(config, resume=resume, existing=existing)
     try:
-        meta = WeightUpdateMeta.from_disk(config.weight_update_dir or os.path.join(run.path, "weights"))
+        meta = WeightUpdateMeta.from_disk(
+            config.weight_update_dir or os.path.join(run.path, "weights"),
+            # AReaL's trainer: adapter-only syncs with LoRA, the last eta + 2 versions kept loaded
+            use_lora=config.actor.use_lora,
+            lora_name=config.gconfig.lora_name or config.rollout.lora_name,
+            lora_keep_versions=config.rollout.max_head_offpolicyness + 2,
+        )
         _check_weight_room(config, os.path.dirname(meta.path), meta.keep_last)
     except BaseException:
         run.close()
@@ -538,7 +559,7 @@ def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, st
     if not rows:
         return {}
     t = time.perf_counter()
-    out = evaluate(addrs, rows, workflow, config.rollout)
+    out = evaluate(addrs, rows, workflow, config.rollout, version=step)  # after step k's sync the servers hold k
     out["time/eval"] = time.perf_counter() - t
     if progress:
         print(f"train: step {step}: greedy accuracy {out['eval_accuracy']:.3f} on {len(rows)} held-out")

@@ -19,7 +19,8 @@ Design decisions, and why
   tell the servers what to receive. Under FSDP every rank takes part in gathering each full parameter and only rank 0
   sends. Without CUDA `require_cuda` raises an error that names the disk route. The tests exercise the group and the
   broadcast with gloo in place of NCCL.
-- Checkpoints (`save_checkpoint`, `load_checkpoint`): `<path>/model` (a loadable folder, as above) and
+- Checkpoints (`save_checkpoint`, `load_checkpoint`): `<path>/model` (a loadable folder, as above; for a LoRA
+  actor the adapter folder, `fsdp_utils/lora.py`, so the base weights are never copied into a checkpoint) and
   `<path>/actor_state.pt` (optimizer, LR schedule, version, RNG states), swapped into place as one folder. The RNG
   states are saved so that a resumed run continues exactly as the uninterrupted one would have.
 - Ranks. Gathering a full state is a collective every rank must call (`full_state_dict`, `full_optimizer_state`);
@@ -34,7 +35,7 @@ import random
 import shutil
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -274,8 +275,17 @@ def save_checkpoint(
     return atomic_dir(path, fill)
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> int:
-    """Restore what `save_checkpoint` wrote into model, optimizer, schedule and the RNGs; returns the version."""
+def load_checkpoint(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    load_weights: Optional[Callable[[str], None]] = None,
+) -> int:
+    """Restore what `save_checkpoint` wrote into model, optimizer, schedule and the RNGs; returns the version.
+
+    `load_weights(<path>/model)` replaces the loading of a full `model.safetensors` (a LoRA actor loads its adapter).
+    """
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -285,17 +295,19 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 
     model_file = os.path.join(path, "model", "model.safetensors")
     state_file = os.path.join(path, ACTOR_STATE)
-    for f in (model_file, state_file):
+    for f in (state_file,) if load_weights is not None else (model_file, state_file):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"{path} is not an actor checkpoint: {f} is missing")
-    weights = load_file(model_file)
     extra = torch.load(state_file, map_location="cpu", weights_only=False)
-    opts = StateDictOptions(full_state_dict=True, strict=False)  # tied weights were written once (see above)
-    result = set_model_state_dict(model, weights, options=opts)
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [k for k in (getattr(result, "missing_keys", None) or []) if k not in tied]
-    if missing:
-        raise RuntimeError(f"checkpoint {path} lacks weights {missing[:5]}")
+    if load_weights is not None:
+        load_weights(os.path.join(path, "model"))
+    else:
+        opts = StateDictOptions(full_state_dict=True, strict=False)  # tied weights were written once (see above)
+        result = set_model_state_dict(model, load_file(model_file), options=opts)
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        missing = [k for k in (getattr(result, "missing_keys", None) or []) if k not in tied]
+        if missing:
+            raise RuntimeError(f"checkpoint {path} lacks weights {missing[:5]}")
     set_optimizer_state_dict(model, optimizer, extra["optimizer"], options=StateDictOptions(full_state_dict=True))
     lr_scheduler.load_state_dict(extra["lr_scheduler"])
     rng = extra["rng"]

@@ -18,6 +18,9 @@ Design decisions
   decode steps are spent on an answer nobody will read.
 - rids in flight are unique: a second request reusing one is refused with 400 instead of making `/abort_request`
   ambiguous.
+- LoRA (`lora.py`): `/load_lora_adapter` and `/unload_lora_adapter` take SGLang's bodies and answer SGLang's
+  `{"success", "error_message", "loaded_adapters"}`, with 400 (and the kit's "error") when they fail; a /generate
+  whose `lora_path` names an adapter that is not loaded is refused with 400 before anything is queued.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ from areal_lite.kit.serve.protocol import (
     SamplingParams,
     parse_abort_body,
     parse_generate_body,
+    parse_load_lora_body,
+    parse_lora_paths,
     parse_pause_body,
+    parse_unload_lora_body,
     parse_update_weights_body,
     render_generate_response,
 )
@@ -213,6 +219,10 @@ async def generate(request: web.Request) -> web.Response:
         context_length=scheduler.context_length,
         tokenize=_tokenize(tok, scheduler.context_length),
     )
+    for lora_path in set(parse_lora_paths(body, len(specs))):
+        problem = scheduler.lora.check_request(lora_path)  # a plain read of the scheduler's active adapter
+        if problem:
+            raise BadRequest(problem)
     states = [scheduler.new_state(spec, j) for spec in specs for j in range(spec.params.n)]
     clash = [s.rid for s in states if s.rid in state.inflight]
     if clash:
@@ -258,6 +268,21 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    return await _lora_update(request, parse_load_lora_body(await read_json_object(request)))
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    return await _lora_update(request, parse_unload_lora_body(await read_json_object(request)))
+
+
+async def _lora_update(request: web.Request, update: Any) -> web.Response:
+    result = await asyncio.wrap_future(_scheduler_or_503(request).update_weights(update))
+    if not result["success"]:
+        return json_error(400, result["error_message"], **result)
+    return web.json_response(result)
+
+
 async def not_supported(request: web.Request) -> web.Response:
     await read_json_object(request)
     msg = f"{request.path} is not supported by the embedded server (use disk: /update_weights_from_disk)"
@@ -278,6 +303,8 @@ ROUTES = [
     ("GET", "/flush_cache", flush_cache),
     ("POST", "/flush_cache", flush_cache),
     ("POST", "/update_weights_from_disk", update_weights_from_disk),
+    ("POST", "/load_lora_adapter", load_lora_adapter),
+    ("POST", "/unload_lora_adapter", unload_lora_adapter),
     ("POST", "/init_weights_update_group", not_supported),
     ("POST", "/update_weights_from_distributed", not_supported),
     ("POST", "/update_weights_from_tensor", not_supported),

@@ -444,3 +444,55 @@ def parse_update_weights_body(body: dict) -> WeightUpdate:
 def weight_update_result(success: bool, message: str) -> dict:
     """SGLang's /update_weights_from_disk response body."""
     return {"success": success, "message": message, "num_paused_requests": 0}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LoRA adapters (SGLang's /load_lora_adapter and /unload_lora_adapter; the server side is `lora.py`)
+
+
+@dataclass
+class LoraUpdate:
+    """A validated /load_lora_adapter (`lora_path` set) or /unload_lora_adapter (`lora_path` None) request."""
+
+    lora_name: str
+    lora_path: Optional[str] = None
+    abort_all_requests: bool = False  # as a weight update's: loads wait for the running batch instead
+
+
+def _want_name(body: dict, key: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or not v:
+        raise BadRequest(f"{key}: expected a non-empty string, got {describe(v)}")
+    return v
+
+
+def parse_load_lora_body(body: dict) -> LoraUpdate:
+    """SGLang's LoadLoRAAdapterReqInput: lora_name, lora_path (a folder with adapter_config.json and
+    adapter_model.safetensors), optional pinned and lora_id (accepted; one adapter is active at a time anyway)."""
+    name, path = _want_name(body, "lora_name"), _want_name(body, "lora_path")
+    if body.get("pinned") is not None:
+        want_bool("pinned", body["pinned"])
+    if body.get("lora_id") is not None and not isinstance(body["lora_id"], str):
+        raise BadRequest(f"lora_id: expected a string or null, got {describe(body['lora_id'])}")
+    return LoraUpdate(name, path)
+
+
+def parse_unload_lora_body(body: dict) -> LoraUpdate:
+    return LoraUpdate(_want_name(body, "lora_name"))
+
+
+def lora_update_result(success: bool, message: str, loaded: dict) -> dict:
+    """SGLang's LoRAUpdateOutput body."""
+    return {"success": success, "error_message": None if success else message, "loaded_adapters": loaded}
+
+
+def parse_lora_paths(body: Any, count: int) -> list[Optional[str]]:
+    """A /generate body's `lora_path`: null, one adapter name for every prompt, or one (or null) per prompt."""
+    raw = body.get("lora_path") if isinstance(body, dict) else None
+
+    def check(where: str, v: Any) -> Optional[str]:
+        if v is not None and (not isinstance(v, str) or not v):
+            raise BadRequest(f"{where}: expected an adapter name (a non-empty string) or null, got {describe(v)}")
+        return v
+
+    return _per_prompt("lora_path", raw, count, check, None)

@@ -23,7 +23,8 @@ Design decisions
 - Weight updates, as in SGLang: immediate while paused; otherwise they wait for the running batch to finish (new
   requests are held meanwhile), or abort it first when `abort_all_requests` is set. So a response comes from one
   weight version, reported as `meta_info.weight_version`; the only exception, as in SGLang, is a batch frozen by
-  an "in_place"/"retract" pause, which resumes under the new weights.
+  an "in_place"/"retract" pause, which resumes under the new weights. LoRA loads and unloads (`lora.py`) are weight
+  updates in this sense and take the same path.
 - A failure inside a step (a bug, out of memory) fails the rows of that batch with an abort and the loop goes on:
   one bad step must not take the server down.
 """
@@ -42,11 +43,13 @@ import torch
 
 from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
 from areal_lite.kit.serve.fastpath import make_runner
+from areal_lite.kit.serve.lora import LoraAdapters
 from areal_lite.kit.serve.protocol import (
     DEFAULT_WEIGHT_VERSION,
     GenerationState,
+    LoraUpdate,
     PromptSpec,
-    WeightUpdate,
+    lora_update_result,
     weight_update_result,
 )
 from areal_lite.kit.serve.sampling import RowSeeds, sample_and_append
@@ -98,6 +101,8 @@ class Scheduler:
         self.eos_ids = frozenset(eos_ids(model, tokenizer))
         self.seeds = RowSeeds(random_seed)
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.lora = LoraAdapters(model)  # the active LoRA adapter, merged into the weights
+        self._base_version = self.weight_version  # the weights' version under the adapter
 
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
@@ -107,7 +112,7 @@ class Scheduler:
         self.waiting: list[GenerationState] = []  # admitted to the server, not yet prefilled
         self.held: list[GenerationState] = []  # arrived while paused; start on continue
         self.paused = False
-        self.pending_update: Optional[tuple[WeightUpdate, concurrent.futures.Future]] = None
+        self.pending_update: Optional[tuple[Any, concurrent.futures.Future]] = None  # WeightUpdate or LoraUpdate
         self._stopping = False
         # Counters, read by /server_info (plain ints: reads from another thread are fine).
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -141,7 +146,8 @@ class Scheduler:
     def flush_cache(self) -> concurrent.futures.Future:
         return self._enqueue(self._on_flush_cache)
 
-    def update_weights(self, request: WeightUpdate) -> concurrent.futures.Future:
+    def update_weights(self, request: Any) -> concurrent.futures.Future:
+        """A `WeightUpdate` or a `LoraUpdate` (load or unload), applied between batches (see the module docstring)."""
         # This handler keeps the future and resolves it once the update has happened (maybe several steps later).
         fut: concurrent.futures.Future = concurrent.futures.Future()
         return self._enqueue(self._on_update_weights, request, fut, fut=fut)
@@ -161,6 +167,7 @@ class Scheduler:
             num_held=len(self.held),
             paused=self.paused,
             weight_version=self.weight_version,
+            lora_adapter=self.lora.active,
         )
 
     def _enqueue(
@@ -252,10 +259,12 @@ class Scheduler:
     def _on_flush_cache(self) -> bool:
         return len(self.batch) + len(self.waiting) == 0  # no prefix cache: "flushed" means nothing is in flight
 
-    def _on_update_weights(self, request: WeightUpdate, fut: concurrent.futures.Future) -> Any:
+    def _on_update_weights(self, request: Any, fut: concurrent.futures.Future) -> Any:
         if request.abort_all_requests:
             self._abort(lambda s: True, "Aborted by update_weights_from_disk.", include_held=False)
         if self.pending_update is not None:
+            if isinstance(request, LoraUpdate):
+                return lora_update_result(False, "another weight update is in progress", self.lora.loaded())
             return weight_update_result(False, "another weight update is in progress")
         # As SGLang: immediate while paused; otherwise wait for the running batch to drain (admission stops).
         self.pending_update = (request, fut)
@@ -267,17 +276,38 @@ class Scheduler:
             return
         request, fut = self.pending_update
         self.pending_update = None
+        if isinstance(request, LoraUpdate):
+            fut.set_result(self._apply_lora(request))
+            return
         try:
             self.weight_version = update_weights_from_disk(self.model, request, self.weight_version)
         except Exception as e:  # the model is unchanged when loading fails (everything is checked first)
             fut.set_result(weight_update_result(False, f"Failed to update weights: {e}"))
             return
+        self.lora.forget()  # the base it was merged into is gone
+        self._base_version = self.weight_version
         with torch.inference_mode():
             self.runner.refresh()  # what the runner derived from the weights (a packed copy)
         self.model_path = request.model_path
         self.counters["weight_updates"] += 1
         msg = f"Succeeded to update model weights. Weight version updated to {self.weight_version}."
         fut.set_result(weight_update_result(True, msg))
+
+    def _apply_lora(self, request: LoraUpdate) -> dict:
+        """Load (merge) or unload an adapter; a response's weight_version is then the adapter's name (`lora.py`)."""
+        try:
+            if request.lora_path is None:
+                self.lora.unload(request.lora_name)
+            else:
+                self.lora.load(request.lora_name, request.lora_path)
+        except Exception as e:  # checked before anything changed: the model still serves what it served
+            verb = "unload" if request.lora_path is None else "load"
+            return lora_update_result(False, f"Failed to {verb} LoRA adapter: {e}", self.lora.loaded())
+        with torch.inference_mode():
+            self.runner.refresh()
+        self.weight_version = self.lora.active or self._base_version
+        self.counters["weight_updates"] += 1
+        return lora_update_result(True, "", self.lora.loaded())
 
     # ---- finishing rows ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,154 @@
+"""LoRA adapters on the embedded server: SGLang's `/load_lora_adapter` and `/unload_lora_adapter`, served merged.
+
+Design decisions
+- One active adapter at a time, merged into the weights: loading adapter `name` sets every adapted matrix to
+  W = W_base + (alpha / r) * B @ A (alpha / sqrt(r) for rsLoRA) and leaves every other weight as it was; loading
+  another adapter replaces it (the matrices only the old one adapted go back to W_base). Decoding then costs exactly
+  what the base model costs, and the fused fast path (`fastpath.py`) serves it unchanged: the merge `copy_`s into the
+  parameters, which are views of the runner's fused matrices, and the runner re-packs after it (`refresh`). SGLang
+  serves many adapters side by side in one batch; a trainer needs one at a time, since the client pauses, loads
+  version k and sends every later request with `lora_path = <lora_name>-v<k>` (AReaL's naming).
+- W_base is kept as a copy of each adapted matrix, taken the first time an adapter touches it, so a merge never
+  accumulates rounding from the previous adapter (subtracting the old B @ A would). The price is one extra copy of
+  the adapted weights (with "all-linear" targets, most of a small model's non-embedding weights).
+- A request's `lora_path` must name the active adapter: any other name is a 400 that names the loaded one. A request
+  without `lora_path` is served with the active adapter (it is merged), unlike SGLang, where it gets the base model.
+  `meta_info.weight_version` of a response is the adapter's name while one is loaded.
+- Everything is checked before anything changes (config, tensor names, shapes, ranks): a bad adapter answers 400
+  and the model keeps serving what it served. Adapters that would need more than a merged A/B pair (DoRA,
+  `modules_to_save`, per-module rank or alpha patterns, Conv1D `fan_in_fan_out`, embedding LoRA) are refused.
+- A full weight update (`/update_weights_from_disk`) replaces the base: the adapter is dropped with it.
+- Loads and unloads are weight updates for the scheduler: they wait, as `/update_weights_from_disk` does, until
+  the running batch drained or the server is paused, and run on the scheduler thread (`Scheduler._maybe_apply_update`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# peft's key of one LoRA matrix: base_model.model.<module>.lora_A.weight (older peft: .lora_A.default.weight)
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def _read_config(path: str) -> float:
+    """The adapter's scale (alpha / r, or alpha / sqrt(r) for rsLoRA) after checking what the merge supports."""
+    cfg_file = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path} holds no {ADAPTER_CONFIG}")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key in ("use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise ValueError(f"{cfg_file}: {key}={cfg[key]!r} is not supported (only plain A/B pairs are merged)")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise ValueError(f"{cfg_file}: r must be a positive integer, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{cfg_file}: lora_alpha must be a number, got {alpha!r}")
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def read_adapter(model: Any, path: str) -> dict[str, torch.Tensor]:
+    """The update of every adapted matrix, {parameter name: scale * B @ A in float32}; raises on any mismatch."""
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory")
+    scale = _read_config(path)
+    weights = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{path} holds no {ADAPTER_WEIGHTS}")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in load_file(weights).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"unexpected tensor {key!r} (only lora_A/lora_B weights are merged)")
+        pairs.setdefault(m["module"], {})[m["ab"]] = t
+    if not pairs:
+        raise ValueError(f"{weights} holds no LoRA tensors")
+    params = dict(model.named_parameters())
+    deltas = {}
+    for module, ab in pairs.items():
+        name = f"{module}.weight"
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{module}: lora_A and lora_B must both be present")
+        if name not in params or params[name].dim() != 2:
+            raise ValueError(f"the adapter targets {module!r}, which is not a linear layer of this model")
+        a, b = ab["A"].float(), ab["B"].float()
+        out_f, in_f = params[name].shape
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its weight {(out_f, in_f)}"
+            )
+        deltas[name] = scale * (b @ a)
+    return deltas
+
+
+class LoraAdapters:
+    """The active adapter of one model and the base copies of the matrices it changed (scheduler thread only)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.active: Optional[str] = None
+        self.active_path = ""
+        self._base: dict[str, torch.Tensor] = {}
+
+    def loaded(self) -> dict[str, str]:
+        """SGLang's `loaded_adapters`: {name: path} (at most one here)."""
+        return {self.active: self.active_path} if self.active else {}
+
+    def check_request(self, lora_path: Optional[str]) -> Optional[str]:
+        """The error message for a request naming `lora_path`, or None when it may run."""
+        if lora_path is None or lora_path == self.active:
+            return None
+        have = f"the loaded adapter is {self.active!r}" if self.active else "no adapter is loaded"
+        return f"lora_path {lora_path!r} is not a loaded LoRA adapter ({have}; POST /load_lora_adapter first)"
+
+    @torch.no_grad()
+    def load(self, name: str, path: str) -> None:
+        """Merge adapter `name` from folder `path`, replacing the active one (see the module docstring)."""
+        t0 = time.perf_counter()
+        deltas = read_adapter(self.model, path)  # raises before anything changes
+        params = dict(self.model.named_parameters())
+        for pname in [n for n in self._base if n not in deltas]:
+            params[pname].copy_(self._base.pop(pname))
+        for pname, delta in deltas.items():
+            p = params[pname]
+            base = self._base.setdefault(pname, p.detach().clone())
+            p.copy_((base.float() + delta.to(base.device)).to(p.dtype))
+        previous, self.active, self.active_path = self.active, name, path
+        dt = time.perf_counter() - t0
+        n = len(deltas)
+        log.info("LoRA adapter %s loaded from %s in %.2fs (%d matrices; replaced %s)", name, path, dt, n, previous)
+
+    @torch.no_grad()
+    def unload(self, name: str) -> None:
+        """Put back the base weights of adapter `name`; a ValueError when it is not the active one."""
+        if name != self.active:
+            have = f"the loaded adapter is {self.active!r}" if self.active else "no adapter is loaded"
+            raise ValueError(f"LoRA adapter {name!r} is not loaded ({have})")
+        params = dict(self.model.named_parameters())
+        for pname, base in self._base.items():
+            params[pname].copy_(base)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the adapter without touching the weights (a full weight update has just replaced them)."""
+        self._base.clear()
+        self.active, self.active_path = None, ""
