@@ -34,10 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+from areal_lite.engine.fsdp_utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # the file names the trainer writes
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 # peft's key of one LoRA matrix: base_model.model.<module>.lora_A.weight (older peft: .lora_A.default.weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
