@@ -210,7 +210,9 @@ from areal.api.cli_args import OptimizerConfig, PPOActorConfig
 from areal.api.io_struct import FinetuneSpec
 from areal.engine.fsdp_engine import FSDPPPOActor
 
-batch = torch.load(sys.argv[2])
+# One process for every job (AReaL's import and process group are most of its time): argv[2] lists
+# (batch file, result file) pairs; a one-row batch also takes a PPO step, so those come last.
+jobs = torch.load(sys.argv[2])
 # No clipping (AReaL reads gradient_clipping=0 as max-norm 0, a zero update; the kit as "off").
 opt = OptimizerConfig(type="sgd", lr=0.5, weight_decay=0.0, warmup_steps_proportion=0.0, gradient_clipping=1e9)
 cfg = PPOActorConfig(experiment_name="x", trial_name="y", path=sys.argv[1], dtype="float32", backend="fsdp:d1",
@@ -219,11 +221,13 @@ cfg = PPOActorConfig(experiment_name="x", trial_name="y", path=sys.argv[1], dtyp
 actor = FSDPPPOActor(config=cfg)
 actor.create_process_group()
 actor.initialize(None, FinetuneSpec(1, 8, 1))
-logp = actor.compute_logp([dict(batch)])[0]
-if batch["input_ids"].shape[0] == 1:
-    actor.ppo_update(actor.compute_advantages([batch]))
-state = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in actor.model.named_parameters()}
-torch.save({"logp": logp, "weights": {n: t.detach().cpu().clone() for n, t in state.items()}}, sys.argv[4])
+for batch_path, out_path in jobs:
+    batch = torch.load(batch_path)
+    logp = actor.compute_logp([dict(batch)])[0]
+    if batch["input_ids"].shape[0] == 1:
+        actor.ppo_update(actor.compute_advantages([batch]))
+    state = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in actor.model.named_parameters()}
+    torch.save({"logp": logp, "weights": {n: t.detach().cpu().clone() for n, t in state.items()}}, out_path)
 """
 
 
@@ -262,32 +266,43 @@ def _batch_for(actor, rows):
     return batch
 
 
-def _run_areal(tiny_model_path, batch, tmp_path):
+@pytest.fixture(scope="module")
+def areal_results(tiny_model_path, tmp_path_factory):
+    """AReaL's actor on a two-row batch (log-probs only), then on a one-row batch (log-probs and one PPO step), in one
+    subprocess; returns {rows: (batch, AReaL's result)}. The batches come from a fresh kit actor (its log-probs are
+    the behaviour log-probs), so each test's own fresh actor starts from the same weights."""
     import subprocess
     import sys
 
     from areal_lite.kit.procs import find_free_port
 
-    path, out = tmp_path / "batch.pt", tmp_path / "areal.pt"
-    torch.save(batch, path)
+    tmp = tmp_path_factory.mktemp("areal-actor")
+    kit = _kit_actor(tiny_model_path)
+    batches = {rows: _batch_for(kit, rows=rows) for rows in (2, 1)}  # the PPO step (one row) last
+    kit.destroy()
+    jobs = []
+    for rows, batch in batches.items():
+        torch.save(batch, tmp / f"batch{rows}.pt")
+        jobs.append((str(tmp / f"batch{rows}.pt"), str(tmp / f"areal{rows}.pt")))
+    torch.save(jobs, tmp / "jobs.pt")
     proc = subprocess.run(
-        [sys.executable, "-c", AREAL_ACTOR, tiny_model_path, str(path), str(find_free_port()), str(out)],
+        [sys.executable, "-c", AREAL_ACTOR, tiny_model_path, str(tmp / "jobs.pt"), str(find_free_port())],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+    return {rows: (batch, torch.load(tmp / f"areal{rows}.pt")) for rows, batch in batches.items()}
 
 
-def test_one_ppo_step_equals_areals_fsdp_actor_on_cpu(tiny_model_path, tmp_path):
+def test_one_ppo_step_equals_areals_fsdp_actor_on_cpu(tiny_model_path, areal_results):
     """AReaL 1.0.4's own FSDP PPO actor runs on CPU (gloo, one process, `attn_impl="sdpa"`). One step of it and of
     the kit's actor on the same model, trajectory and settings (plain PPO, SGD: the update is the gradient) give the
     same weights: loss and gradient agree end to end."""
     ours = _kit_actor(tiny_model_path)
-    batch = _batch_for(ours, rows=1)
-    theirs = _run_areal(tiny_model_path, batch, tmp_path)["weights"]
+    batch, theirs = areal_results[1]
+    theirs = theirs["weights"]
     before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
     ours.compute_advantages(batch)
     ours.ppo_update(batch)
@@ -299,7 +314,7 @@ def test_one_ppo_step_equals_areals_fsdp_actor_on_cpu(tiny_model_path, tmp_path)
     ours.destroy()
 
 
-def test_areals_cpu_actor_mixes_packed_sequences_and_the_kits_does_not(tiny_model_path, tmp_path):
+def test_areals_cpu_actor_mixes_packed_sequences_and_the_kits_does_not(tiny_model_path, areal_results):
     """Why the step above uses one row: on CPU AReaL 1.0.4's FSDP actor packs a batch's rows into one sequence and
     its "sdpa" attention does not stop at their boundaries (only flash-attention's varlen kernel does, GPU only), so
     every row after the first is scored with the previous rows in context. The kit's packed attention is masked
@@ -307,8 +322,8 @@ def test_areals_cpu_actor_mixes_packed_sequences_and_the_kits_does_not(tiny_mode
     from transformers import AutoModelForCausalLM
 
     ours = _kit_actor(tiny_model_path)
-    batch = _batch_for(ours, rows=2)
-    theirs = torch.roll(_run_areal(tiny_model_path, batch, tmp_path)["logp"], shifts=1, dims=-1)  # AReaL: t -> t+1
+    batch, theirs = areal_results[2]
+    theirs = torch.roll(theirs["logp"], shifts=1, dims=-1)  # AReaL: t -> t+1
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     ids = batch["input_ids"][1:2].long()
     alone = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
