@@ -59,8 +59,6 @@ $(STAMP): $(UV) pyproject.toml
 $(DEVSTAMP): $(UV) pyproject.toml
 	$(UV_PIP) "torch==2.13.0" -e ".[cpu,dev]" $(SGL_LIGHT) -r requirements/areal.txt
 	$(UV_PIP) --no-deps $(NODEPS) sglang==0.5.23 $(AREAL_PIN)
-	$(BIN)/python -c "import areal.api, areal.engine.sglang_remote, areal.workflow.rlvr" \
-		|| { echo "AReaL 1.0.4 failed to import: the conformance tests cannot run"; exit 1; }
 	touch $(STAMP) $@
 
 install: $(STAMP)
@@ -85,8 +83,13 @@ lint: $(DEVSTAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# AReaL's first import (it also writes its bytecode, ~10 s) runs beside `prepare` (the model conversion): both are
+# serial set-up that the two test workers would otherwise wait for one after the other.
+AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, areal.workflow.rlvr" \
+	|| { echo "AReaL 1.0.4 failed to import: the conformance tests cannot run"; exit 1; }
+
 test: lint
-	$(BIN)/python -m areal_lite.kit.prepare
+	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.prepare; status=$$?; wait $$areal && exit $$status
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15

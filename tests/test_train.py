@@ -138,20 +138,25 @@ def test_async_mode_respects_the_staleness_bound(tmp_path, tiny_model_path, toke
 
 
 def test_resume_continues_at_same_step_and_data_position(tmp_path, tiny_model_path, tokenizer):
-    ref_cfg = make_config(tmp_path, tiny_model_path, steps=5, trial="ref", saver=SaverConfig(freq_steps=2))
-    reference = train(ref_cfg, workflow=token_workflow(tokenizer, ref_cfg), progress=False)
+    from areal_lite.kit.launch import launch_server
 
-    cfg = make_config(tmp_path, tiny_model_path, steps=5, trial="crash", saver=SaverConfig(freq_steps=2))
+    # One server for the three runs (each gives it its own weights first): what is tested is the trainer's resume.
+    with launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded") as server:
+        addrs = [server.wait_ready(timeout=180).address]
+        ref_cfg = make_config(tmp_path, tiny_model_path, steps=5, trial="ref", saver=SaverConfig(freq_steps=2))
+        reference = train(ref_cfg, workflow=token_workflow(tokenizer, ref_cfg), server_addrs=addrs, progress=False)
 
-    def crash(step, stats):
-        if step == 2:  # steps 0, 1, 2 done; the last checkpoint holds 2 steps
-            raise KeyboardInterrupt("simulated crash")
+        cfg = make_config(tmp_path, tiny_model_path, steps=5, trial="crash", saver=SaverConfig(freq_steps=2))
 
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, workflow=token_workflow(tokenizer, cfg), on_step=crash, progress=False)
-    run_dir = tmp_path / "runs" / "e2e" / "crash"
-    assert [s["step"] for s in read_jsonl(run_dir / "stats.jsonl")] == [0, 1, 2]
-    resumed = train(cfg, resume=True, workflow=token_workflow(tokenizer, cfg), progress=False)
+        def crash(step, stats):
+            if step == 2:  # steps 0, 1, 2 done; the last checkpoint holds 2 steps
+                raise KeyboardInterrupt("simulated crash")
+
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, workflow=token_workflow(tokenizer, cfg), server_addrs=addrs, on_step=crash, progress=False)
+        run_dir = tmp_path / "runs" / "e2e" / "crash"
+        assert [s["step"] for s in read_jsonl(run_dir / "stats.jsonl")] == [0, 1, 2]
+        resumed = train(cfg, resume=True, workflow=token_workflow(tokenizer, cfg), server_addrs=addrs, progress=False)
     logged = read_jsonl(run_dir / "stats.jsonl")
     assert [s["step"] for s in logged] == [0, 1, 2, 3, 4]  # step 2 redone once, not duplicated
     assert [s["step"] for s in resumed] == [0, 1, 2, 3, 4]
