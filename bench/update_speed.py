@@ -1,39 +1,44 @@
-"""One PPO update on a CPU in float32 vs bfloat16 autocast, full or LoRA: seconds per update, and what bf16 changes
-in the log-probs.
+"""One PPO update on a CPU: the row-by-row float32 update, the default (shared prompts), bf16 autocast, LoRA.
 
-    PYTHONPATH=. .venv/bin/python bench/update_speed.py [--model smollm2-135m-instruct] [--rows 8] [--tokens 128]
-        [--prompt 32] [--repeats 3] [--threads 2] [--lora-rank 16] [--no-lora]
+    PYTHONPATH=. .venv/bin/python bench/update_speed.py [--model smollm2-135m-instruct] [--groups 4]
+        [--group-size 8] [--prompt 38] [--completion 16] [--repeats 3] [--threads 2] [--lora-rank 16]
+        [--no-lora] [--no-bf16] [--json bench/results/update_speed.json]
 
 The workload is one `FSDPPPOActor.ppo_update` (packed forward, backward, gradient clipping, AdamW step) of
-SmolLM2-135M-Instruct on one batch of `--rows` rows x `--tokens` tokens (random ids, the first `--prompt` tokens of
-each row a prompt, the rest policy tokens), the same batch every time. Two actors from the same weights:
-1. `float32`: `dtype="float32"`, what the kit trains in on a CPU by default;
-2. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`, i.e. float32 weights and AdamW state, forward
+SmolLM2-135M-Instruct on one GRPO batch, the same every time: `--groups` random prompts of `--prompt` tokens, each
+with `--group-size` random completions of `--completion` policy tokens (the defaults are `make demo`'s batch:
+4 prompts x 8 samples, ~38 prompt and up to 16 new tokens). Rows:
+1. `float32, rows whole`: each row runs whole (`actor.share_prompts = False`): the update before prompts were
+   shared, the reference the others are compared with;
+2. `float32 (default)`: what the kit trains with on a CPU without native bf16: each prompt runs once for its
+   group (`packing.share_prompts`);
+3. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`: float32 weights and AdamW state, forward
    passes under `torch.autocast("cpu", torch.bfloat16)` (forced, so the row exists on any CPU);
-3. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
+4. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
    the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
-4. `LoRA + bf16`: the same adapter under the bf16 autocast.
-Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), the median seconds per
-update of each with its spread (lowest-highest), each row's time over float32's (below 1: faster), and the largest
-difference between the bf16 and float32 actors' log-probs on the batch (`compute_logp`, before any update).
+5. `LoRA + bf16`: the same adapter under the bf16 autocast.
+Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
+per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
+the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same
+figures go to `--json`.
 
 Design decisions
-- The two actors take turns `--repeats` times after one warm-up update each (the first AdamW step allocates its
-  state, and first calls pay one-time kernel set-up), and medians are compared: a shared machine drifts.
+- The rows take turns `--repeats` times after one warm-up update each (the first AdamW step allocates its state,
+  and first calls pay one-time kernel set-up), and medians are compared: a shared machine drifts.
+- Rows 1 and 2 are one actor, switched between the two layouts, so they differ in nothing else.
 - bf16 is forced rather than left to the actor's detector, because the question is what it costs here. Without
-  AVX-512 BF16 or AMX, bf16 matmuls are emulated (converted to float32 and back), so expect the ratio above 1:
-  that is why the actor trains in float32 on such a CPU unless told otherwise.
+  AVX-512 BF16 or AMX, bf16 matmuls are emulated (converted to float32 and back), so expect those rows to be slow:
+  that is why the actor trains in float32 on such a CPU unless told otherwise (`--no-bf16` skips them).
 - AdamW's learning rate is 1e-7: every step runs the whole update while the weights barely move, so the repeats
   time the same work (the speed of a matmul does not depend on the values anyway).
-- Measured on the 2-core AVX2 machine this was written on, shared with another job (load ~2.8), `--repeats 2`:
-  float32 65 s per update (57-73), bf16 autocast 241 s (226-256), 3.7x slower; log-probs differ by 0.04 on
-  average, 0.23 at most. The whole run took 17 minutes.
-  (Before the LoRA rows existed; they have not been measured here yet.)
+
+Measured: not yet, with this batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -49,16 +54,24 @@ from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig  # noqa: E40
 from areal_lite.engine.fsdp_engine import CPU_BF16_ENV, FSDPPPOActor  # noqa: E402
 from areal_lite.utils.device import cpu_native_bf16  # noqa: E402
 
+BEFORE = "float32, rows whole"
 
-def make_batch(rows: int, tokens: int, prompt: int, vocab: int, seed: int = 0) -> dict:
+
+def make_batch(groups: int, group_size: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> dict:
+    """A GRPO batch: `groups` random prompts, each with `group_size` random completions (no padding)."""
     g = torch.Generator().manual_seed(seed)
-    loss_mask = torch.zeros(rows, tokens, dtype=torch.long)
+    rows = []
+    for _ in range(groups):
+        p = torch.randint(10, vocab, (prompt,), generator=g)
+        rows += [torch.cat([p, torch.randint(10, vocab, (completion,), generator=g)]) for _ in range(group_size)]
+    ids = torch.stack(rows)
+    loss_mask = torch.zeros_like(ids)
     loss_mask[:, prompt:] = 1
     return {
-        "input_ids": torch.randint(10, vocab, (rows, tokens), generator=g),
-        "attention_mask": torch.ones(rows, tokens, dtype=torch.bool),
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
         "loss_mask": loss_mask,
-        "rewards": torch.randint(0, 2, (rows,), generator=g).float(),
+        "rewards": torch.randint(0, 2, (ids.shape[0],), generator=g).float(),
     }
 
 
@@ -79,7 +92,8 @@ def build_actor(path: str, dtype: str, threads: int, lora_rank: int = 0) -> FSDP
             os.environ[CPU_BF16_ENV] = saved
 
 
-def one_update(actor: FSDPPPOActor, batch: dict) -> float:
+def one_update(actor: FSDPPPOActor, batch: dict, share: bool) -> float:
+    actor.share_prompts = share
     stats = actor.ppo_update({k: v.clone() for k, v in batch.items()})
     if stats["skipped"]:
         raise RuntimeError("the update was skipped (non-finite gradient): the timing would not be a full step")
@@ -89,52 +103,79 @@ def one_update(actor: FSDPPPOActor, batch: dict) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per row (no padding)")
-    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per row (the rest are policy tokens)")
+    ap.add_argument("--groups", type=int, default=4, help="prompts per batch")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--prompt", type=int, default=38, help="prompt tokens per row")
+    ap.add_argument("--completion", type=int, default=16, help="policy tokens per row")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA rows")
-    ap.add_argument("--no-lora", action="store_true", help="only the float32 and bf16 rows")
+    ap.add_argument("--no-lora", action="store_true", help="no LoRA rows")
+    ap.add_argument("--no-bf16", action="store_true", help="no bf16 rows (where bf16 is emulated they are slow)")
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "update_speed.json"))
     args = ap.parse_args()
 
     path = bench_model_path(args.model)
-    actors = {"float32": build_actor(path, "float32", args.threads)}
-    actors["bf16 autocast"] = build_actor(path, "bfloat16", args.threads)
+    fp32 = build_actor(path, "float32", args.threads)
+    # (row name, actor, shared prompts): the first row is the update as it was before prompts were shared
+    rows = [(BEFORE, fp32, False), ("float32 (default)", fp32, True)]
+    if not args.no_bf16:
+        rows.append(("bf16 autocast", build_actor(path, "bfloat16", args.threads), True))
     if not args.no_lora:
-        actors[f"LoRA r{args.lora_rank}"] = build_actor(path, "float32", args.threads, args.lora_rank)
-        actors[f"LoRA r{args.lora_rank} bf16"] = build_actor(path, "bfloat16", args.threads, args.lora_rank)
-    fp32 = actors["float32"]
-    batch = make_batch(args.rows, args.tokens, args.prompt, fp32.model.config.vocab_size)
-    logp = {name: actor.compute_logp(batch) for name, actor in actors.items()}
-    lp_diff = float((logp["bf16 autocast"] - logp["float32"]).abs().max())
-    batch["logprobs"] = batch["prox_logp"] = logp["float32"]
+        r = args.lora_rank
+        rows.append((f"LoRA r{r}", build_actor(path, "float32", args.threads, r), True))
+        if not args.no_bf16:
+            rows.append((f"LoRA r{r} + bf16", build_actor(path, "bfloat16", args.threads, r), True))
+    batch = make_batch(args.groups, args.group_size, args.prompt, args.completion, fp32.model.config.vocab_size)
+    logp = fp32.compute_logp(batch)
+    lp_diff = None
+    if not args.no_bf16:
+        bf16 = rows[2][1]
+        lp_diff = float((bf16.compute_logp(batch) - logp)[batch["loss_mask"].bool()].abs().max())
+    batch["logprobs"] = batch["prox_logp"] = logp
     fp32.compute_advantages(batch)
 
     native = cpu_native_bf16() or "none (no AVX-512 BF16, no AMX)"
     n_params = sum(p.numel() for p in fp32.model.parameters()) / 1e6
+    B, L = batch["input_ids"].shape
+    shared = args.groups * args.prompt + B * args.completion
     print(
         f"model {os.path.basename(path)} ({n_params:.1f} M params), {torch.get_num_threads()} threads; "
-        f"{args.rows} rows x {args.tokens} tokens ({args.rows * (args.tokens - args.prompt)} policy tokens); "
+        f"{args.groups} prompts of {args.prompt} tokens x {args.group_size} samples of {args.completion} tokens: "
+        f"{B * L} tokens per row-by-row pass, {shared} with shared prompts; "
         f"CPU {torch.backends.cpu.get_cpu_capability()}, native bf16: {native}"
     )
-    for actor in actors.values():
-        one_update(actor, batch)  # warm-up: AdamW state, oneDNN kernels
-    times = {name: [] for name in actors}
-    for _ in range(args.repeats):  # interleaved, so background load hits both alike
-        for name, actor in actors.items():
-            times[name].append(one_update(actor, batch))
+    for _, actor, share in rows:
+        one_update(actor, batch, share)  # warm-up: AdamW state, oneDNN kernels
+    times = {name: [] for name, _, _ in rows}
+    for _ in range(args.repeats):  # interleaved, so background load hits every row alike
+        for name, actor, share in rows:
+            times[name].append(one_update(actor, batch, share))
     med = {name: statistics.median(t) for name, t in times.items()}
-    for name, t in times.items():
-        trainable = sum(p.numel() for p in actors[name].model.parameters() if p.requires_grad) / 1e6
+    result = {"args": vars(args), "cpu": cpu_model(), "native_bf16": native, "rows": {}}
+    for name, actor, _ in rows:
+        t = times[name]
+        trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad) / 1e6
+        speedup = med[BEFORE] / med[name]
         print(
-            f"{name:18s}: median {med[name]:.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs), "
-            f"{med[name] / med['float32']:.2f}x float32's time, {trainable:.2f} M trainable params"
+            f"{name:26s}: median {med[name]:6.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs), "
+            f"{speedup:.2f}x as fast as the first row, {trainable:.2f} M trainable params"
         )
-    print(f"largest |log-prob difference| bf16 vs float32 on the batch: {lp_diff:.2e}")
-    for actor in actors.values():
+        result["rows"][name] = {"seconds": t, "median": med[name], "speedup": speedup, "trainable_M": trainable}
+    if lp_diff is not None:
+        print(f"largest |log-prob difference| bf16 vs float32 on the policy tokens: {lp_diff:.2e}")
+        result["bf16_logp_max_diff"] = lp_diff
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    for actor in {id(a): a for _, a, _ in rows}.values():
         actor.destroy()
     return 0
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

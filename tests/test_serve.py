@@ -868,3 +868,18 @@ def test_config_round_trips_through_the_server_command_line(monkeypatch):
         parse_args(EmbeddedServerConfig().cli_args())
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # SGLang's switch is honoured too
     assert parse_args(default.cli_args()).return_original_logprob is True
+
+
+def test_fast_path_serves_bf16_weights_on_any_cpu(tiny_model_path):
+    """oneDNN packs bf16 weights only on CPUs with bf16 instructions (it raises elsewhere): the fast path then runs
+    plain matmuls, so a bf16 server starts on any CPU and computes what the model computes."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.fastpath import FastRunner
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+        _, logits = prefill_distinct(FastRunner(model), [PROMPTS[0]])
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits[0].float(), ref, atol=0.05, rtol=0.02)

@@ -27,6 +27,13 @@ Design decisions, and why
 - Logits only where the loss needs them: the update runs the LM head only at positions that predict a policy
   token. The head over the whole vocabulary is a large share of a small model's cost (SmolLM2: 28M of 135M
   weights), and prompts are most of the tokens.
+- Shared prompts: a GRPO group's samples share their prompt token for token, and packing alone would run the
+  model over it once per sample. Each forward pass (`compute_logp`, the update's) runs every distinct prompt once,
+  the remainder of each sequence attending to that one copy (`packing.share_prompts`, with the `packed_sdpa`
+  attention; flash attention on a GPU runs the plain packed row). The gradient of the shared prompt is the sum of
+  its samples' gradients, exactly as if each had its own copy, so losses and gradients equal the plain row's up to
+  float rounding (`tests/test_shared_prompts.py`). On the demo's batch (4 prompts of ~38 tokens x 8 samples of
+  16 tokens) the update runs 664 tokens instead of 1,716 (`bench/update_speed.py`).
 - Several processes (torchrun, WORLD_SIZE > 1): the model is wrapped with FSDP2 (`fully_shard` per decoder layer,
   then the root) over gloo on CPU or NCCL on CUDA. Every rank receives the same full batch and works on its share of
   the rows (rank r takes rows r, r + W, ...). FSDP2 averages gradients over ranks, so each rank's loss is multiplied
@@ -82,6 +89,8 @@ from areal_lite.engine.fsdp_utils.packing import (
     pack_rows,
     packed_forward,
     register_packed_sdpa,
+    share_prompts,
+    shared_prefix_forward,
     split_into_microbatches,
     split_trajectories,
 )
@@ -101,7 +110,6 @@ from areal_lite.utils.functional import (
     entropy,
     grpo_advantages,
     kl_rewards,
-    next_token_logp,
     normalize,
     normalize_turn_returns,
     policy_mask,
@@ -408,6 +416,9 @@ class _TrainEngine:
         # whether forward passes autocast to bf16 (CPU only).
         self._param_dtype = self._dtype
         self._autocast_bf16 = False
+        # Sequences with the same prompt compute it once in every forward pass ("Shared prompts"); False runs
+        # each sequence whole (the tests compare the two).
+        self.share_prompts = True
 
     # ---------------------------------------------------------------- setup
 
@@ -489,23 +500,32 @@ class _TrainEngine:
         """Unpad `rows` and concatenate them into one row with restarting position ids (`packing.pack_rows`)."""
         return pack_rows(batch, rows, keys, self.device)
 
-    def _forward(
-        self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], keep: Optional[torch.Tensor] = None
+    def _logits_for(
+        self,
+        model: torch.nn.Module,
+        packed: Dict[str, torch.Tensor],
+        targets: torch.Tensor,
+        policy: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """Logits [T, V] of one packed row, or [len(keep), V] at the positions `keep` only (bf16 under autocast:
-        every log-softmax downstream computes in at least float32)."""
+        """Logits [K, V] that predict the tokens at the K positions `targets` of one packed row (bf16 under
+        autocast: every log-softmax downstream computes in at least float32).
+
+        The LM head runs only there ("Logits only where the loss needs them", module docstring). Given the row's
+        policy mask, sequences with the same prompt compute it once ("Shared prompts")."""
+        row = None
+        if policy is not None and self.share_prompts and model.config._attn_implementation == PACKED_SDPA:
+            row = share_prompts(packed, policy)
         with self._autocast():
-            return packed_forward(model, packed, keep)
+            if row is None:
+                return packed_forward(model, packed, keep=targets - 1)  # position t-1 predicts token t
+            return shared_prefix_forward(model, row, row.pred_of[targets])
 
     def _policy_logp(
         self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [T] of the tokens where `mask` is set, 0 elsewhere; the logits [K, V] that predicted them).
-
-        The LM head runs only at those K positions ("Logits only where the loss needs them", module docstring).
-        """
+        """(log-probs [T] of the tokens where `mask` is set, 0 elsewhere; the logits [K, V] that predicted them)."""
         pred = torch.nonzero(mask[1:]).flatten()  # position t-1 predicts token t
-        logits = self._forward(model, packed, keep=pred)
+        logits = self._logits_for(model, packed, pred + 1, mask)
         return scatter_next_token_logp(logits, packed["input_ids"], pred, self.config.temperature), logits
 
     def _dummy_forward_backward(self, model: torch.nn.Module, backward: bool) -> None:
@@ -542,10 +562,11 @@ class _TrainEngine:
                 if not rows:
                     self._dummy_forward_backward(model, backward=False)
                     continue
-                packed = self._pack(batch, rows, [])
-                lp = next_token_logp(
-                    self._forward(model, packed), packed["input_ids"], packed["seq_start"], self.config.temperature
-                )
+                packed = self._pack(batch, rows, ["loss_mask"] if "loss_mask" in batch else [])
+                targets = torch.nonzero(~packed["seq_start"]).flatten()  # every token a sequence predicts
+                policy = packed.get("loss_mask")
+                logits = self._logits_for(model, packed, targets, None if policy is None else policy.bool())
+                lp = scatter_next_token_logp(logits, packed["input_ids"], targets - 1, self.config.temperature)
                 # Scatter the packed values back to their padded rows.
                 sel = torch.zeros(B, L, dtype=torch.bool, device=self.device)
                 sel[rows] = valid[rows]

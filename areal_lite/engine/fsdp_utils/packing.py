@@ -12,6 +12,12 @@ Design decisions, and why
   (`register_packed_sdpa`): per sequence of the packed row it calls sdpa with `is_causal=True` (the fused kernel, no
   mask, work = sum of squared sequence lengths). Calls without `cu_seq_lens_q` (a padded batch) fall through to
   transformers' own sdpa with its usual mask. `tests/test_actor.py` checks packed log-probs equal per-sequence ones.
+- Shared prompts (`share_prompts`): sequences whose prompts (the tokens before the first policy token) are equal
+  keep one copy of it in the packed row; each remainder becomes a segment that attends to the whole copy and to
+  itself causally (an explicit [t, prompt + t] mask, the one place a mask is built), so a GRPO group of n samples
+  runs its prompt once instead of n times. Position ids are kept, so every token is computed as in the plain row.
+  The layout travels to the attention as a model keyword (`shared_prefix_segments`), which transformers passes
+  through to every attention call.
 - Rows go into micro-batches by first-fit-decreasing under `mb_spec.max_tokens_per_mb`, with at least
   `mb_spec.n_mbs` micro-batches (`split_into_microbatches`): longest rows first fill the bins evenly. A row longer
   than the budget gets a micro-batch of its own; it is never split, since a cut sequence would lose the context its
@@ -25,7 +31,8 @@ Design decisions, and why
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,6 +46,9 @@ __all__ = [
     "split_into_microbatches",
     "pack_rows",
     "packed_forward",
+    "share_prompts",
+    "shared_prefix_forward",
+    "SharedPrefixRow",
     "cast_long",
     "as_long",
     "join_trajectories",
@@ -46,6 +56,7 @@ __all__ = [
 ]
 
 PACKED_SDPA = "packed_sdpa"
+SHARED_PREFIX_KW = "shared_prefix_segments"  # the model kwarg that carries a SharedPrefixRow's segments
 INT_KEYS = ("input_ids", "loss_mask", "versions")
 
 
@@ -57,9 +68,12 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     """transformers attention function: causal sdpa per sequence of a packed row (see the module docstring)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    segments = kwargs.pop(SHARED_PREFIX_KW, None)
     cu = kwargs.pop("cu_seq_lens_q", None)
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(k, None)
+    if segments is not None:
+        return _shared_prefix_attention(module, query, key, value, segments, dropout, scaling, **kwargs), None
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -79,6 +93,29 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
         )
         outs.append(out)  # [1, t, heads, head_dim]
     return torch.cat(outs, dim=1), None
+
+
+def _shared_prefix_attention(module, query, key, value, segments, dropout, scaling, **kwargs) -> torch.Tensor:
+    """Attention of a `SharedPrefixRow`: each segment's queries see its prefix (whole) and itself (causally)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    outs = []
+    for seg in segments:
+        a, b = seg.start, seg.end
+        if seg.mask is None:  # a segment without prefix: plain causal attention, the fused kernel
+            out, _ = sdpa_attention_forward(
+                module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                dropout=dropout, scaling=scaling, is_causal=True, **kwargs,
+            )  # fmt: skip
+        else:
+            pa, pb = seg.prefix
+            k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)
+            v = torch.cat([value[:, :, pa:pb], value[:, :, a:b]], dim=2)
+            out, _ = sdpa_attention_forward(
+                module, query[:, :, a:b], k, v, seg.mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
+            )
+        outs.append(out)  # [1, t, heads, head_dim]
+    return torch.cat(outs, dim=1)
 
 
 def register_packed_sdpa() -> None:
@@ -158,6 +195,92 @@ def packed_forward(
         max_length_k=max_len,
         use_cache=False,
         logits_to_keep=0 if keep is None else keep,
+    )
+    return out.logits[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared prompts: a GRPO group's prompt computed once
+
+
+@dataclass
+class Segment:
+    """A run of a `SharedPrefixRow`: tokens [start, end) that attend to the tokens `prefix` = [pa, pb) (all of
+    them) and to themselves causally; `mask` is that [1, 1, end - start, pb - pa + end - start] boolean mask, None
+    without a prefix (plain causal attention)."""
+
+    start: int
+    end: int
+    prefix: Tuple[int, int] = (0, 0)
+    mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class SharedPrefixRow:
+    """A packed row rewritten so that sequences with the same prompt share one copy of it (`share_prompts`).
+
+    `input_ids` and `position_ids` [N] are the new row; `segments` its attention layout; `pred_of` [T] maps each
+    position t of the original packed row to the position of the new row whose logits predict token t (-1 where
+    nothing does: a sequence's first token)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: List[Segment]
+    pred_of: torch.Tensor
+
+
+def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Optional[SharedPrefixRow]:
+    """The packed row with each distinct prompt once, or None when no two sequences share one.
+
+    A sequence's prompt is everything before its first policy token (`policy`, the loss mask of the packed row);
+    sequences whose prompts are equal token for token (a GRPO group's samples) keep one copy of it, and each one's
+    remainder attends to that copy. Every token keeps its position id, so the logits that predict each token are
+    those of the original row (up to float rounding).
+    """
+    ids = packed["input_ids"]
+    T = ids.shape[0]
+    bounds = torch.nonzero(packed["seq_start"]).flatten().tolist() + [T]
+    pol, ids_l = policy.bool().tolist(), ids.tolist()
+    groups: Dict[tuple, List[Tuple[int, int, int]]] = {}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        f = next((t for t in range(a + 1, b) if pol[t]), b)  # the first policy token (b: none)
+        groups.setdefault(tuple(ids_l[a:f]), []).append((a, f, b))
+    if len(groups) == len(bounds) - 1:
+        return None
+    take, segments, pred_of, n = [], [], [-1] * T, 0
+    for members in groups.values():
+        a0, f0, _ = members[0]
+        p0, P = n, f0 - a0
+        take.append((a0, f0))
+        segments.append(Segment(p0, p0 + P))
+        n += P
+        for a, f, b in members:
+            pred_of[a + 1 : f] = range(p0, p0 + P - 1)
+            if f == b:
+                continue
+            L = b - f
+            take.append((f, b))
+            mask = torch.ones(L, P + L, dtype=torch.bool, device=ids.device).tril(P).view(1, 1, L, P + L)
+            segments.append(Segment(n, n + L, (p0, p0 + P), mask))
+            pred_of[f:b] = [p0 + P - 1, *range(n, n + L - 1)]
+            n += L
+    index = torch.cat([torch.arange(a, b) for a, b in take]).to(ids.device)
+    return SharedPrefixRow(
+        input_ids=ids[index],
+        position_ids=packed["position_ids"][index],
+        segments=segments,
+        pred_of=torch.tensor(pred_of, dtype=torch.long, device=ids.device),
+    )
+
+
+def shared_prefix_forward(model: torch.nn.Module, row: SharedPrefixRow, keep: torch.Tensor) -> torch.Tensor:
+    """Logits [len(keep), V] at the positions `keep` of a `SharedPrefixRow` (the `packed_sdpa` attention only)."""
+    out = model(
+        input_ids=row.input_ids.unsqueeze(0),
+        position_ids=row.position_ids.unsqueeze(0),
+        use_cache=False,
+        logits_to_keep=keep,
+        **{SHARED_PREFIX_KW: row.segments},
     )
     return out.logits[0]
 

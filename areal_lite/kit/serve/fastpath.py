@@ -268,8 +268,15 @@ class FastRunner:
         self.model = model
         self.inner = model.model
         cpu = next(model.parameters()).device.type == "cpu"
-        # oneDNN copies (weights held twice) on CPU: decode batches of 8-256 rows; the lm_head at any size
-        packed = cpu and torch.backends.mkldnn.is_available()
+        # oneDNN copies (weights held twice) on CPU: decode batches of 8-256 rows; the lm_head at any size. oneDNN
+        # packs bf16 weights only where the CPU has bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere
+        # it raises, so bf16 there runs the plain matmuls.
+        dtype = model.model.embed_tokens.weight.dtype
+        packed = (
+            cpu
+            and torch.backends.mkldnn.is_available()
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        )
         self.layers = [_Layer(layer, cpu, PACKED_ROWS if packed else None) for layer in self.inner.layers]
         if cpu:  # before the lm_head's `_Linear` takes its weight
             _own_unfused_weights(model, self.layers)

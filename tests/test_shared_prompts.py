@@ -1,0 +1,138 @@
+"""Shared prompts: a GRPO group's prompt runs once per forward pass, and nothing a loss sees changes.
+
+`packing.share_prompts` rewrites a packed row so that sequences with equal prompts keep one copy of it; the actor
+uses it in `compute_logp` and in the update (`FSDPPPOActor.share_prompts`, on by default). These tests compare it
+with the plain packed row on the tiny float64 model: the layout itself, the logits at every position, and a whole
+PPO step (weights, statistics, log-probs) with sharing on and off, for full fine-tuning and LoRA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig
+from areal_lite.engine.fsdp_engine import FSDPPPOActor
+from areal_lite.engine.fsdp_utils.packing import pack_rows, packed_forward, share_prompts, shared_prefix_forward
+
+
+def grouped_batch(vocab: int, seed: int = 0) -> dict:
+    """Two groups of 3 samples sharing a prompt each, one lone prompt, a row without policy tokens, and a
+    multi-turn sample (policy tokens, then tool tokens, then policy tokens) inside the first group."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list:
+        return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+    rows = []  # (token ids, loss mask)
+    for prompt_len, n in ((5, 3), (7, 3), (4, 1)):
+        prompt = rand(prompt_len)
+        for j in range(n):
+            completion = rand(2 + j)
+            rows.append((prompt + completion, [0] * prompt_len + [1] * len(completion)))
+    ids, lm = rows[1]
+    rows[1] = (ids + rand(3) + rand(2), lm + [0] * 3 + [1] * 2)  # a tool result, then the answer
+    rows.append((rand(6), [0] * 6))  # nothing to train on
+    L = max(len(r[0]) for r in rows)
+    B = len(rows)
+    batch = {
+        "input_ids": torch.zeros(B, L, dtype=torch.long),
+        "attention_mask": torch.zeros(B, L, dtype=torch.bool),
+        "loss_mask": torch.zeros(B, L, dtype=torch.long),
+        "rewards": torch.randint(0, 2, (B,), generator=g).double(),
+    }
+    for i, (ids, lm) in enumerate(rows):
+        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        batch["attention_mask"][i, : len(ids)] = True
+        batch["loss_mask"][i, : len(ids)] = torch.tensor(lm)
+    return batch
+
+
+def packed_of(batch: dict) -> dict:
+    return pack_rows(batch, list(range(batch["input_ids"].shape[0])), ["loss_mask"], torch.device("cpu"))
+
+
+def test_layout_keeps_one_copy_of_each_prompt(vocab):
+    batch = grouped_batch(vocab)
+    packed = packed_of(batch)
+    row = share_prompts(packed, packed["loss_mask"].bool())
+    T = packed["input_ids"].shape[0]
+    # 5 + 7 + 4 prompt tokens once, every completion whole, the policy-free row whole (its "prompt")
+    completions = int(batch["attention_mask"].sum()) - (3 * 5 + 3 * 7 + 4 + 6)
+    assert row.input_ids.shape[0] == 5 + 7 + 4 + 6 + completions < T
+    # 4 prompts (one is the policy-free row) + 7 completions, each completion attending to its prompt
+    assert len(row.segments) == 4 + 7
+    assert sum(seg.mask is not None for seg in row.segments) == 7
+    # every token but a sequence's first has a predictor, and it predicts the same token id position-wise
+    starts = packed["seq_start"]
+    assert bool((row.pred_of[starts] == -1).all()) and bool((row.pred_of[~starts] >= 0).all())
+    assert torch.equal(row.position_ids[row.pred_of[~starts]], packed["position_ids"][~starts] - 1)
+
+
+def test_nothing_shared_gives_none(vocab):
+    batch = grouped_batch(vocab)
+    lone = [0, 3, 6, 7]  # one sample of each prompt, and the policy-free row
+    packed = pack_rows(batch, lone, ["loss_mask"], torch.device("cpu"))
+    assert share_prompts(packed, packed["loss_mask"].bool()) is None
+
+
+def test_logits_at_every_position_equal_the_plain_row(tiny_model_path, vocab):
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
+    packed = packed_of(grouped_batch(vocab))
+    row = share_prompts(packed, packed["loss_mask"].bool())
+    targets = torch.nonzero(~packed["seq_start"]).flatten()
+    with torch.no_grad():
+        plain = packed_forward(actor.model, packed, keep=targets - 1)
+        shared = shared_prefix_forward(actor.model, row, row.pred_of[targets])
+    torch.testing.assert_close(shared, plain, rtol=1e-10, atol=1e-10)
+    actor.destroy()
+
+
+def actor_cfg(path: str, **kw) -> PPOActorConfig:
+    # SGD with lr 1 and no clipping: the weights' change is the gradient itself
+    opt = OptimizerConfig(type="sgd", lr=1.0, gradient_clipping=0.0)
+    return PPOActorConfig(path=path, dtype="float64", device="cpu", optimizer=opt, threads=1, **kw)
+
+
+def ppo_step(path: str, batch: dict, share: bool, monkeypatch, **kw) -> tuple:
+    """compute_logp, then one PPO step: (log-probs, stats, initial and final weights, shared forwards in the step)."""
+    import areal_lite.engine.fsdp_engine as fsdp_engine
+
+    actor = FSDPPPOActor(actor_cfg(path, **kw)).initialize()
+    actor.share_prompts = share
+    batch = {k: v.clone() for k, v in batch.items()}
+    logp = actor.compute_logp(batch)
+    g = torch.Generator().manual_seed(3)
+    batch["logprobs"] = torch.where(batch["loss_mask"].bool(), logp + 0.3 * torch.randn(logp.shape, generator=g), 0)
+    actor.compute_advantages(batch)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return shared_prefix_forward(*args, **kwargs)
+
+    monkeypatch.setattr(fsdp_engine, "shared_prefix_forward", counted)
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters() if p.requires_grad}
+    stats = actor.ppo_update(batch)
+    after = {n: p.detach().clone() for n, p in actor.model.named_parameters() if p.requires_grad}
+    monkeypatch.undo()
+    actor.destroy()
+    return logp, stats, before, after, len(calls)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_ppo_step_is_the_same_with_and_without_sharing(tiny_model_path, vocab, lora, monkeypatch):
+    kw = dict(use_lora=True, lora_rank=4, lora_alpha=8) if lora else {}
+    batch = grouped_batch(vocab)
+    logp_a, stats_a, before, after_a, shared_a = ppo_step(tiny_model_path, batch, True, monkeypatch, **kw)
+    logp_b, stats_b, _, after_b, shared_b = ppo_step(tiny_model_path, batch, False, monkeypatch, **kw)
+    assert (shared_a, shared_b) == (1, 0)  # one micro-batch, its prompts shared only where asked
+    torch.testing.assert_close(logp_a, logp_b, rtol=1e-10, atol=1e-10)
+    for key in ("loss", "approx_kl", "clip_frac", "entropy", "grad_norm", "n_tokens"):
+        assert stats_a[key] == pytest.approx(stats_b[key], rel=1e-6, abs=1e-9), key
+    assert after_a.keys() == after_b.keys() and after_a
+    assert any(not torch.equal(before[n], after_a[n]) for n in before)  # the step moved the weights
+    for name in after_a:
+        # RMSNorm computes in float32 even in a float64 model, and the shared prompt sums its samples'
+        # gradients in another order: agreement is to float32 rounding, far below the step itself
+        torch.testing.assert_close(after_a[name], after_b[name], rtol=1e-6, atol=1e-7, msg=name)
