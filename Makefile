@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks areal-run lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl areal-run lab bench exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -41,6 +41,8 @@ help:
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
 	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 07's export, 2 steps + a resumed one (~5 min)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
+	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
+	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~30+ min; runs make trl first)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -125,8 +127,9 @@ soak: $(DEVSTAMP)
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
 
+# vs_trl.py needs TRL's venv: `make bench-trl`.
 bench: $(STAMP)
-	for f in bench/[!_]*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	for f in bench/[!_]*.py; do [ $$f = bench/vs_trl.py ] && continue; echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 exercises: $(STAMP)
 	$(BIN)/python tools/make_exercises.py
@@ -153,6 +156,21 @@ vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
 	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/0*.ipynb
+
+# TRL is opt-in too: its own venv (it brings its own transformers, accelerate, datasets), used by bench/vs_trl.py only.
+TRL_VENV ?= .venv-trl
+
+$(TRL_VENV)/.installed:
+	PY=$(PY) TRL_VENV=$(TRL_VENV) bash tools/install_trl.sh
+
+trl: $(TRL_VENV)/.installed
+
+# The kit's demo against TRL's GRPOTrainer on the same data, prompts, reward and hyperparameters, runs alternating,
+# both using the whole CPU (~30+ min on 2 cores for 3 repeats of 16 steps each): bench/results/vs_trl.json.
+BENCH_TRL_ARGS ?= --repeats 3 --steps 16
+bench-trl: $(TRL_VENV)/.installed $(STAMP)
+	$(BIN)/python -m areal_lite.kit.prepare
+	PYTHONPATH=. $(BIN)/python bench/vs_trl.py $(BENCH_TRL_ARGS) --trl-python $(TRL_VENV)/bin/python
 
 # AReaL's own trainer on notebook 07's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
 # AReaL's checkpoint and trains step 3. Executes notebook 07 first when runs/areal_export has no export yet.
