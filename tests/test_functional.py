@@ -31,6 +31,16 @@ def test_next_token_logp_is_the_shift_and_scatter_agrees():
     keep = torch.zeros(T, dtype=torch.bool)
     keep[pred + 1] = True
     torch.testing.assert_close(got, torch.where(keep, lp, torch.zeros(())))
+    # the update's one-pass version: the same log-probs (and gradient), and each row's entropy
+    rows = logits[pred].clone().requires_grad_(True)
+    both, ent = fn.scatter_logp_and_entropy(rows, ids, pred, temperature=0.5)
+    torch.testing.assert_close(both, got)
+    torch.testing.assert_close(ent.float(), fn.entropy(logits[pred], 0.5))
+    assert not ent.requires_grad
+    (grad,) = torch.autograd.grad(both.sum(), rows)
+    ref = logits[pred].clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(fn.scatter_next_token_logp(ref, ids, pred, 0.5).sum(), ref)
+    torch.testing.assert_close(grad, want)
 
 
 def test_entropy_of_uniform_and_one_hot():

@@ -60,9 +60,9 @@ def test_layout_keeps_one_copy_of_each_prompt(vocab):
     # 5 + 7 + 4 prompt tokens once, every completion whole, the policy-free row whole (its "prompt")
     completions = int(batch["attention_mask"].sum()) - (3 * 5 + 3 * 7 + 4 + 6)
     assert row.input_ids.shape[0] == 5 + 7 + 4 + 6 + completions < T
-    # 4 prompts (one is the policy-free row) + 7 completions, each completion attending to its prompt
-    assert len(row.segments) == 4 + 7
-    assert sum(seg.mask is not None for seg in row.segments) == 7
+    # 4 prompts (one is the policy-free row), 7 completions, each completion attending to its prompt
+    assert [bucket.q_idx.shape[0] for bucket in row.buckets] == [4, 7]
+    assert sorted(row.out_idx.tolist()) == sorted(set(row.out_idx.tolist()))  # each output read once
     # every token but a sequence's first has a predictor, and it predicts the same token id position-wise
     starts = packed["seq_start"]
     assert bool((row.pred_of[starts] == -1).all()) and bool((row.pred_of[~starts] >= 0).all())

@@ -107,13 +107,13 @@ from areal_lite.engine.fsdp_utils.weights import (
     write_hf_folder,
 )
 from areal_lite.utils.functional import (
-    entropy,
     grpo_advantages,
     kl_rewards,
     normalize,
     normalize_turn_returns,
     policy_mask,
     ppo_token_loss,
+    scatter_logp_and_entropy,
     scatter_next_token_logp,
     shape_rewards,
 )
@@ -523,10 +523,11 @@ class _TrainEngine:
     def _policy_logp(
         self, model: torch.nn.Module, packed: Dict[str, torch.Tensor], mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [T] of the tokens where `mask` is set, 0 elsewhere; the logits [K, V] that predicted them)."""
+        """(log-probs [T] of the tokens where `mask` is set, 0 elsewhere; the K entropies of the distributions
+        that predicted them, detached)."""
         pred = torch.nonzero(mask[1:]).flatten()  # position t-1 predicts token t
         logits = self._logits_for(model, packed, pred + 1, mask)
-        return scatter_next_token_logp(logits, packed["input_ids"], pred, self.config.temperature), logits
+        return scatter_logp_and_entropy(logits, packed["input_ids"], pred, self.config.temperature)
 
     def _dummy_forward_backward(self, model: torch.nn.Module, backward: bool) -> None:
         """Keep FSDP collectives in step when this rank has fewer micro-batches than another."""
@@ -967,9 +968,7 @@ class FSDPPPOActor(_TrainEngine):
         """Forward and backward of one packed micro-batch: its loss times its share of the step's weight."""
         cfg = self.config
         m = packed["loss_mask"].bool()
-        logp, logits = self._policy_logp(self.model, packed, m)
-        with torch.no_grad():
-            entropies = entropy(logits.detach(), cfg.temperature)  # one row per policy token
+        logp, entropies = self._policy_logp(self.model, packed, m)  # an entropy per policy token
         token_entropy = torch.zeros_like(logp, requires_grad=False).masked_scatter(m, entropies.to(logp.dtype))
         if "prox_logp" not in packed:
             # One optimizer step: the weights of this forward pass are the proximal policy, so their detached

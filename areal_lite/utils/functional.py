@@ -166,6 +166,18 @@ def scatter_next_token_logp(
     return lp.new_zeros(input_ids.shape[0]).index_put((pred + 1,), lp)
 
 
+def scatter_logp_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, pred: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scatter_next_token_logp` and `entropy` (detached) from one log-softmax of the K rows of logits: the update
+    needs both, and each pass over a [K, vocabulary] tensor costs as much as a small layer."""
+    logp_all = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
+    lp = logp_all.gather(-1, input_ids[pred + 1].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    return lp.new_zeros(input_ids.shape[0]).index_put((pred + 1,), lp), ent
+
+
 def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of each row's next-token distribution (reported, never trained on)."""
     logp = (logits.float() / temperature).log_softmax(-1)

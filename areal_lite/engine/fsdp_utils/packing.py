@@ -13,11 +13,12 @@ Design decisions, and why
   mask, work = sum of squared sequence lengths). Calls without `cu_seq_lens_q` (a padded batch) fall through to
   transformers' own sdpa with its usual mask. `tests/test_actor.py` checks packed log-probs equal per-sequence ones.
 - Shared prompts (`share_prompts`): sequences whose prompts (the tokens before the first policy token) are equal
-  keep one copy of it in the packed row; each remainder becomes a segment that attends to the whole copy and to
-  itself causally (an explicit [t, prompt + t] mask, the one place a mask is built), so a GRPO group of n samples
-  runs its prompt once instead of n times. Position ids are kept, so every token is computed as in the plain row.
-  The layout travels to the attention as a model keyword (`shared_prefix_segments`), which transformers passes
-  through to every attention call.
+  keep one copy of it in the packed row; each remainder attends to the whole copy and to itself causally, so a
+  GRPO group of n samples runs its prompt once instead of n times. Position ids are kept, so every token is
+  computed as in the plain row. The attention gathers the prompts into one padded batch and the remainders into
+  another (explicit masks, the one place masks are built), two sdpa calls per layer instead of one per sequence:
+  per-sequence slices cost a zero-filled gradient buffer each in the backward. The layout travels to the attention
+  as a model keyword (`shared_prefix_row`), which transformers passes through to every attention call.
 - Rows go into micro-batches by first-fit-decreasing under `mb_spec.max_tokens_per_mb`, with at least
   `mb_spec.n_mbs` micro-batches (`split_into_microbatches`): longest rows first fill the bins evenly. A row longer
   than the budget gets a micro-batch of its own; it is never split, since a cut sequence would lose the context its
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 PACKED_SDPA = "packed_sdpa"
-SHARED_PREFIX_KW = "shared_prefix_segments"  # the model kwarg that carries a SharedPrefixRow's segments
+SHARED_PREFIX_KW = "shared_prefix_row"  # the model kwarg that carries a SharedPrefixRow's attention layout
 INT_KEYS = ("input_ids", "loss_mask", "versions")
 
 
@@ -68,12 +69,12 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     """transformers attention function: causal sdpa per sequence of a packed row (see the module docstring)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    segments = kwargs.pop(SHARED_PREFIX_KW, None)
+    shared = kwargs.pop(SHARED_PREFIX_KW, None)
     cu = kwargs.pop("cu_seq_lens_q", None)
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(k, None)
-    if segments is not None:
-        return _shared_prefix_attention(module, query, key, value, segments, dropout, scaling, **kwargs), None
+    if shared is not None:
+        return _shared_prefix_attention(module, query, key, value, shared, dropout, scaling, **kwargs), None
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -95,27 +96,19 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(outs, dim=1), None
 
 
-def _shared_prefix_attention(module, query, key, value, segments, dropout, scaling, **kwargs) -> torch.Tensor:
-    """Attention of a `SharedPrefixRow`: each segment's queries see its prefix (whole) and itself (causally)."""
+def _shared_prefix_attention(module, query, key, value, layout, dropout, scaling, **kwargs) -> torch.Tensor:
+    """Attention of a `SharedPrefixRow`: one sdpa call per bucket of segments, gathered into a padded batch."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     outs = []
-    for seg in segments:
-        a, b = seg.start, seg.end
-        if seg.mask is None:  # a segment without prefix: plain causal attention, the fused kernel
-            out, _ = sdpa_attention_forward(
-                module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                dropout=dropout, scaling=scaling, is_causal=True, **kwargs,
-            )  # fmt: skip
-        else:
-            pa, pb = seg.prefix
-            k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)
-            v = torch.cat([value[:, :, pa:pb], value[:, :, a:b]], dim=2)
-            out, _ = sdpa_attention_forward(
-                module, query[:, :, a:b], k, v, seg.mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
-            )
-        outs.append(out)  # [1, t, heads, head_dim]
-    return torch.cat(outs, dim=1)
+    for bucket in layout.buckets:
+        # [1, heads, N, d] -> [segments, heads, Q or K, d]
+        q, k, v = (x[0][:, idx].transpose(0, 1) for x, idx in ((query, bucket.q_idx), (key, bucket.k_idx),
+                                                                 (value, bucket.k_idx)))  # fmt: skip
+        out, _ = sdpa_attention_forward(module, q, k, v, bucket.mask, dropout=dropout, scaling=scaling,
+                                        is_causal=False, **kwargs)  # fmt: skip
+        outs.append(out.flatten(0, 1))  # [segments * Q, heads, d]
+    return torch.cat(outs)[layout.out_idx].unsqueeze(0)
 
 
 def register_packed_sdpa() -> None:
@@ -204,29 +197,53 @@ def packed_forward(
 
 
 @dataclass
-class Segment:
-    """A run of a `SharedPrefixRow`: tokens [start, end) that attend to the tokens `prefix` = [pa, pb) (all of
-    them) and to themselves causally; `mask` is that [1, 1, end - start, pb - pa + end - start] boolean mask, None
-    without a prefix (plain causal attention)."""
+class AttentionBucket:
+    """Segments of a `SharedPrefixRow` attended in one sdpa call: segment i's queries are the row positions
+    `q_idx[i]` and its keys `k_idx[i]` (its prefix, then itself), both padded to the bucket's widest; `mask`
+    [S, 1, Q, K] lets each query see the whole prefix and itself causally (a padding query sees one key, so that
+    no softmax row is empty; its output is never read)."""
 
-    start: int
-    end: int
-    prefix: Tuple[int, int] = (0, 0)
-    mask: Optional[torch.Tensor] = None
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass
 class SharedPrefixRow:
     """A packed row rewritten so that sequences with the same prompt share one copy of it (`share_prompts`).
 
-    `input_ids` and `position_ids` [N] are the new row; `segments` its attention layout; `pred_of` [T] maps each
-    position t of the original packed row to the position of the new row whose logits predict token t (-1 where
-    nothing does: a sequence's first token)."""
+    `input_ids` and `position_ids` [N] are the new row. Its attention: each prompt causally, each remainder over
+    its prompt and itself causally, in `buckets` (prompts, remainders); `out_idx` [N] picks each position's output
+    from the buckets' outputs, flattened and concatenated. `pred_of` [T] maps each position t of the original packed
+    row to the position of the new row whose logits predict token t (-1 where nothing does: a sequence's first
+    token)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    segments: List[Segment]
+    buckets: List[AttentionBucket]
+    out_idx: torch.Tensor
     pred_of: torch.Tensor
+
+
+def _bucket(segments: List[Tuple[int, int, int, int]], offset: int, out_idx: List[int], device) -> AttentionBucket:
+    """One `AttentionBucket` of segments (prefix start, prefix end, start, end); fills `out_idx` for their
+    positions, their outputs starting at `offset` of the concatenated outputs."""
+    Q = max(b - a for _, _, a, b in segments)
+    K = max(pb - pa + b - a for pa, pb, a, b in segments)
+    S = len(segments)
+    q_idx = torch.zeros(S, Q, dtype=torch.long)
+    k_idx = torch.zeros(S, K, dtype=torch.long)
+    mask = torch.zeros(S, 1, Q, K, dtype=torch.bool)
+    for i, (pa, pb, a, b) in enumerate(segments):
+        P, L = pb - pa, b - a
+        q_idx[i] = a
+        q_idx[i, :L] = torch.arange(a, b)
+        k_idx[i] = a
+        k_idx[i, : P + L] = torch.cat([torch.arange(pa, pb), torch.arange(a, b)])
+        mask[i, 0, :L, : P + L] = torch.ones(L, P + L, dtype=torch.bool).tril(P)
+        mask[i, 0, L:, 0] = True  # padding queries: one key, never read
+        out_idx[a:b] = range(offset + i * Q, offset + i * Q + L)
+    return AttentionBucket(q_idx.to(device), k_idx.to(device), mask.to(device))
 
 
 def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Optional[SharedPrefixRow]:
@@ -247,28 +264,30 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
         groups.setdefault(tuple(ids_l[a:f]), []).append((a, f, b))
     if len(groups) == len(bounds) - 1:
         return None
-    take, segments, pred_of, n = [], [], [-1] * T, 0
+    take, prompts, tails, pred_of, n = [], [], [], [-1] * T, 0
     for members in groups.values():
         a0, f0, _ = members[0]
         p0, P = n, f0 - a0
         take.append((a0, f0))
-        segments.append(Segment(p0, p0 + P))
+        prompts.append((p0, p0, p0, p0 + P))
         n += P
         for a, f, b in members:
             pred_of[a + 1 : f] = range(p0, p0 + P - 1)
-            if f == b:
-                continue
-            L = b - f
-            take.append((f, b))
-            mask = torch.ones(L, P + L, dtype=torch.bool, device=ids.device).tril(P).view(1, 1, L, P + L)
-            segments.append(Segment(n, n + L, (p0, p0 + P), mask))
-            pred_of[f:b] = [p0 + P - 1, *range(n, n + L - 1)]
-            n += L
+            if f < b:
+                take.append((f, b))
+                tails.append((p0, p0 + P, n, n + b - f))
+                pred_of[f:b] = [p0 + P - 1, *range(n, n + b - f - 1)]
+                n += b - f
+    out_idx = [0] * n
+    buckets = [_bucket(prompts, 0, out_idx, ids.device)]
+    if tails:
+        buckets.append(_bucket(tails, buckets[0].q_idx.numel(), out_idx, ids.device))
     index = torch.cat([torch.arange(a, b) for a, b in take]).to(ids.device)
     return SharedPrefixRow(
         input_ids=ids[index],
         position_ids=packed["position_ids"][index],
-        segments=segments,
+        buckets=buckets,
+        out_idx=torch.tensor(out_idx, dtype=torch.long, device=ids.device),
         pred_of=torch.tensor(pred_of, dtype=torch.long, device=ids.device),
     )
 
@@ -280,7 +299,7 @@ def shared_prefix_forward(model: torch.nn.Module, row: SharedPrefixRow, keep: to
         position_ids=row.position_ids.unsqueeze(0),
         use_cache=False,
         logits_to_keep=keep,
-        **{SHARED_PREFIX_KW: row.segments},
+        **{SHARED_PREFIX_KW: row},
     )
     return out.logits[0]
 
