@@ -11,9 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig
+from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
 from areal_lite.engine.fsdp_engine import FSDPPPOActor
-from areal_lite.engine.fsdp_utils.packing import pack_rows, packed_forward, share_prompts, shared_prefix_forward
+from areal_lite.engine.fsdp_utils.packing import (
+    pack_rows,
+    packed_forward,
+    prompt_groups,
+    share_prompts,
+    shared_prefix_forward,
+)
 
 
 def grouped_batch(vocab: int, seed: int = 0) -> dict:
@@ -135,4 +141,29 @@ def test_a_ppo_step_is_the_same_with_and_without_sharing(tiny_model_path, vocab,
     for name in after_a:
         # RMSNorm computes in float32 even in a float64 model, and the shared prompt sums its samples'
         # gradients in another order: agreement is to float32 rounding, far below the step itself
+        torch.testing.assert_close(after_a[name], after_b[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_prompt_groups_keep_groups_whole_and_cut_oversize_ones():
+    a, b = (1, 2, 3), (4, 5)
+    prompts, lengths = [a, b, a, a, b], [5, 4, 6, 7, 3]
+    # a: prompt 3 + tails 2, 3, 4; b: prompt 2 + tails 2, 1
+    assert prompt_groups(prompts, lengths, budget=100) == [([0, 2, 3], 12), ([1, 4], 5)]
+    # a's 12 shared tokens exceed 8: cut into parts that fit, each with its own prompt copy
+    assert prompt_groups(prompts, lengths, budget=8) == [([0, 2], 8), ([3], 7), ([1, 4], 5)]
+    assert prompt_groups(prompts, lengths, budget=1) == [([0], 5), ([2], 6), ([3], 7), ([1], 4), ([4], 3)]
+
+
+def test_microbatches_keep_each_group_together_and_give_the_same_step(tiny_model_path, vocab, monkeypatch):
+    batch = grouped_batch(vocab)
+    tight = MicroBatchSpec(max_tokens_per_mb=30)  # each group fits, the two groups together do not
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, mb_spec=tight)).initialize()
+    mbs = actor._microbatches(batch, range(batch["input_ids"].shape[0]))
+    actor.destroy()
+    # shared sizes: group 0 is 19 tokens, group 1 16, the lone prompt 6, the policy-free row 6
+    assert len(mbs) == 2 and all(any(set(group) <= set(mb) for mb in mbs) for group in ([0, 1, 2], [3, 4, 5]))
+    _, stats_a, _, after_a, _ = ppo_step(tiny_model_path, batch, True, monkeypatch, mb_spec=tight)
+    _, stats_b, _, after_b, _ = ppo_step(tiny_model_path, batch, False, monkeypatch)
+    assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6)
+    for name in after_a:
         torch.testing.assert_close(after_a[name], after_b[name], rtol=1e-6, atol=1e-7, msg=name)

@@ -88,6 +88,7 @@ from areal_lite.engine.fsdp_utils.packing import (
     join_trajectories,
     pack_rows,
     packed_forward,
+    prompt_groups,
     register_packed_sdpa,
     share_prompts,
     shared_prefix_forward,
@@ -542,13 +543,28 @@ class _TrainEngine:
         mine = list(rows)[self._rank :: self._world]
         valid = batch["attention_mask"].bool()
         lengths = [int(valid[i].sum()) for i in mine]
-        mbs = [[mine[j] for j in mb] for mb in split_into_microbatches(lengths, self.config.mb_spec)]
+        if self.share_prompts and "loss_mask" in batch:
+            # A group in one micro-batch runs its prompt once ("Shared prompts"); the budget counts it once.
+            budget = self.config.mb_spec.max_tokens_per_mb or math.inf
+            items = prompt_groups([self._prompt_of(batch, i) for i in mine], lengths, budget)
+        else:
+            items = [([j], n) for j, n in enumerate(lengths)]
+        bins = split_into_microbatches([size for _, size in items], self.config.mb_spec)
+        mbs = [sorted(mine[j] for k in mb for j in items[k][0]) for mb in bins]
         dist = _dist()
         if dist is not None and self._world > 1:
             n = torch.tensor([len(mbs)], dtype=torch.long, device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             mbs += [[] for _ in range(int(n.item()) - len(mbs))]
         return mbs
+
+    @staticmethod
+    def _prompt_of(batch: Dict[str, torch.Tensor], row: int) -> tuple:
+        """A row's prompt: its tokens before the first one the loss covers (`share_prompts`' definition)."""
+        valid = int(batch["attention_mask"][row].sum())
+        policy = torch.nonzero(batch["loss_mask"][row, 1:valid]).flatten()  # a first token is never predicted
+        first = 1 + int(policy[0]) if len(policy) else valid
+        return tuple(batch["input_ids"][row, :first].tolist())
 
     @torch.no_grad()
     def _logp_of(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,8 @@ Design decisions, and why
   another (explicit masks, the one place masks are built), two sdpa calls per layer instead of one per sequence:
   per-sequence slices cost a zero-filled gradient buffer each in the backward. The layout travels to the attention
   as a model keyword (`shared_prefix_row`), which transformers passes through to every attention call.
+  Micro-batches then keep a group together (`prompt_groups`), and the token budget counts a shared prompt once:
+  it measures the packed row that runs.
 - Rows go into micro-batches by first-fit-decreasing under `mb_spec.max_tokens_per_mb`, with at least
   `mb_spec.n_mbs` micro-batches (`split_into_microbatches`): longest rows first fill the bins evenly. A row longer
   than the budget gets a micro-batch of its own; it is never split, since a cut sequence would lose the context its
@@ -45,6 +47,7 @@ __all__ = [
     "packed_sdpa_attention",
     "register_packed_sdpa",
     "split_into_microbatches",
+    "prompt_groups",
     "pack_rows",
     "packed_forward",
     "share_prompts",
@@ -144,6 +147,27 @@ def split_into_microbatches(lengths: Sequence[int], mb_spec: MicroBatchSpec) -> 
         bins[b].append(i)
         loads[b] += lengths[i]
     return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def prompt_groups(prompts: Sequence[tuple], lengths: Sequence[int], budget: float) -> List[Tuple[List[int], int]]:
+    """Rows with equal prompts as items for `split_into_microbatches`: (row indices, tokens once the prompt is
+    shared). A group whose shared size exceeds `budget` is cut into consecutive parts that fit (a part holds at
+    least one row), each part keeping its own copy of the prompt."""
+    by_prompt: Dict[tuple, List[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_prompt.setdefault(prompt, []).append(i)
+    items = []
+    for prompt, rows in by_prompt.items():
+        P = len(prompt)
+        part, size = [], P
+        for i in rows:
+            if part and size + lengths[i] - P > budget:
+                items.append((part, size))
+                part, size = [], P
+            part.append(i)
+            size += lengths[i] - P
+        items.append((part, size))
+    return items
 
 
 def pack_rows(
