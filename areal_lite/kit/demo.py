@@ -1,4 +1,4 @@
-"""`make demo`: GRPO on a real chat model, on a CPU, in about five minutes.
+"""`make demo`: GRPO on a real chat model, on a CPU, in about four minutes (three of them training).
 
     python -m areal_lite.kit.demo [key=value overrides]      # e.g. total_train_steps=4
 
