@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from _bench import load_bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, uses sched_setaffinity")
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "rollout_throughput", os.path.join(ROOT, "bench", "rollout_throughput.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_bench("rollout_throughput")
 
 
 def test_cpu_lists_round_trip():

@@ -1,20 +1,17 @@
 """Tests for areal_lite.kit.rag: a real server subprocess over HTTP, request validation, the client, recall."""
 
 import asyncio
-import importlib.util
 import json
-import os
 import random
 import urllib.error
 import urllib.request
 
 import pytest
+from _bench import load_bench
 
 from areal_lite.dataset.factbook import build_factbook_corpus
 from areal_lite.kit.rag import MAX_BODY_BYTES, MAX_QUERIES, build_index, launch_rag_server, load_corpus
 from areal_lite.utils.search_tool import SearchToolError, call_search_tool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -236,17 +233,8 @@ def test_dense_retriever_small_corpus_and_cache(tmp_path):
 
 
 # ----------------------------------------------------------------------------- retrieval quality
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "retrieval_recall", os.path.join(ROOT, "bench", "retrieval_recall.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bm25_recall_on_factbook_qa():
-    bench = _bench()
+    bench = load_bench("retrieval_recall")
     path, _, qa = bench.load_factbook()
     index = build_index(path, "bm25")
     # The target: answer-recall@5 >= 0.95 over the whole QA set (all templates, ~850 questions, ~10 s).
