@@ -85,7 +85,10 @@ CONFIG_ENV = ("AREAL_LITE_OVERRIDES", "AREAL_LITE_PROFILE")
 
 
 def overrides(args) -> list[str]:
-    return [f"total_train_steps={args.steps}", f"actor.threads={args.threads}", f"embedded.threads={args.threads}"]
+    # evaluator.freq_steps=0: held-out accuracy only before and after, as on TRL's side (the demo also evaluates
+    # half-way, which would run inside a step's clock)
+    return [f"total_train_steps={args.steps}", f"actor.threads={args.threads}", f"embedded.threads={args.threads}",
+            "evaluator.freq_steps=0"]  # fmt: skip
 
 
 def load_config(args):

@@ -262,3 +262,17 @@ def test_demo_config_loads_strictly():
         assert config.actor.group_size == config.gconfig.n_samples == 8
         assert config.actor.reward_norm.group_size == 8
         assert config.train_dataset.type == "arith" and config.valid_dataset.split == "test"
+
+
+def test_demo_prints_accuracy_by_minutes_of_training():
+    """The demo's summary line: each evaluation with the training time before it, evaluations' own time left out
+    (the one before training is not inside a step's clock; later ones are)."""
+    from areal_lite.kit.demo import accuracy_by_step
+
+    stats = [
+        {"step": 0, "time/step": 30.0, "time/eval": 5.0, "eval_accuracy_before": 0.44},  # the "before" eval's time
+        {"step": 1, "time/step": 36.0, "time/eval": 6.0, "eval_accuracy": 0.8},
+        {"step": 2, "time/step": 30.0},
+        {"step": 3, "time/step": 36.0, "time/eval": 6.0, "eval_accuracy": 0.96},
+    ]
+    assert accuracy_by_step(stats) == "0: 0.44 (0.0), 2: 0.80 (1.0), 4: 0.96 (2.0)"

@@ -51,12 +51,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     after = stats[-1].get("eval_accuracy", float("nan"))
     print()
     print(f"rewards by step: {[round(s['reward'], 2) for s in stats]}")
+    print(f"greedy accuracy after N steps (minutes of training): {accuracy_by_step(stats)}")
     print(
         f"greedy accuracy on {config.evaluator.size} held-out problems: {before:.2f} -> {after:.2f} "
         f"({after - before:+.2f}) in {minutes:.1f} min"
     )
     print(f"reward curve: {os.path.join(run_dir, 'reward_curve.png')}")
     return 0
+
+
+def accuracy_by_step(stats: List[dict]) -> str:
+    """'0: 0.44 (0.0), 8: ... (1.5), 16: ...' from the per-step stats: each held-out evaluation with the minutes of
+    training before it (step times without the evaluations themselves)."""
+    parts = [f"0: {stats[0].get('eval_accuracy_before', float('nan')):.2f} (0.0)"]
+    seconds = 0.0
+    for i, s in enumerate(stats):
+        seconds += s["time/step"] - (s.get("time/eval", 0.0) if i > 0 or "eval_accuracy" in s else 0.0)
+        if "eval_accuracy" in s:
+            parts.append(f"{s['step'] + 1}: {s['eval_accuracy']:.2f} ({seconds / 60:.1f})")
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":
