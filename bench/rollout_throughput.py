@@ -68,11 +68,9 @@ import datetime
 import glob
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -505,24 +503,6 @@ def summarize(block: dict, repeats: int, vllm_note: str) -> None:
         print(f"  done-when: embedded >= {bar:.1f}x {target} in tok/s: not measured (no {target} row)")
 
 
-def git_state(tree: str) -> dict:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", tree, *a], capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def write_json(path: str, result: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -564,6 +544,7 @@ def main() -> Optional[int]:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from _machine import cpu_model, git_state
     from _models import bench_model_path
     from transformers import AutoTokenizer
 

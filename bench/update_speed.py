@@ -54,6 +54,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig  # noqa: E402
@@ -177,11 +178,6 @@ def main() -> int:
     for actor in {id(a): a for _, a, _ in rows}.values():
         actor.destroy()
     return 0
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -381,26 +380,6 @@ def print_report(result: dict) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-        return sha + ("-dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -457,8 +436,11 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     import importlib.metadata as md
 
+    from _machine import cpu_model, git_state
+
+    source = git_state(ROOT)
     result = {
-        "commit": git_commit(),
+        "commit": source["commit"] + ("-dirty" if source["dirty"] else ""),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
