@@ -88,6 +88,7 @@ from areal_lite.engine.fsdp_utils.packing import (
     join_trajectories,
     pack_rows,
     packed_forward,
+    prompt_end,
     prompt_groups,
     register_packed_sdpa,
     share_prompts,
@@ -562,9 +563,8 @@ class _TrainEngine:
     def _prompt_of(batch: Dict[str, torch.Tensor], row: int) -> tuple:
         """A row's prompt: its tokens before the first one the loss covers (`share_prompts`' definition)."""
         valid = int(batch["attention_mask"][row].sum())
-        policy = torch.nonzero(batch["loss_mask"][row, 1:valid]).flatten()  # a first token is never predicted
-        first = 1 + int(policy[0]) if len(policy) else valid
-        return tuple(batch["input_ids"][row, :first].tolist())
+        end = prompt_end(batch["loss_mask"][row, :valid].bool().tolist(), 0, valid)
+        return tuple(batch["input_ids"][row, :end].tolist())
 
     @torch.no_grad()
     def _logp_of(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -48,6 +48,7 @@ __all__ = [
     "register_packed_sdpa",
     "split_into_microbatches",
     "prompt_groups",
+    "prompt_end",
     "pack_rows",
     "packed_forward",
     "share_prompts",
@@ -270,6 +271,12 @@ def _bucket(segments: List[Tuple[int, int, int, int]], offset: int, out_idx: Lis
     return AttentionBucket(q_idx.to(device), k_idx.to(device), mask.to(device))
 
 
+def prompt_end(policy: Sequence[bool], start: int, end: int) -> int:
+    """Where the prompt of the sequence at positions [start, end) ends: at its first policy token (`end` if it has
+    none). A sequence's first token is never predicted, so it never counts."""
+    return next((t for t in range(start + 1, end) if policy[t]), end)
+
+
 def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Optional[SharedPrefixRow]:
     """The packed row with each distinct prompt once, or None when no two sequences share one.
 
@@ -284,7 +291,7 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
     pol, ids_l = policy.bool().tolist(), ids.tolist()
     groups: Dict[tuple, List[Tuple[int, int, int]]] = {}
     for a, b in zip(bounds[:-1], bounds[1:]):
-        f = next((t for t in range(a + 1, b) if pol[t]), b)  # the first policy token (b: none)
+        f = prompt_end(pol, a, b)
         groups.setdefault(tuple(ids_l[a:f]), []).append((a, f, b))
     if len(groups) == len(bounds) - 1:
         return None
