@@ -5,18 +5,22 @@
         [--no-lora] [--no-bf16] [--json bench/results/update_speed.json]
 
 The workload is one `FSDPPPOActor.ppo_update` (packed forward, backward, gradient clipping, AdamW step) of
-SmolLM2-135M-Instruct on one GRPO batch, the same every time: `--groups` random prompts of `--prompt` tokens, each
-with `--group-size` random completions of `--completion` policy tokens (the defaults are `make demo`'s batch:
-4 prompts x 8 samples, ~38 prompt and up to 16 new tokens). Rows:
+SmolLM2-135M-Instruct on one GRPO batch, the same every time: `--groups` random prompts of `--prompt` tokens, the
+first `--common-start` of them the same in every prompt (a chat template's system prompt), each with `--group-size`
+random completions of `--completion` policy tokens (the defaults are `make demo`'s batch: 4 prompts x 8 samples,
+38 prompt tokens of which 27 are the template's, up to 16 new tokens). Every row carries signal (no zero
+advantage), so no row is skipped. Rows:
 1. `float32, rows whole`: each row runs whole (`actor.share_prompts = False`): the update before prompts were
    shared, the reference the others are compared with;
-2. `float32 (default)`: what the kit trains with on a CPU without native bf16: each prompt runs once for its
-   group (`packing.share_prompts`);
-3. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`: float32 weights and AdamW state, forward
+2. `float32, group prompts once`: each group's prompt runs once, but the prompts' common start once per prompt
+   (the default until the common start was shared too);
+3. `float32 (default)`: what the kit trains with on a CPU without native bf16: each prompt runs once for its
+   group, and the prompts' common start once for all (`packing.share_prompts`);
+4. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`: float32 weights and AdamW state, forward
    passes under `torch.autocast("cpu", torch.bfloat16)` (forced, so the row exists on any CPU);
-4. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
+5. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
    the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
-5. `LoRA + bf16`: the same adapter under the bf16 autocast.
+6. `LoRA + bf16`: the same adapter under the bf16 autocast.
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
 per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
 the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same
@@ -33,10 +37,11 @@ Design decisions
   time the same work (the speed of a matmul does not depend on the values anyway).
 
 Measured on the 2-core AMD EPYC this was written on (AVX2, no native bf16, so `--no-bf16`), idle, defaults,
-3 repeats: float32 rows whole 12.29 s per update (11.85-12.67); float32 with shared prompts (the default) 5.65 s
-(5.38-6.15), 2.17x as fast; LoRA r16 5.05 s (4.57-5.21), 2.43x. Row 1 already has the other change made with
-shared prompts (log-probs and entropies from one log-softmax): against the update before both, the gain is a
-little larger. On this CPU matmuls are 64% of the default update (torch profiler), so what is left to gain here
+3 repeats, `--no-lora`: float32 rows whole 11.53 s per update (10.74-12.67); group prompts once 5.00 s
+(4.42-5.21), 2.30x as fast; the default, common start shared too, 4.66 s (4.55-5.05), 2.48x. An earlier run with
+LoRA rows (group prompts once as the default then): rows whole 12.29 s, default 5.65 s (2.17x), LoRA r16 5.05 s
+(2.43x). Row 1 already has the other change made with shared prompts (log-probs and entropies from one
+log-softmax): against the update before both, the gain is a little larger. On this CPU matmuls are 64% of the default update (torch profiler), so what is left to gain here
 without bf16 is small. bf16 autocast, forced on this CPU, was 3.7x slower than float32 (an earlier run, rows
 whole, under load).
 """
@@ -59,17 +64,23 @@ from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when 
 
 from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig  # noqa: E402
 from areal_lite.engine.fsdp_engine import CPU_BF16_ENV, FSDPPPOActor  # noqa: E402
+from areal_lite.engine.fsdp_utils import packing  # noqa: E402
 from areal_lite.utils.device import cpu_native_bf16  # noqa: E402
 
 BEFORE = "float32, rows whole"
 
 
-def make_batch(groups: int, group_size: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> dict:
-    """A GRPO batch: `groups` random prompts, each with `group_size` random completions (no padding)."""
+def make_batch(
+    groups: int, group_size: int, prompt: int, completion: int, vocab: int, common: int = 0, seed: int = 0
+) -> dict:
+    """A GRPO batch: `groups` random prompts, each beginning with the same `common` tokens (a chat template's
+    system prompt), each with `group_size` random completions (no padding). Rewards are uniform in [0, 1), so no
+    row's advantage is zero and none is skipped (`FSDPPPOActor.skip_silent_rows`): the update does all its work."""
     g = torch.Generator().manual_seed(seed)
+    start = torch.randint(10, vocab, (common,), generator=g)
     rows = []
     for _ in range(groups):
-        p = torch.randint(10, vocab, (prompt,), generator=g)
+        p = torch.cat([start, torch.randint(10, vocab, (prompt - common,), generator=g)])
         rows += [torch.cat([p, torch.randint(10, vocab, (completion,), generator=g)]) for _ in range(group_size)]
     ids = torch.stack(rows)
     loss_mask = torch.zeros_like(ids)
@@ -78,7 +89,7 @@ def make_batch(groups: int, group_size: int, prompt: int, completion: int, vocab
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids, dtype=torch.bool),
         "loss_mask": loss_mask,
-        "rewards": torch.randint(0, 2, (ids.shape[0],), generator=g).float(),
+        "rewards": torch.rand(ids.shape[0], generator=g),
     }
 
 
@@ -99,11 +110,18 @@ def build_actor(path: str, dtype: str, threads: int, lora_rank: int = 0) -> FSDP
             os.environ[CPU_BF16_ENV] = saved
 
 
-def one_update(actor: FSDPPPOActor, batch: dict, share: bool) -> float:
-    actor.share_prompts = share
-    stats = actor.ppo_update({k: v.clone() for k, v in batch.items()})
-    if stats["skipped"]:
-        raise RuntimeError("the update was skipped (non-finite gradient): the timing would not be a full step")
+def one_update(actor: FSDPPPOActor, batch: dict, share: str) -> float:
+    """One timed ppo_update; `share`: "no" (rows whole), "prompts" (each group's prompt once, but not the prompts'
+    common start), "all" (the default: the common start once too)."""
+    actor.share_prompts = share != "no"
+    saved = packing.COMMON_START_MIN_SAVED
+    packing.COMMON_START_MIN_SAVED = saved if share == "all" else 1 << 30
+    try:
+        stats = actor.ppo_update({k: v.clone() for k, v in batch.items()})
+    finally:
+        packing.COMMON_START_MIN_SAVED = saved
+    if stats["skipped"] or stats["silent_rows"]:
+        raise RuntimeError("the update was skipped (non-finite gradient) or left rows out: not a full step")
     return stats["update_time"]
 
 
@@ -113,6 +131,8 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=4, help="prompts per batch")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt", type=int, default=38, help="prompt tokens per row")
+    ap.add_argument("--common-start", type=int, default=27, help="leading prompt tokens all groups share (the "
+                    "demo's chat template: 27 of its 38)")  # fmt: skip
     ap.add_argument("--completion", type=int, default=16, help="policy tokens per row")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -125,19 +145,20 @@ def main() -> int:
     path = bench_model_path(args.model)
     fp32 = build_actor(path, "float32", args.threads)
     # (row name, actor, shared prompts): the first row is the update as it was before prompts were shared
-    rows = [(BEFORE, fp32, False), ("float32 (default)", fp32, True)]
+    rows = [(BEFORE, fp32, "no"), ("float32, group prompts once", fp32, "prompts"), ("float32 (default)", fp32, "all")]
     if not args.no_bf16:
-        rows.append(("bf16 autocast", build_actor(path, "bfloat16", args.threads), True))
+        rows.append(("bf16 autocast", build_actor(path, "bfloat16", args.threads), "all"))
     if not args.no_lora:
         r = args.lora_rank
-        rows.append((f"LoRA r{r}", build_actor(path, "float32", args.threads, r), True))
+        rows.append((f"LoRA r{r}", build_actor(path, "float32", args.threads, r), "all"))
         if not args.no_bf16:
-            rows.append((f"LoRA r{r} + bf16", build_actor(path, "bfloat16", args.threads, r), True))
-    batch = make_batch(args.groups, args.group_size, args.prompt, args.completion, fp32.model.config.vocab_size)
+            rows.append((f"LoRA r{r} + bf16", build_actor(path, "bfloat16", args.threads, r), "all"))
+    vocab = fp32.model.config.vocab_size
+    batch = make_batch(args.groups, args.group_size, args.prompt, args.completion, vocab, args.common_start)
     logp = fp32.compute_logp(batch)
     lp_diff = None
     if not args.no_bf16:
-        bf16 = rows[2][1]
+        bf16 = rows[3][1]
         lp_diff = float((bf16.compute_logp(batch) - logp)[batch["loss_mask"].bool()].abs().max())
     batch["logprobs"] = batch["prox_logp"] = logp
     fp32.compute_advantages(batch)
@@ -145,11 +166,11 @@ def main() -> int:
     native = cpu_native_bf16() or "none (no AVX-512 BF16, no AMX)"
     n_params = sum(p.numel() for p in fp32.model.parameters()) / 1e6
     B, L = batch["input_ids"].shape
-    shared = args.groups * args.prompt + B * args.completion
+    shared = args.common_start + args.groups * (args.prompt - args.common_start) + B * args.completion
     print(
         f"model {os.path.basename(path)} ({n_params:.1f} M params), {torch.get_num_threads()} threads; "
         f"{args.groups} prompts of {args.prompt} tokens x {args.group_size} samples of {args.completion} tokens: "
-        f"{B * L} tokens per row-by-row pass, {shared} with shared prompts; "
+        f"{args.common_start} of them common to all; {B * L} tokens per row-by-row pass, {shared} shared; "
         f"CPU {torch.backends.cpu.get_cpu_capability()}, native bf16: {native}"
     )
     for _, actor, share in rows:

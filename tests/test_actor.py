@@ -300,6 +300,7 @@ def test_entropy_stat_is_the_mean_over_policy_tokens(tiny_model_path, vocab):
     from transformers import AutoModelForCausalLM
 
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, temperature=0.7)).initialize()
+    actor.skip_silent_rows = False  # zero advantages: every row would be skipped, and its statistics with it
     batch = make_batch(vocab, B=4, seed=8, multiturn=True)
     fill_logprobs(actor, batch)
     batch["advantages"] = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
@@ -930,6 +931,40 @@ def test_one_minibatch_needs_no_separate_proximal_pass(tiny_model_path, loss_bat
     assert_close_dicts(with_pass, without, atol=1e-6, rtol=1e-5)
     for key in ("loss", "clip_frac", "approx_kl"):
         assert stats_b[key] == pytest.approx(stats_a[key], rel=1e-5, abs=1e-7), key
+
+
+def test_rows_without_signal_run_no_forward_and_change_nothing(tiny_model_path, loss_batch):
+    """Rows whose advantages are all zero add exactly nothing to ppo_update's loss or gradient: skipping their
+    forward and backward gives the same weights and loss, AdamW state included, also when every row is silent
+    (AdamW still steps on zero gradients: momentum and weight decay move the weights)."""
+    mixed = {k: v.clone() for k, v in loss_batch.items()}
+    mixed["advantages"][[1, 4]] = 0.0  # two silent rows among six
+    silent = {k: v.clone() for k, v in loss_batch.items()}
+    silent["advantages"].zero_()
+    runs = []
+    for skip in (True, False):
+        opt = OptimizerConfig(type="adam", lr=1e-2, weight_decay=0.1, gradient_clipping=1.0)
+        actor = FSDPPPOActor(actor_cfg(tiny_model_path, optimizer=opt)).initialize()
+        actor.skip_silent_rows = skip
+        forwards = []
+
+        def counted(model, packed, m, forwards=forwards, policy_logp=actor._policy_logp):
+            forwards.append(int(packed["input_ids"].numel()))  # tokens in this forward pass
+            return policy_logp(model, packed, m)
+
+        actor._policy_logp = counted
+        stats = [actor.ppo_update({k: v.clone() for k, v in b.items()}) for b in (mixed, silent)]
+        runs.append((params(actor), stats, forwards))
+        actor.destroy()
+    (w_skip, s_skip, f_skip), (w_all, s_all, f_all) = runs
+    assert_close_dicts(w_skip, w_all, atol=1e-12, rtol=1e-9)
+    for a, b in zip(s_skip, s_all):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9, abs=1e-15)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-9, abs=1e-15)
+    assert [s["silent_rows"] for s in s_skip] == [2.0, 6.0] and [s["silent_rows"] for s in s_all] == [0.0, 0.0]
+    valid = loss_batch["attention_mask"].sum(dim=1)
+    assert sum(f_skip) < sum(f_all) and sum(f_all) == 2 * int(valid.sum())  # forwards skipped, not just masked
+    assert s_skip[0]["n_tokens"] < s_all[0]["n_tokens"]  # the stats cover the computed rows
 
 
 # ------------------------------------------------------------------------------------------------ bfloat16 on a CPU

@@ -14,6 +14,7 @@ import torch
 from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
 from areal_lite.engine.fsdp_engine import FSDPPPOActor
 from areal_lite.engine.fsdp_utils.packing import (
+    common_start,
     pack_rows,
     packed_forward,
     prompt_groups,
@@ -22,23 +23,26 @@ from areal_lite.engine.fsdp_utils.packing import (
 )
 
 
-def grouped_batch(vocab: int, seed: int = 0) -> dict:
+def grouped_batch(vocab: int, seed: int = 0, common: int = 0) -> dict:
     """Two groups of 3 samples sharing a prompt each, one lone prompt, a row without policy tokens, and a
-    multi-turn sample (policy tokens, then tool tokens, then policy tokens) inside the first group."""
+    multi-turn sample (policy tokens, then tool tokens, then policy tokens) inside the first group. With `common`,
+    every row begins with the same `common` tokens (a chat template's system prompt)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(n: int) -> list:
         return torch.randint(10, vocab, (n,), generator=g).tolist()
 
+    start = rand(common)
     rows = []  # (token ids, loss mask)
     for prompt_len, n in ((5, 3), (7, 3), (4, 1)):
-        prompt = rand(prompt_len)
+        prompt = start + rand(prompt_len)
+        prompt_len += common
         for j in range(n):
             completion = rand(2 + j)
             rows.append((prompt + completion, [0] * prompt_len + [1] * len(completion)))
     ids, lm = rows[1]
     rows[1] = (ids + rand(3) + rand(2), lm + [0] * 3 + [1] * 2)  # a tool result, then the answer
-    rows.append((rand(6), [0] * 6))  # nothing to train on
+    rows.append((start + rand(6), [0] * (common + 6)))  # nothing to train on
     L = max(len(r[0]) for r in rows)
     B = len(rows)
     batch = {
@@ -75,6 +79,29 @@ def test_layout_keeps_one_copy_of_each_prompt(vocab):
     assert torch.equal(row.position_ids[row.pred_of[~starts]], packed["position_ids"][~starts] - 1)
 
 
+def test_layout_keeps_one_copy_of_the_prompts_common_start(vocab):
+    batch = grouped_batch(vocab, common=20)
+    packed = packed_of(batch)
+    row = share_prompts(packed, packed["loss_mask"].bool())
+    completions = int(batch["attention_mask"].sum()) - (3 * 25 + 3 * 27 + 24 + 26)
+    assert row.input_ids.shape[0] == 20 + 5 + 7 + 4 + 6 + completions
+    # the common start, then 4 prompts' rests over it, then 7 completions over their whole prompts
+    assert [bucket.q_idx.shape[0] for bucket in row.buckets] == [1, 4, 7]
+    assert len(set(row.out_idx.tolist())) == len(row.out_idx)  # each output read once
+    starts = packed["seq_start"]
+    assert bool((row.pred_of[starts] == -1).all()) and bool((row.pred_of[~starts] >= 0).all())
+    assert torch.equal(row.position_ids[row.pred_of[~starts]], packed["position_ids"][~starts] - 1)
+
+
+def test_common_start():
+    a, b, c = (1, 2, 3, 4, 5), (1, 2, 3, 9), (1, 2, 7)
+    assert common_start([a, b], min_saved=1) == 3 and common_start([a, b, c], min_saved=1) == 2
+    assert common_start([a, a[:2] + (8,)], min_saved=1) == 2
+    assert common_start([a, b], min_saved=4) == 0  # 3 tokens saved, fewer than asked: not worth a third call
+    assert common_start([a], min_saved=0) == 0  # one prompt: nothing to share
+    assert common_start([(1, 2), (1, 2, 3)], min_saved=0) == 1  # every prompt keeps a token of its own
+
+
 def test_nothing_shared_gives_none(vocab):
     batch = grouped_batch(vocab)
     lone = [0, 3, 6, 7]  # one sample of each prompt, and the policy-free row
@@ -82,9 +109,10 @@ def test_nothing_shared_gives_none(vocab):
     assert share_prompts(packed, packed["loss_mask"].bool()) is None
 
 
-def test_logits_at_every_position_equal_the_plain_row(tiny_model_path, vocab):
+@pytest.mark.parametrize("common", [0, 20], ids=["prompts", "prompts-and-start"])
+def test_logits_at_every_position_equal_the_plain_row(tiny_model_path, vocab, common):
     actor = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
-    packed = packed_of(grouped_batch(vocab))
+    packed = packed_of(grouped_batch(vocab, common=common))
     row = share_prompts(packed, packed["loss_mask"].bool())
     targets = torch.nonzero(~packed["seq_start"]).flatten()
     with torch.no_grad():
@@ -126,10 +154,10 @@ def ppo_step(path: str, batch: dict, share: bool, monkeypatch, **kw) -> tuple:
     return logp, stats, before, after, len(calls)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_ppo_step_is_the_same_with_and_without_sharing(tiny_model_path, vocab, lora, monkeypatch):
+@pytest.mark.parametrize("lora,common", [(False, 0), (True, 0), (False, 20)], ids=["full", "lora", "full-start"])
+def test_a_ppo_step_is_the_same_with_and_without_sharing(tiny_model_path, vocab, lora, common, monkeypatch):
     kw = dict(use_lora=True, lora_rank=4, lora_alpha=8) if lora else {}
-    batch = grouped_batch(vocab)
+    batch = grouped_batch(vocab, common=common)
     logp_a, stats_a, before, after_a, shared_a = ppo_step(tiny_model_path, batch, True, monkeypatch, **kw)
     logp_b, stats_b, _, after_b, shared_b = ppo_step(tiny_model_path, batch, False, monkeypatch, **kw)
     assert (shared_a, shared_b) == (1, 0)  # one micro-batch, its prompts shared only where asked

@@ -34,6 +34,13 @@ Design decisions, and why
   its samples' gradients, exactly as if each had its own copy, so losses and gradients equal the plain row's up to
   float rounding (`tests/test_shared_prompts.py`). On the demo's batch (4 prompts of ~38 tokens x 8 samples of
   16 tokens) the update runs 664 tokens instead of 1,716 (`bench/update_speed.py`).
+- Rows without signal: with the package's loss every token's loss is its advantage times a ratio, so a row whose
+  advantages are all zero (a GRPO group whose samples all scored the same) adds exactly zero to the loss and to
+  every gradient. `ppo_update` runs no forward or backward for such rows; their policy tokens still count in the
+  global mean's denominator, so the step is the same as computing them (`tests/test_actor.py`). On the demo these
+  are the groups all right (late) or all wrong (early). The statistics (approx KL, clip fraction, entropy) then
+  cover the rows that were computed, and `silent_rows` says how many were not. `train_batch` computes every row:
+  it cannot know whether your loss vanishes with the advantage.
 - Several processes (torchrun, WORLD_SIZE > 1): the model is wrapped with FSDP2 (`fully_shard` per decoder layer,
   then the root) over gloo on CPU or NCCL on CUDA. Every rank receives the same full batch and works on its share of
   the rows (rank r takes rows r, r + W, ...). FSDP2 averages gradients over ranks, so each rank's loss is multiplied
@@ -68,7 +75,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -421,6 +428,9 @@ class _TrainEngine:
         # Sequences with the same prompt compute it once in every forward pass ("Shared prompts"); False runs
         # each sequence whole (the tests compare the two).
         self.share_prompts = True
+        # ppo_update runs no forward or backward for rows whose advantages are all zero ("Rows without signal");
+        # False computes them (the tests compare the two).
+        self.skip_silent_rows = True
 
     # ---------------------------------------------------------------- setup
 
@@ -862,14 +872,18 @@ class FSDPPPOActor(_TrainEngine):
                                "(or recompute_logprob=True)")  # fmt: skip
             batch["prox_logp"] = self.compute_logp(batch)
         bounds = [round(j * B / n_mini) for j in range(n_mini + 1)]
+        silent = self._silent_rows(batch) if self.skip_silent_rows else set()
         t0 = time.perf_counter()
         per_step = [
-            self._train_rows(batch, list(range(bounds[j], bounds[j + 1])), self.ppo_loss_fn, count_policy_tokens)
+            self._train_rows(
+                batch, list(range(bounds[j], bounds[j + 1])), self.ppo_loss_fn, count_policy_tokens, silent
+            )  # fmt: skip
             for j in range(n_mini)
         ]
         stats = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
-        stats["skipped"] = float(sum(s["skipped"] for s in per_step))
-        stats["n_tokens"] = float(sum(s["n_tokens"] for s in per_step))
+        for key in ("skipped", "n_tokens"):
+            stats[key] = float(sum(s[key] for s in per_step))
+        stats["silent_rows"] = float(len(silent))
         stats["update_time"] = time.perf_counter() - t0
         return stats
 
@@ -927,8 +941,19 @@ class FSDPPPOActor(_TrainEngine):
         self.model.train()
         return batch
 
-    def _train_rows(self, batch, rows: List[int], loss_fn: LossFn, loss_weight_fn: WeightFn) -> Dict[str, float]:
-        """One optimizer step on `rows`: every micro-batch's backward, then clip and step (or skip)."""
+    @staticmethod
+    def _silent_rows(batch: Dict[str, torch.Tensor]) -> set:
+        """Rows whose advantages are zero at every policy token: `ppo_loss_fn` is exactly zero on them, with a
+        zero gradient ("Rows without signal")."""
+        mask = policy_mask(batch["loss_mask"], batch["attention_mask"])
+        signal = (batch["advantages"].to(torch.float64) * mask).ne(0).any(dim=1)
+        return {int(i) for i in torch.nonzero(~signal).flatten()}
+
+    def _train_rows(
+        self, batch, rows: List[int], loss_fn: LossFn, loss_weight_fn: WeightFn, silent: Collection[int] = ()
+    ) -> Dict[str, float]:
+        """One optimizer step on `rows`: every micro-batch's backward, then clip and step (or skip). Rows in
+        `silent` have a zero loss and gradient: they count in the loss weights but run no forward pass."""
         B, L = batch["input_ids"].shape
         mask = policy_mask(batch["loss_mask"], batch["attention_mask"])
         self._check_same_batch(mask[rows])
@@ -942,9 +967,13 @@ class FSDPPPOActor(_TrainEngine):
             and v.dim() == 2
             and k not in ("input_ids", "attention_mask")
         ]
-        packs = [self._pack(work, mb, keys) if mb else None for mb in self._microbatches(work, rows)]
+        quiet = [r for r in rows if r in silent]
+        active = [r for r in rows if r not in silent]
+        packs = [self._pack(work, mb, keys) if mb else None for mb in self._microbatches(work, active)]
         weights = [float(loss_weight_fn(p)) if p is not None else 0.0 for p in packs]
-        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
+        # The silent rows' weight, once over all ranks (every rank knows them): the denominator is unchanged.
+        quiet_weight = float(loss_weight_fn(self._pack(work, quiet, keys))) if quiet and self._rank == 0 else 0.0
+        total = torch.tensor([sum(weights) + quiet_weight], dtype=torch.float64, device=self.device)
         dist = _dist()
         if dist is not None and self._world > 1:
             dist.all_reduce(total)
@@ -958,6 +987,10 @@ class FSDPPPOActor(_TrainEngine):
                 self._microbatch_backward(packed, loss_fn, weight / total, stats)
         if dist is not None and self._world > 1:
             stats.all_reduce(dist, self.device)
+        if not packs:  # every row silent: no backward ran, but AdamW must still step (momentum, weight decay)
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grad_norm = self._clip_grad_norm()
         skipped = not math.isfinite(grad_norm)
         if skipped:

@@ -62,6 +62,9 @@ __all__ = [
 
 PACKED_SDPA = "packed_sdpa"
 SHARED_PREFIX_KW = "shared_prefix_row"  # the model kwarg that carries a SharedPrefixRow's attention layout
+# Distinct prompts share their common start only when that saves at least this many tokens: a third attention call
+# per layer costs about as much as a few tokens of a 135M model (bench/update_speed.py).
+COMMON_START_MIN_SAVED = 16
 INT_KEYS = ("input_ids", "loss_mask", "versions")
 
 
@@ -226,7 +229,8 @@ class AttentionBucket:
     """Segments of a `SharedPrefixRow` attended in one sdpa call: segment i's queries are the row positions
     `q_idx[i]` and its keys `k_idx[i]` (its prefix, then itself), both padded to the bucket's widest; `mask`
     [S, 1, Q, K] lets each query see the whole prefix and itself causally (a padding query sees one key, so that
-    no softmax row is empty; its output is never read)."""
+    no softmax row is empty; its output is never read). A segment's prefix is one or two stretches of the row (the
+    prompts' common start, then its own prompt), gathered by `k_idx`."""
 
     q_idx: torch.Tensor
     k_idx: torch.Tensor
@@ -237,8 +241,9 @@ class AttentionBucket:
 class SharedPrefixRow:
     """A packed row rewritten so that sequences with the same prompt share one copy of it (`share_prompts`).
 
-    `input_ids` and `position_ids` [N] are the new row. Its attention: each prompt causally, each remainder over
-    its prompt and itself causally, in `buckets` (prompts, remainders); `out_idx` [N] picks each position's output
+    `input_ids` and `position_ids` [N] are the new row. Its attention: the prompts' common start causally (when
+    there is one), each prompt's rest over that start and itself causally, each remainder over its whole prompt and
+    itself causally, in `buckets` (common start, prompts, remainders); `out_idx` [N] picks each position's output
     from the buckets' outputs, flattened and concatenated. `pred_of` [T] maps each position t of the original packed
     row to the position of the new row whose logits predict token t (-1 where nothing does: a sequence's first
     token)."""
@@ -250,21 +255,24 @@ class SharedPrefixRow:
     pred_of: torch.Tensor
 
 
-def _bucket(segments: List[Tuple[int, int, int, int]], offset: int, out_idx: List[int], device) -> AttentionBucket:
-    """One `AttentionBucket` of segments (prefix start, prefix end, start, end); fills `out_idx` for their
-    positions, their outputs starting at `offset` of the concatenated outputs."""
-    Q = max(b - a for _, _, a, b in segments)
-    K = max(pb - pa + b - a for pa, pb, a, b in segments)
+Segment = Tuple[List[Tuple[int, int]], int, int]  # (prefix: stretches [start, end) of the row, start, end)
+
+
+def _bucket(segments: List[Segment], offset: int, out_idx: List[int], device) -> AttentionBucket:
+    """One `AttentionBucket` of segments (prefix stretches, start, end); fills `out_idx` for their positions,
+    their outputs starting at `offset` of the concatenated outputs."""
+    Q = max(b - a for _, a, b in segments)
+    K = max(sum(e - s for s, e in prefix) + b - a for prefix, a, b in segments)
     S = len(segments)
     q_idx = torch.zeros(S, Q, dtype=torch.long)
     k_idx = torch.zeros(S, K, dtype=torch.long)
     mask = torch.zeros(S, 1, Q, K, dtype=torch.bool)
-    for i, (pa, pb, a, b) in enumerate(segments):
-        P, L = pb - pa, b - a
+    for i, (prefix, a, b) in enumerate(segments):
+        P, L = sum(e - s for s, e in prefix), b - a
         q_idx[i] = a
         q_idx[i, :L] = torch.arange(a, b)
         k_idx[i] = a
-        k_idx[i, : P + L] = torch.cat([torch.arange(pa, pb), torch.arange(a, b)])
+        k_idx[i, : P + L] = torch.cat([*(torch.arange(s, e) for s, e in prefix), torch.arange(a, b)])
         mask[i, 0, :L, : P + L] = torch.ones(L, P + L, dtype=torch.bool).tril(P)
         mask[i, 0, L:, 0] = True  # padding queries: one key, never read
         out_idx[a:b] = range(offset + i * Q, offset + i * Q + L)
@@ -278,12 +286,13 @@ def prompt_end(policy: Sequence[bool], start: int, end: int) -> int:
 
 
 def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Optional[SharedPrefixRow]:
-    """The packed row with each distinct prompt once, or None when no two sequences share one.
+    """The packed row with each distinct prompt once, or None when no two sequences share a prompt or a start.
 
     A sequence's prompt is everything before its first policy token (`policy`, the loss mask of the packed row);
     sequences whose prompts are equal token for token (a GRPO group's samples) keep one copy of it, and each one's
-    remainder attends to that copy. Every token keeps its position id, so the logits that predict each token are
-    those of the original row (up to float rounding).
+    remainder attends to that copy. Distinct prompts that begin alike (a chat template's system prompt) also keep
+    one copy of their common start (`common_start`), which each prompt's rest attends to. Every token keeps its
+    position id, so the logits that predict each token are those of the original row (up to float rounding).
     """
     ids = packed["input_ids"]
     T = ids.shape[0]
@@ -293,26 +302,33 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
     for a, b in zip(bounds[:-1], bounds[1:]):
         f = prompt_end(pol, a, b)
         groups.setdefault(tuple(ids_l[a:f]), []).append((a, f, b))
-    if len(groups) == len(bounds) - 1:
+    c = common_start(list(groups))
+    if len(groups) == len(bounds) - 1 and not c:
         return None
-    take, prompts, tails, pred_of, n = [], [], [], [-1] * T, 0
+    take, levels, pred_of = [], [[], [], []], [-1] * T  # levels: common start, prompts' rests, remainders
+    a0 = next(iter(groups.values()))[0][0]
+    if c:
+        take.append((a0, a0 + c))
+        levels[0].append(([], 0, c))
+    n = c
     for members in groups.values():
         a0, f0, _ = members[0]
-        p0, P = n, f0 - a0
-        take.append((a0, f0))
-        prompts.append((p0, p0, p0, p0 + P))
-        n += P
+        rest = (n, n + f0 - a0 - c)  # this prompt's tokens after the common start
+        take.append((a0 + c, f0))
+        levels[1].append(([(0, c)] if c else [], *rest))
+        n = rest[1]
+        where = [*range(c), *range(*rest)]  # the new position of each of the prompt's tokens
         for a, f, b in members:
-            pred_of[a + 1 : f] = range(p0, p0 + P - 1)
+            pred_of[a + 1 : f] = where[:-1]
             if f < b:
                 take.append((f, b))
-                tails.append((p0, p0 + P, n, n + b - f))
-                pred_of[f:b] = [p0 + P - 1, *range(n, n + b - f - 1)]
+                levels[2].append(([(0, c), rest] if c else [rest], n, n + b - f))
+                pred_of[f:b] = [where[-1], *range(n, n + b - f - 1)]
                 n += b - f
-    out_idx = [0] * n
-    buckets = [_bucket(prompts, 0, out_idx, ids.device)]
-    if tails:
-        buckets.append(_bucket(tails, buckets[0].q_idx.numel(), out_idx, ids.device))
+    out_idx, buckets = [0] * n, []
+    for segments in filter(None, levels):
+        offset = sum(bucket.q_idx.numel() for bucket in buckets)
+        buckets.append(_bucket(segments, offset, out_idx, ids.device))
     index = torch.cat([torch.arange(a, b) for a, b in take]).to(ids.device)
     return SharedPrefixRow(
         input_ids=ids[index],
@@ -321,6 +337,20 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
         out_idx=torch.tensor(out_idx, dtype=torch.long, device=ids.device),
         pred_of=torch.tensor(pred_of, dtype=torch.long, device=ids.device),
     )
+
+
+def common_start(prompts: List[tuple], min_saved: Optional[int] = None) -> int:
+    """How many leading tokens every one of several distinct `prompts` shares, leaving each at least one of its
+    own; 0 when sharing them would save fewer than `min_saved` tokens (default `COMMON_START_MIN_SAVED`: an extra
+    attention call per layer is not free)."""
+    min_saved = COMMON_START_MIN_SAVED if min_saved is None else min_saved
+    if len(prompts) < 2:
+        return 0
+    c = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        c = next((i for i in range(c) if p[i] != first[i]), c)
+    return c if c * (len(prompts) - 1) >= min_saved else 0
 
 
 def shared_prefix_forward(model: torch.nn.Module, row: SharedPrefixRow, keep: torch.Tensor) -> torch.Tensor:
