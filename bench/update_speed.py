@@ -41,8 +41,9 @@ Measured on the 2-core AMD EPYC this was written on (AVX2, no native bf16, so `-
 (4.42-5.21), 2.30x as fast; the default, common start shared too, 4.66 s (4.55-5.05), 2.48x. An earlier run with
 LoRA rows (group prompts once as the default then): rows whole 12.29 s, default 5.65 s (2.17x), LoRA r16 5.05 s
 (2.43x). Row 1 already has the other change made with shared prompts (log-probs and entropies from one
-log-softmax): against the update before both, the gain is a little larger. On this CPU matmuls are 64% of the default update (torch profiler), so what is left to gain here
-without bf16 is small. bf16 autocast, forced on this CPU, was 3.7x slower than float32 (an earlier run, rows
+log-softmax): against the update before both, the gain is a little larger. On this CPU matmuls are 64% of the
+default update (torch profiler), at about 180 GFLOP/s on two cores, so what is left to gain here without bf16 is
+small. bf16 autocast, forced on this CPU, was 3.7x slower than float32 (an earlier run, rows
 whole, under load).
 """
 
