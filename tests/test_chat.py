@@ -435,7 +435,11 @@ def test_workflow_rolls_out_groups_and_trains_one_grpo_step(engine, tok, tiny_mo
         stats = actor.ppo_update(batch)
     finally:
         actor.destroy()
-    assert stats["n_tokens"] == int(batch["loss_mask"].sum())
+    # A group whose two samples scored the same has zero advantages: ppo_update computes no forward for its rows
+    # ("Rows without signal"), and the statistics cover the rows it computed.
+    silent = (batch["advantages"] * batch["loss_mask"]).ne(0).sum(dim=1) == 0
+    assert stats["silent_rows"] == int(silent.sum())
+    assert stats["n_tokens"] == int(batch["loss_mask"][~silent].sum())
     assert all(math.isfinite(v) for v in stats.values() if isinstance(v, float))
 
 

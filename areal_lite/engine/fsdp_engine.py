@@ -878,7 +878,7 @@ class FSDPPPOActor(_TrainEngine):
         per_step = [
             self._train_rows(
                 batch, list(range(bounds[j], bounds[j + 1])), self.ppo_loss_fn, count_policy_tokens, silent
-            )  # fmt: skip
+            )
             for j in range(n_mini)
         ]
         stats = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
