@@ -111,6 +111,13 @@ WRONG = {
                 discounted[i] = following
         """,
     },
+    "09_lora": {
+        "scales by alpha": "return x @ weight.T + alpha * (x @ lora_A.T) @ lora_B.T",
+        "scales by rank / alpha": "return x @ weight.T + (rank / alpha) * (x @ lora_A.T) @ lora_B.T",
+        "no scale": "return x @ weight.T + (x @ lora_A.T) @ lora_B.T",
+        "scales by alpha / sqrt(rank) (rsLoRA)": "return x @ weight.T + alpha / rank**0.5 * (x @ lora_A.T) @ lora_B.T",
+        "the adapter alone, no frozen layer": "return (alpha / rank) * (x @ lora_A.T) @ lora_B.T",
+    },
     "06_async_vs_sync": {
         "ignores concurrency": "return (eta + version + 1) * batch_size - (accepted + running)",
         "ignores staleness": "return max_concurrent - running",

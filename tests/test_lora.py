@@ -309,6 +309,40 @@ def test_train_with_lora_end_to_end_and_resume(tmp_path, tiny_model_path):
     assert all(abs(s["behav_kl"]) < 1e-3 and s["skipped"] == 0 for s in logged), logged
 
 
+def test_a_lora_run_on_a_used_server_starts_from_the_base_model(lora_server, tmp_path, tiny_model_path):
+    """A server another run trained holds that run's weights; the adapter must not be merged onto them. The run
+    below does not move its adapter (lr 0, so B stays 0): its server must then generate what the base model does."""
+    from test_train import make_config, token_workflow
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.train import train
+    from areal_lite.utils.model_store import load_tokenizer
+
+    addr, n = lora_server, 8
+    status, _ = call(addr, "/update_weights_from_disk", {"model_path": tiny_model_path})
+    assert status == 200
+    want = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in other.parameters():
+            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+    other.save_pretrained(tmp_path / "other")
+    try:
+        assert call(addr, "/update_weights_from_disk", {"model_path": str(tmp_path / "other")})[0] == 200
+        used = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+        assert used != want, "the other weights generate as the base does: the test proves nothing"
+
+        cfg = make_config(tmp_path, tiny_model_path, steps=1, trial="used-server", lr=0.0)
+        cfg.actor.use_lora = cfg.rollout.use_lora = True
+        cfg.actor.lora_rank, cfg.actor.lora_alpha = 4, 8
+        train(cfg, workflow=token_workflow(load_tokenizer(tiny_model_path), cfg), server_addrs=[addr], progress=False)
+        got = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+        assert got == want
+    finally:
+        call(addr, "/update_weights_from_disk", {"model_path": tiny_model_path})  # the next tests' base
+
+
 def train_(cfg, workflow, on_step, resume=False):
     from areal_lite.kit.train import train
 

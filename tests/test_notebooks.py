@@ -33,6 +33,7 @@ EXPECTED = [
     "06_async_vs_sync",
     "07_to_areal",
     "08_openai_agent",
+    "09_lora",
 ]
 
 

@@ -344,6 +344,8 @@ def _load_run_data(config: Any) -> _RunData:
 
 def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloader, meta) -> int:
     """Restore checkpoint `ckpt` (when continuing a run) or adopt running servers; returns the first step to run."""
+    if not launched and actor.config.use_lora:
+        _load_base_model(actor, engine)
     if ckpt is not None:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
         actor.load(os.path.join(ckpt, "actor"))
@@ -363,6 +365,20 @@ def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloade
         engine.set_version(-1)
         _sync_weights(actor, engine, meta, 0)
     return 0
+
+
+def _load_base_model(actor, engine) -> None:
+    """Servers we did not start get the base model before any adapter. Why: a server merges an adapter into
+    whatever it holds, and a server an earlier run trained holds that run's weights; a LoRA run never writes full
+    weights itself, so without this it would sample from, and report behaviour log-probs of, another model."""
+    from areal_lite.utils.model_store import resolve_model_path
+
+    base = WeightUpdateMeta(type="disk", path=resolve_model_path(actor.config.path), version=0)
+    engine.pause()
+    try:
+        engine.update_weights(base).result()
+    finally:
+        engine.resume()
 
 
 def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dataloader, data_iter, workflow):

@@ -20,6 +20,7 @@ Design decisions, and why
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -65,7 +66,10 @@ def apply_lora(model: torch.nn.Module, cfg: Any, world: int, verbose: bool) -> t
     )
     if getattr(cfg, "gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad (base is frozen)
-    model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    with warnings.catch_warnings():
+        # peft 0.21 calls transformers 5's deprecated `is_gradient_checkpointing`: nothing the user can act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, lora, autocast_adapter_dtype=False)
     if verbose:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
