@@ -28,7 +28,9 @@ Design decisions
 - LoRA (`actor.use_lora=true`, with `rollout.use_lora=true`): each sync writes the adapter alone and the servers
   load it with `/load_lora_adapter` as `<gconfig.lora_name>-v<k>` (AReaL's trainer: the meta keeps the last
   eta + 2 versions). A fresh run syncs version 0 first, since the servers start without the adapter; checkpoints
-  hold the adapter, so a resume pushes it back. `weight_sync_bytes` in the stats is what each sync wrote.
+  hold the adapter, so a resume pushes it back. Servers the run did not start first get the base model (they may
+  hold another run's weights, and an adapter merges onto what they hold). `weight_sync_bytes` in the stats is what
+  each sync wrote.
 - Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
   eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
   time the trainer waited for data (generation otherwise overlaps training).
