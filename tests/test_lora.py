@@ -31,6 +31,11 @@ from areal_lite.utils.jsonhttp import BadRequest
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201, 7], [3000, 17, 99, 512, 7, 8]]
 
 
+def greedy_outputs(addr: str, n: int) -> list:
+    """The server's greedy `n` tokens (EOS ignored) for each of PROMPTS: what its current weights generate."""
+    return [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+
+
 def lora_actor(path: str, **kw) -> FSDPPPOActor:
     opt = kw.pop("optimizer", OptimizerConfig(lr=1e-2))
     lora = dict(use_lora=True, lora_rank=kw.pop("lora_rank", 4), lora_alpha=8)
@@ -152,7 +157,7 @@ def test_adapter_sync_gives_the_trainers_merged_generations(lora_server, tiny_mo
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
     addr, n = lora_server, 10
-    before = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+    before = greedy_outputs(addr, n)
     actor = lora_actor(tiny_model_path)
     perturb_adapter(actor)
     meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), use_lora=True, lora_name="pol", lora_keep_versions=2)
@@ -188,7 +193,7 @@ def test_adapter_sync_gives_the_trainers_merged_generations(lora_server, tiny_mo
         # Unloading puts the base weights back exactly.
         status, out = call(addr, "/unload_lora_adapter", {"lora_name": "pol-v1"})
         assert status == 200 and out == {"success": True, "error_message": None, "loaded_adapters": {}}
-        after = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+        after = greedy_outputs(addr, n)
         assert after == before
     finally:
         engine.destroy()
@@ -321,7 +326,7 @@ def test_a_lora_run_on_a_used_server_starts_from_the_base_model(lora_server, tmp
     addr, n = lora_server, 8
     status, _ = call(addr, "/update_weights_from_disk", {"model_path": tiny_model_path})
     assert status == 200
-    want = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+    want = greedy_outputs(addr, n)
     other = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
@@ -330,14 +335,14 @@ def test_a_lora_run_on_a_used_server_starts_from_the_base_model(lora_server, tmp
     other.save_pretrained(tmp_path / "other")
     try:
         assert call(addr, "/update_weights_from_disk", {"model_path": str(tmp_path / "other")})[0] == 200
-        used = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+        used = greedy_outputs(addr, n)
         assert used != want, "the other weights generate as the base does: the test proves nothing"
 
         cfg = make_config(tmp_path, tiny_model_path, steps=1, trial="used-server", lr=0.0)
         cfg.actor.use_lora = cfg.rollout.use_lora = True
         cfg.actor.lora_rank, cfg.actor.lora_alpha = 4, 8
         train(cfg, workflow=token_workflow(load_tokenizer(tiny_model_path), cfg), server_addrs=[addr], progress=False)
-        got = [generate(addr, greedy(p, n, sp={"ignore_eos": True}))["output_ids"] for p in PROMPTS]
+        got = greedy_outputs(addr, n)
         assert got == want
     finally:
         call(addr, "/update_weights_from_disk", {"model_path": tiny_model_path})  # the next tests' base
