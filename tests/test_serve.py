@@ -217,6 +217,32 @@ def test_greedy_deterministic_and_same_batched_or_alone(server):
         assert out == alone[i % 4][: lengths[i % 4]]
 
 
+def test_sampled_rows_and_logprobs_same_alone_together_or_staggered(server):
+    """Seeded sampling is reproducible whatever the batching: each request's tokens and log-probs are bit for bit
+    the same run alone, sent together, or arriving one by one into a running batch (rows of different lengths
+    beside it). Needs both the per-request random stream and the batch-invariant fast path."""
+
+    def body(i):
+        prompt = PROMPTS[i % 4] + [i + 1] * (i % 3)
+        sp = {"max_new_tokens": 12 + i % 5, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 100 + i}
+        return {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+
+    def result(out):
+        return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    n = 8
+    alone = [result(generate(server, body(i))) for i in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        together = [f.result() for f in [pool.submit(generate, server, body(i)) for i in range(n)]]
+        futs = []
+        for i in range(n):
+            futs.append(pool.submit(generate, server, body(i)))
+            time.sleep(0.03)  # a few decode steps apart: each joins a running batch
+        staggered = [f.result() for f in futs]
+    assert [result(o) for o in together] == alone
+    assert [result(o) for o in staggered] == alone
+
+
 def test_concurrent_requests_share_decode_steps(server):
     before = call(server, "/server_info")[1]
     n_req, n_tok = 8, 24
@@ -820,6 +846,67 @@ def test_running_batch_matches_separate_runs(runner, tiny):
         assert [int(lg.argmax()) for lg in got[i]] == tokens[:n], i
         assert (torch.stack(got[i]) - full[:n]).abs().max().item() < 1e-4, i
     assert len(b) == 1
+
+
+def _logits_by_schedule(runner, prompts, schedule) -> dict:
+    """Every logits row each prompt gets (prefill's, then each decode step's) under `schedule`: ("join", [prompt
+    indices]), ("step", k decode steps), ("keep", [prompt indices that stay])."""
+    got: dict[int, list] = {i: [] for i in range(len(prompts))}
+    with torch.inference_mode():
+        b = RunningBatch(runner.new_kv())
+        for op, arg in schedule:
+            if op == "join":
+                part, logits = prefill_distinct(runner, [prompts[i] for i in arg])
+                b.add([_seq(SamplingParams(), prompt=[i]) for i in arg], part, logits.argmax(-1),
+                      torch.tensor([len(prompts[i]) for i in arg]))  # fmt: skip
+                for i, lg in zip(arg, logits):
+                    got[i].append(lg.clone())
+            elif op == "step":
+                for _ in range(arg):
+                    logits = runner.decode(b)
+                    b.next_ids = logits.argmax(-1)
+                    for s, lg in zip(b.seqs, logits):
+                        got[s.prompt[0]].append(lg.clone())
+            else:
+                b.keep([j for j, s in enumerate(b.seqs) if s.prompt[0] in arg])
+    return got
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("model_name", ["tiny", "smollm2"])
+def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_model_path, smollm_path):
+    """The fast path on CPU is batch-invariant: a row's logits are bit for bit the same whether it runs alone, with
+    others from the start, or joins a running batch whose rows are longer, shorter, leaving and joining (prefill
+    alone or beside other prompts, every decode step). This is what makes a seeded run reproducible whatever the
+    arrival order of its requests (`sampling.py`); before it, logits moved by up to 1e-4 with the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.fastpath import FastRunner
+
+    path = tiny_model_path if model_name == "tiny" else smollm_path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = FastRunner(model)
+    g = torch.Generator().manual_seed(0)
+    high = min(model.config.vocab_size, 40000)
+    prompts = [torch.randint(10, high, (n,), generator=g).tolist() for n in (38, 38, 41, 12, 60, 5, 33, 90, 3)]
+    n_steps = 8
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = {i: _logits_by_schedule(runner, prompts, [("join", [i]), ("step", n_steps)])[i] for i in range(9)}
+        together = _logits_by_schedule(runner, prompts, [("join", list(range(9))), ("step", n_steps)])
+        staggered = _logits_by_schedule(runner, prompts, [
+            ("join", [0, 1]), ("step", 2), ("join", [2, 3, 4]), ("step", 3), ("keep", [0, 2, 3, 4]),
+            ("join", [5, 6, 7, 8]), ("step", n_steps),
+        ])  # fmt: skip
+    finally:
+        torch.set_num_threads(saved)
+    for got in (together, staggered):
+        for i in range(9):
+            n = min(len(got[i]), len(alone[i]))
+            assert n >= 5, (i, n)
+            unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
+            assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
 
 
 def test_prefill_groups_bound_padded_tokens():

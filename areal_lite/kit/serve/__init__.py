@@ -12,7 +12,7 @@ The package, from the wire inwards:
 - `scheduler`: the `Scheduler`, one thread that owns the model and runs continuous batching; pause, abort and
   weight updates are commands it handles between model steps, so model state needs no locks.
 - `batch`: `GenerationState` (one row being generated), `RunningBatch` (the rows decoding together over one
-  left-padded KV cache) and the runner that computes them with the model's own forward (`HFRunner`).
+  KV cache) and the runner that computes them with the model's own forward (`HFRunner`).
 - `fastpath`: `FastRunner`, the runner for Llama/Qwen2-family models: a functional forward with fused projections
   over a preallocated, in-place KV cache (`StaticKV`); the same numbers, with no per-step copy of the cache.
 - `sampling`: next-token sampling, logprobs and finish rules, matching SGLang's numbers.

@@ -8,21 +8,29 @@ Design decisions
 - The same numbers as the model's own forward: the same operations in the same order (RMSNorm in float32, the
   model's own `rotary_emb` tables, SDPA), so logprobs stay the trainer's (matmuls differ only in rounding). q/k/v
   and gate/up run as one matmul each: the model's q/k/v (gate/up) weights are re-bound as *views* of one fused
-  matrix (on CPU stored transposed, see `_Linear`), so a weight update, which `copy_`s into the parameters, updates
-  the fused matrix too.
-- On CPU, decode batches (8-256 rows) and the lm_head run through oneDNN-reordered copies of the weights, which
-  beat MKL there (measured on a 2-core EPYC: 1.2-1.3x on the layers at 32 rows, 1.8x on the lm_head); the price is
-  the weights held twice (+540 MB for SmolLM2-135M) and a re-pack after each weight update (`refresh`).
+  matrix (see `_Linear`), so a weight update, which `copy_`s into the parameters, updates the fused matrix too.
+- On CPU, every matmul of the layers and the lm_head runs through oneDNN-reordered copies of the weights, which
+  beat MKL on decode batches (measured on a 2-core EPYC: 1.2-1.3x on the layers at 32 rows, 1.8x on the lm_head)
+  and compute each row the same way at any number of rows; the price is the weights held twice (+540 MB for
+  SmolLM2-135M) and a re-pack after each weight update (`refresh`).
+- Batch-invariant on CPU (with oneDNN): a row's logits are bit for bit the same whatever rows share its batch, so
+  a seeded request samples the same tokens alone, beside others, or joining a running batch (`sampling.py` gives
+  each request its own random stream; together they make a synchronous run repeat itself). Three choices make it:
+  oneDNN for every matmul of weights (MKL's rows change with the row count: measured, at 1, 7 and 9 rows); prefill
+  attention per prompt, never over a padded batch (`_prompt_attention`); decode attention over a cache that keeps
+  every row's newest token first, in a window a whole number of `KV_ALIGN` columns wide (`StaticKV`). Tested by
+  `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
 - Only what this forward reproduces takes this path (`supports`): llama and qwen2 with SiLU MLPs, no MLP bias, no
   sliding window; any other model runs through its own forward (`batch.HFRunner`).
-- Prefill packs the prompts: projections and MLPs run on the real tokens only; attention alone uses a padded
-  [B, heads, L, D] layout, where a padding query attends to itself, so every cached key and value is finite.
+- Prefill packs the prompts: projections and MLPs run on the real tokens only, attention on each prompt alone.
+  Its keys and values come out left-padded [B, kv_heads, L, D] (`PrefillKV`), reversed into the cache on joining.
 - Decode attends with grouped heads without repeating keys: the query heads that share a key head are passed as
   that head's queries (transformers' one-token `pack_gqa`), over a strided view of the cache.
-- `StaticKV` keeps the running rows' keys/values in buffers [rows, kv_heads, cols, head_dim] per layer, left-padded
-  (every row's newest token in the same column) as the HF path's cache. Decode writes one column in place; rows
-  join by writing their prefill into free rows; buffers are reallocated (live window copied) only when rows or
-  columns run out, growing by half, and released when the batch empties, so an idle server holds no cache.
+- `StaticKV` keeps the running rows' keys/values in buffers [rows, kv_heads, cols, head_dim] per layer, newest
+  token first (every row's newest token in the same column, the window's first). Decode writes one column in place,
+  to the left of the window; rows join by writing their prefill into free rows; buffers are reallocated (live
+  window copied) only when rows or columns run out, growing by half, and released when the batch empties, so an
+  idle server holds no cache.
 """
 
 from __future__ import annotations
@@ -61,9 +69,20 @@ class PrefillKV:
         self.mask = self.mask.index_select(0, rows)
 
 
+KV_ALIGN = 32  # decode attends over a whole number of these columns (see StaticKV)
+
+
 class StaticKV:
-    """The running rows' keys/values in preallocated buffers. Live: rows [0, n), columns [start, end); every row's
-    newest cached token is in column end - 1 and `mask` marks the real tokens of the window."""
+    """The running rows' keys/values in preallocated buffers, newest token first. Live: rows [0, n), columns
+    [start, end); every row's newest cached token is in column `start`, its older ones follow, and `mask` marks the
+    real tokens of the window (each row's are columns start .. start + its length - 1).
+
+    Why newest first: a row's keys then begin at the window's first column whatever the other rows hold, so the
+    reductions of decode attention (scores, softmax, the sum over values) see its tokens at the same offsets in every
+    batch. With the window rounded up to `aligned_width()` columns (padding after it is masked, and the buffers keep
+    room for it), the matmul kernels also see the same shapes for its blocks: measured on this CPU's MKL, a row's
+    attention is then bit-for-bit the same alone or beside any others (at widths that are not multiples of 8 it
+    was not)."""
 
     def __init__(
         self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, max_rows: int = 0
@@ -85,6 +104,10 @@ class StaticKV:
 
     def window_mask(self) -> torch.Tensor:
         return self.mask[: self.n, self.start : self.end]
+
+    def aligned_width(self) -> int:
+        """The window's width rounded up to a multiple of KV_ALIGN (the buffers always have these columns)."""
+        return -(-self.width // KV_ALIGN) * KV_ALIGN
 
     def _relayout(self, rows: int, cols: int, start: int) -> None:
         """New zeroed buffers of `rows` x `cols`, the live window copied to begin at column `start`. Each old layer is
@@ -113,33 +136,36 @@ class StaticKV:
         self.start, self.end = start, start + w
 
     def join(self, part: PrefillKV) -> None:
-        """Add `part`'s rows after the live ones, right-aligned with them (its last column in column end - 1)."""
+        """Add `part`'s rows after the live ones, newest token in column `start` as theirs (`part` is left-padded:
+        its columns are reversed on the way in)."""
         m, length = part.mask.shape
         rows_cap, cols_cap = self.mask.shape
-        if self.n + m > rows_cap or length > self.end or self.end >= cols_cap:
+        if self.n + m > rows_cap or self.start + length + KV_ALIGN > cols_cap:
             width = max(self.width, length)
             rows = rows_cap + rows_cap // 2
             rows = max(self.n + m, min(rows, self.max_rows) if self.max_rows else rows)
-            self._relayout(rows, width + max(32, width // 2), width - self.width)
-        n, s, e = self.n, self.end - length, self.end
-        if s < self.start:  # the window widens to the left: those columns are padding for the live rows
-            self.mask[:n, s : self.start] = False
-            self.start = s
+            room = max(32, width // 2)  # free columns on the left: decode writes there
+            self._relayout(rows, room + width + KV_ALIGN, room)
+        n, s, e = self.n, self.start, self.start + length
+        if e > self.end:  # the window widens to the right: those columns are padding for the live rows
+            self.mask[:n, self.end : e] = False
+            self.end = e
         for i in range(self.n_layers):
-            self.keys[i][n : n + m, :, s:e] = part.keys[i]
-            self.values[i][n : n + m, :, s:e] = part.values[i]
-        self.mask[n : n + m, self.start : s] = False
-        self.mask[n : n + m, s:e] = part.mask
+            self.keys[i][n : n + m, :, s:e] = part.keys[i].flip(2)
+            self.values[i][n : n + m, :, s:e] = part.values[i].flip(2)
+        self.mask[n : n + m, s:e] = part.mask.flip(1)
+        self.mask[n : n + m, e : self.end] = False
         self.n += m
 
     def append_column(self) -> int:
-        """Open column `end` for every live row (decode writes its new key/value there); returns its index."""
-        if self.end >= self.mask.shape[1]:
+        """Open column `start - 1` for every live row (decode writes its new key/value there); returns its index."""
+        if self.start == 0:
             w = self.width
-            self._relayout(self.mask.shape[0], w + max(32, w // 2), 0)
-        self.mask[: self.n, self.end] = True
-        self.end += 1
-        return self.end - 1
+            room = max(32, w // 2)
+            self._relayout(self.mask.shape[0], room + w + KV_ALIGN, room)
+        self.start -= 1
+        self.mask[: self.n, self.start] = True
+        return self.start
 
     def keep(self, rows: list[int]) -> None:
         """Keep only live rows `rows` (moved to the front), then drop columns that are padding in every row."""
@@ -157,7 +183,7 @@ class StaticKV:
                 self.values[i][:m, :, s:e] = self.values[i][:, :, s:e].index_select(0, idx)
             self.mask[:m, s:e] = self.mask[:, s:e].index_select(0, idx)
         self.n = m
-        self.start += int(self.window_mask().any(dim=0).int().argmax())
+        self.end -= int(self.window_mask().any(dim=0).flip(0).int().argmax())
 
 
 def _return_freed_memory() -> None:
@@ -186,28 +212,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return (x * cos) + (rotated * sin)
 
 
-PACKED_ROWS = (8, 256)  # the rows for which oneDNN beat MKL on a 2-core AMD EPYC (at 1 and 2 threads)
-
-
 class _Linear:
-    """`modules` (`nn.Linear`s of one input) as one matmul. Their weights are stored once, fused, and with `transpose`
-    as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step: 1.4x at one row); each
-    module's parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters)
-    updates this matmul and the model's own forward still works. With `pack` = (lo, hi), a oneDNN-reordered copy of
-    the weight serves inputs of lo..hi rows instead (a decode batch: 1.2-1.3x faster at 32 rows, 1.8x for the
-    lm_head's 49k outputs; slower than MKL for one row and for long prefills); `refresh()` (re)builds it."""
+    """`modules` (`nn.Linear`s of one input) as one matmul. Their weights are stored once, fused, and each module's
+    parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters) updates this
+    matmul and the model's own forward still works. With `pack` (a CPU with oneDNN), a oneDNN-reordered copy of the
+    weight serves every input, whatever its rows: oneDNN computes each row the same way at any batch size, which is
+    what makes the server batch-invariant (module docstring), and it beats MKL on decode batches (1.2-1.3x at 32 rows,
+    1.8x for the lm_head's 49k outputs); `refresh()` (re)builds it. Without it, with `transpose`, the weight is stored
+    as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step: 1.4x at one row)."""
 
-    def __init__(self, modules: list[Any], transpose: bool = False, pack: Optional[tuple[int, int]] = None):
+    def __init__(self, modules: list[Any], transpose: bool = False, pack: bool = False):
         weights = [m.weight.detach() for m in modules]
         self.wt: Optional[torch.Tensor] = None
-        if transpose:
+        if transpose and not pack:
             self.wt = torch.cat([w.t() for w in weights], dim=1).contiguous()
             self.weight = self.wt.t()
         else:
             self.weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
         biases = [m.bias for m in modules]
         self.bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
-        if transpose or len(modules) > 1:
+        if self.wt is not None or len(modules) > 1:
             offset = 0
             for m in modules:
                 rows = m.weight.shape[0]
@@ -221,11 +245,11 @@ class _Linear:
     def refresh(self) -> None:
         """Rebuild the packed copy after the weights changed."""
         self.packed = None
-        if self.pack is not None:
+        if self.pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.pack[0] <= x.shape[0] <= self.pack[1]:
+        if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.wt is not None:
             return torch.mm(x, self.wt) if self.bias is None else torch.addmm(self.bias, x, self.wt)
@@ -235,7 +259,7 @@ class _Linear:
 class _Layer:
     """One decoder layer's tensors, q/k/v and gate/up fused."""
 
-    def __init__(self, layer: Any, cpu: bool, pack: Optional[tuple[int, int]]):
+    def __init__(self, layer: Any, cpu: bool, pack: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = _Linear([attn.q_proj, attn.k_proj, attn.v_proj], transpose=cpu, pack=pack)
@@ -268,23 +292,23 @@ class FastRunner:
         self.model = model
         self.inner = model.model
         cpu = next(model.parameters()).device.type == "cpu"
-        # oneDNN copies (weights held twice) on CPU: decode batches of 8-256 rows; the lm_head at any size. oneDNN
-        # packs bf16 weights only where the CPU has bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere
-        # it raises, so bf16 there runs the plain matmuls.
+        # oneDNN copies (weights held twice) on CPU, for every matmul of the layers and the lm_head. oneDNN packs
+        # bf16 weights only where the CPU has bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere it
+        # raises, so bf16 there runs the plain matmuls.
         dtype = model.model.embed_tokens.weight.dtype
         packed = (
             cpu
             and torch.backends.mkldnn.is_available()
             and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         )
-        self.layers = [_Layer(layer, cpu, PACKED_ROWS if packed else None) for layer in self.inner.layers]
+        self.layers = [_Layer(layer, cpu, packed) for layer in self.inner.layers]
         if cpu:  # before the lm_head's `_Linear` takes its weight
             _own_unfused_weights(model, self.layers)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = cfg.intermediate_size
-        self.lm_head = _Linear([model.lm_head], pack=(1, 1 << 62) if packed else None)
+        self.lm_head = _Linear([model.lm_head], pack=packed)
         weight = self.inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.refresh()  # packed only now: the file's pages and the packed copies are never resident together
@@ -321,31 +345,39 @@ class FastRunner:
         return self.lm_head(_rms_norm(x, self.inner.norm))
 
     def prefill(self, prompts: list[list[int]]) -> tuple[PrefillKV, torch.Tensor]:
-        """Run `prompts`. Returns their keys/values and last-position logits [B, V]."""
+        """Run `prompts`. Returns their keys/values (left-padded) and last-position logits [B, V]."""
         lens = [len(p) for p in prompts]
         B, L, dev = len(lens), max(lens), self.device
         ids = torch.tensor([t for p in prompts for t in p], device=dev)
         pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
         slot = torch.cat([torch.arange(i * L + L - n, (i + 1) * L) for i, n in enumerate(lens)]).to(dev)
         mask = torch.zeros(B * L, dtype=torch.bool, device=dev).index_fill_(0, slot, True).view(B, L)
-        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril_()
-        # a padding query sees itself only, so its (unused) outputs and cached keys/values stay finite
-        attn_mask = ((causal & mask[:, None, :]) | torch.eye(L, dtype=torch.bool, device=dev))[:, None]
         x = F.embedding(ids, self.inner.embed_tokens.weight)
         cos, sin = self._rope_tables(x, pos)
         keys, values = [], []
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin)
-            qp, kp, vp = (self._pad(t, slot, B, L) for t in (q, k, v))
-            keys.append(kp)
-            values.append(vp)
-            out = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=attn_mask, scale=layer.scaling, enable_gqa=self.heads != self.kv_heads
-            )
-            out = out.transpose(1, 2).reshape(B * L, -1).index_select(0, slot)
-            x = self._finish_layer(layer, x, out)
+            keys.append(self._pad(k, slot, B, L))
+            values.append(self._pad(v, slot, B, L))
+            x = self._finish_layer(layer, x, self._prompt_attention(layer, q, k, v, lens))
         last = torch.tensor(lens, device=dev).cumsum(0) - 1
         return PrefillKV(keys, values, mask), self._logits(x.index_select(0, last))
+
+    def _prompt_attention(
+        self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+    ) -> torch.Tensor:
+        """Causal attention of each packed prompt over its own tokens: one sdpa call per prompt, no padding, so a
+        prompt's numbers never depend on the prompts prefilled beside it (a padded batch changes the kernel's
+        blocks, and with them the rounding). Returns [N, heads * D]."""
+        outs, o = [], 0
+        for n in lens:
+            qs, ks, vs = (t[o : o + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, D]
+            out = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=layer.scaling, enable_gqa=self.heads != self.kv_heads
+            )
+            outs.append(out[0].transpose(0, 1).reshape(n, -1))
+            o += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
     def _pad(t: torch.Tensor, slot: torch.Tensor, B: int, L: int) -> torch.Tensor:
@@ -361,16 +393,22 @@ class FastRunner:
         n, d, rep = kv.n, self.head_dim, self.heads // self.kv_heads
         # One query per row: two small batched matmuls and a softmax, with the padding mask added once per step
         # (sdpa's CPU kernel costs twice as much at these sizes: 0.33 against 0.17 ms a layer, 32 rows, 50 keys).
+        # Every row's keys start at the window's first column (newest first), and the window is a whole number of
+        # KV_ALIGN columns: a row's scores, softmax and sum over values then come out of the same kernel blocks,
+        # bit for bit, whatever the other rows' lengths (StaticKV's docstring).
         window = kv.window_mask()
-        bias = torch.zeros_like(window, dtype=self.dtype).masked_fill_(~window, float("-inf"))[:, None, None, :]
+        cols = kv.aligned_width()
+        bias = torch.full((n, cols), float("-inf"), dtype=self.dtype, device=self.device)
+        bias[:, : window.shape[1]].masked_fill_(window, 0.0)
+        bias = bias[:, None, None, :]
         x = F.embedding(batch.next_ids, self.inner.embed_tokens.weight)
         cos, sin = self._rope_tables(x, batch.pos)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kv.keys[i][:n, :, col] = k
             kv.values[i][:n, :, col] = v
-            keys = kv.keys[i][:n, :, kv.start : kv.end]
-            values = kv.values[i][:n, :, kv.start : kv.end]
+            keys = kv.keys[i][:n, :, kv.start : kv.start + cols]
+            values = kv.values[i][:n, :, kv.start : kv.start + cols]
             scores = torch.matmul(q.view(n, self.kv_heads, rep, d), keys.transpose(-1, -2))
             probs = torch.softmax(scores.mul_(layer.scaling).add_(bias), dim=-1)
             out = torch.matmul(probs, values)

@@ -13,9 +13,10 @@ Design decisions
   random stream (`GenerationState.rng`), so what a row samples does not depend on which other rows share its batch.
 - Reproducible by default (`RowSeeds`). A row's stream is seeded from the request's `sampling_seed` (SGLang's field)
   and its sample index when the client sends one; otherwise from the server's `--random-seed`, the request's content
-  (prompt and sampling parameters) and how many identical requests came before it. The rollouts of a synchronous run
-  are then the same from run to run on the same machine, whatever the arrival order and batching of concurrent
-  requests: identical requests are interchangeable, so which of them gets which stream changes nothing. (SGLang
+  (prompt and sampling parameters) and how many identical requests came before it. Identical requests are
+  interchangeable, so which of them gets which stream changes nothing; and the fast path's logits do not depend on
+  the batch either (`fastpath.py`, batch-invariant on CPU). The rollouts of a synchronous run are then the same
+  from run to run on the same machine, whatever the arrival order and batching of concurrent requests. (SGLang
   samples from one shared generator unless deterministic inference is on; a learner comparing two runs step by
   step needs the same samples, and a test of learning must not depend on how requests happened to be batched.)
 - When every row samples and logprobs are taken after temperature, the draw's probabilities are the exp of those
