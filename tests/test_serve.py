@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 import torch
+from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite.api.cli_args import EmbeddedServerConfig
 from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
@@ -236,8 +237,10 @@ def test_sampled_rows_and_logprobs_same_alone_together_or_staggered(server):
         together = [f.result() for f in [pool.submit(generate, server, body(i)) for i in range(n)]]
         futs = []
         for i in range(n):
+            prefills = call(server, "/server_info")[1]["prefill_batches"]
             futs.append(pool.submit(generate, server, body(i)))
-            time.sleep(0.03)  # a few decode steps apart: each joins a running batch
+            # the next one is sent once this one is prefilled: each joins the rows still decoding
+            assert wait_until(lambda p=prefills: call(server, "/server_info")[1]["prefill_batches"] > p, interval=0.005)
         staggered = [f.result() for f in futs]
     assert [result(o) for o in together] == alone
     assert [result(o) for o in staggered] == alone

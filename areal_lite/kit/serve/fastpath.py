@@ -23,7 +23,7 @@ Design decisions
 - Only what this forward reproduces takes this path (`supports`): llama and qwen2 with SiLU MLPs, no MLP bias, no
   sliding window; any other model runs through its own forward (`batch.HFRunner`).
 - Prefill packs the prompts: projections and MLPs run on the real tokens only, attention on each prompt alone.
-  Its keys and values come out left-padded [B, kv_heads, L, D] (`PrefillKV`), reversed into the cache on joining.
+  Its keys and values come out in the cache's layout, newest token first [B, kv_heads, L, D] (`PrefillKV`).
 - Decode attends with grouped heads without repeating keys: the query heads that share a key head are passed as
   that head's queries (transformers' one-token `pack_gqa`), over a strided view of the cache.
 - `StaticKV` keeps the running rows' keys/values in buffers [rows, kv_heads, cols, head_dim] per layer, newest
@@ -57,7 +57,8 @@ def supports(model: Any) -> bool:
 
 
 class PrefillKV:
-    """A prefill's keys/values: per layer [B, kv_heads, L, head_dim], left-padded, with the mask [B, L]."""
+    """A prefill's keys/values: per layer [B, kv_heads, L, head_dim], newest token first (as `StaticKV` keeps
+    them; padding after each prompt), with the mask [B, L]."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor):
         self.keys, self.values, self.mask = keys, values, mask
@@ -135,34 +136,35 @@ class StaticKV:
         self.keys, self.values, self.mask = keys, values, mask
         self.start, self.end = start, start + w
 
+    def _regrow(self, rows: int, width: int) -> None:
+        """`_relayout` for a window up to `width` wide: free columns on the left (decode writes there) and KV_ALIGN
+        on the right (the aligned window reads there)."""
+        room = max(32, width // 2)
+        self._relayout(rows, room + width + KV_ALIGN, room)
+
     def join(self, part: PrefillKV) -> None:
-        """Add `part`'s rows after the live ones, newest token in column `start` as theirs (`part` is left-padded:
-        its columns are reversed on the way in)."""
+        """Add `part`'s rows after the live ones, their newest token in column `start` like theirs."""
         m, length = part.mask.shape
         rows_cap, cols_cap = self.mask.shape
         if self.n + m > rows_cap or self.start + length + KV_ALIGN > cols_cap:
-            width = max(self.width, length)
             rows = rows_cap + rows_cap // 2
             rows = max(self.n + m, min(rows, self.max_rows) if self.max_rows else rows)
-            room = max(32, width // 2)  # free columns on the left: decode writes there
-            self._relayout(rows, room + width + KV_ALIGN, room)
+            self._regrow(rows, max(self.width, length))
         n, s, e = self.n, self.start, self.start + length
         if e > self.end:  # the window widens to the right: those columns are padding for the live rows
             self.mask[:n, self.end : e] = False
             self.end = e
         for i in range(self.n_layers):
-            self.keys[i][n : n + m, :, s:e] = part.keys[i].flip(2)
-            self.values[i][n : n + m, :, s:e] = part.values[i].flip(2)
-        self.mask[n : n + m, s:e] = part.mask.flip(1)
+            self.keys[i][n : n + m, :, s:e] = part.keys[i]
+            self.values[i][n : n + m, :, s:e] = part.values[i]
+        self.mask[n : n + m, s:e] = part.mask
         self.mask[n : n + m, e : self.end] = False
         self.n += m
 
     def append_column(self) -> int:
         """Open column `start - 1` for every live row (decode writes its new key/value there); returns its index."""
         if self.start == 0:
-            w = self.width
-            room = max(32, w // 2)
-            self._relayout(self.mask.shape[0], room + w + KV_ALIGN, room)
+            self._regrow(self.mask.shape[0], self.width)
         self.start -= 1
         self.mask[: self.n, self.start] = True
         return self.start
@@ -345,12 +347,13 @@ class FastRunner:
         return self.lm_head(_rms_norm(x, self.inner.norm))
 
     def prefill(self, prompts: list[list[int]]) -> tuple[PrefillKV, torch.Tensor]:
-        """Run `prompts`. Returns their keys/values (left-padded) and last-position logits [B, V]."""
+        """Run `prompts`. Returns their keys/values (newest token first) and last-position logits [B, V]."""
         lens = [len(p) for p in prompts]
         B, L, dev = len(lens), max(lens), self.device
         ids = torch.tensor([t for p in prompts for t in p], device=dev)
         pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
-        slot = torch.cat([torch.arange(i * L + L - n, (i + 1) * L) for i, n in enumerate(lens)]).to(dev)
+        # where each packed token goes in the cache's layout: a prompt's last token first, its first at n - 1
+        slot = torch.cat([torch.arange(i * L + n - 1, i * L - 1, -1) for i, n in enumerate(lens)]).to(dev)
         mask = torch.zeros(B * L, dtype=torch.bool, device=dev).index_fill_(0, slot, True).view(B, L)
         x = F.embedding(ids, self.inner.embed_tokens.weight)
         cos, sin = self._rope_tables(x, pos)
@@ -381,7 +384,7 @@ class FastRunner:
 
     @staticmethod
     def _pad(t: torch.Tensor, slot: torch.Tensor, B: int, L: int) -> torch.Tensor:
-        """Packed [N, heads, D] -> left-padded [B, heads, L, D] (zeros in padding)."""
+        """Packed [N, heads, D] -> [B, heads, L, D] at `slot` (zeros in padding)."""
         out = t.new_zeros(B * L, t.shape[1], t.shape[2]).index_copy_(0, slot, t)
         return out.view(B, L, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
 
