@@ -1037,3 +1037,39 @@ def test_cpu_bf16_without_native_support_is_float32(tiny_model_path, vocab, monk
     assert all(torch.equal(after_bf[n], after_fp[n]) for n in after_fp)
     bf.destroy()
     fp.destroy()
+
+
+def test_same_batch_same_gradients_with_shared_prompts_on_two_threads(tiny_model_path, vocab):
+    """GRPO groups share their prompt (and the prompts a chat template's start), whose keys/values each bucket
+    gathers: their gradients are summed back in the backward, and on two threads that sum must not depend on the
+    threads' timing, or two same-seed runs part after a few steps. Fails with `x[:, idx]` gathers (atomic adds)."""
+    g = torch.Generator().manual_seed(3)
+    start, rows = torch.randint(10, vocab, (27,), generator=g), []
+    for _ in range(4):  # the demo's shape: 4 prompts x 8 samples, a 27-token common start, 16 new tokens
+        prompt = torch.cat([start, torch.randint(10, vocab, (11,), generator=g)])
+        rows += [torch.cat([prompt, torch.randint(10, vocab, (16,), generator=g)]) for _ in range(8)]
+    B, L = len(rows), 54
+    lm = torch.tensor([0] * 38 + [1] * 16).repeat(B, 1)
+    batch = {
+        "input_ids": torch.stack(rows),
+        "attention_mask": torch.ones(B, L, dtype=torch.bool),
+        "loss_mask": lm,
+        "logprobs": torch.zeros(B, L),
+        "versions": torch.where(lm.bool(), 0, -1),
+        "rewards": torch.rand(B, generator=g),
+    }
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize(None)
+    fill_logprobs(actor, batch)
+    actor.compute_advantages(batch)
+    grads, threads = [], torch.get_num_threads()
+    actor.optimizer.step = lambda: grads.append([p.grad.clone() for p in actor.model.parameters()])
+    torch.set_num_threads(2)  # past CI's OMP_NUM_THREADS=1 cap: the race needs two threads
+    try:
+        for _ in range(4):
+            actor.ppo_update({k: v.clone() for k, v in batch.items()})
+    finally:
+        torch.set_num_threads(threads)
+        actor.destroy()
+    assert len(grads) == 4
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))

@@ -107,11 +107,16 @@ def _shared_prefix_attention(module, query, key, value, layout, dropout, scaling
     """Attention of a `SharedPrefixRow`: one sdpa call per bucket of segments, gathered into a padded batch."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        # [1, heads, N, d] -> [segments, heads, Q or K, d]. index_select, not x[0][:, idx]: a shared prompt's keys
+        # are gathered by many segments, and indexing's backward sums their gradients with parallel atomic adds
+        # on a CPU, in an order that changes from run to run (two same-seed runs part after a few steps);
+        # index_select's backward adds them one index at a time.
+        return x[0].index_select(1, idx.flatten()).unflatten(1, idx.shape).transpose(0, 1)
+
     outs = []
     for bucket in layout.buckets:
-        # [1, heads, N, d] -> [segments, heads, Q or K, d]
-        q, k, v = (x[0][:, idx].transpose(0, 1) for x, idx in ((query, bucket.q_idx), (key, bucket.k_idx),
-                                                                 (value, bucket.k_idx)))  # fmt: skip
+        q, k, v = gather(query, bucket.q_idx), gather(key, bucket.k_idx), gather(value, bucket.k_idx)
         out, _ = sdpa_attention_forward(module, q, k, v, bucket.mask, dropout=dropout, scaling=scaling,
                                         is_causal=False, **kwargs)  # fmt: skip
         outs.append(out.flatten(0, 1))  # [segments * Q, heads, d]
