@@ -17,7 +17,8 @@ Design decisions
   interchangeable, so which of them gets which stream changes nothing; and the fast path's logits do not depend on
   the batch either (`fastpath.py`, batch-invariant on CPU). Given the same weights, the rollouts of a synchronous
   run are then the same from run to run on the same machine, whatever the arrival order and batching of concurrent
-  requests (the trainer's own last-bit nondeterminism can still make two runs' weights part: README). (SGLang
+  requests; the CPU trainer's update is deterministic too (`fsdp_utils/packing.py`), so the weights stay the same
+  and so does the whole run. (SGLang
   samples from one shared generator unless deterministic inference is on; a learner comparing two runs step by
   step needs the same samples, and a test of learning must not depend on how requests happened to be batched.)
 - When every row samples and logprobs are taken after temperature, the draw's probabilities are the exp of those
