@@ -8,8 +8,9 @@ pool).
 The learning test must pass every time, so it rests on two measurements, not on luck:
 - A run repeats itself. The server's sampling is reproducible: each request draws from its own random stream,
   derived from the run's seed and the request, never from how concurrent requests happened to be batched (which
-  made the reward curve of one seed differ from run to run, under load more so). Repeated runs on one machine give
-  the same rewards by step, up to a rare token flipped by float rounding when a batch's rows come in another order.
+  made the reward curve of one seed differ from run to run, under load more so), and on a CPU the server's logits
+  and the trainer's gradients do not depend on batching or thread timing either. Repeated runs on one machine give
+  the same rewards by step.
 - The bar has a margin over seeds, since rounding on another machine can send a run down another path. With lr
   6e-2 and 16 steps, 60 of 60 seeds passed: last-3 minus first-3 mean reward 0.64-0.81 (median 0.74) against the
   0.4 required, the reward reaching 0.6 by step 10 at the latest. At the former lr 3e-2, 3 of 30 seeds stalled
