@@ -18,9 +18,9 @@ Design decisions
   the batch either (`fastpath.py`, batch-invariant on CPU). Given the same weights, the rollouts of a synchronous
   run are then the same from run to run on the same machine, whatever the arrival order and batching of concurrent
   requests; the CPU trainer's update is deterministic too (`fsdp_utils/packing.py`), so the weights stay the same
-  and so does the whole run. (SGLang
-  samples from one shared generator unless deterministic inference is on; a learner comparing two runs step by
-  step needs the same samples, and a test of learning must not depend on how requests happened to be batched.)
+  and so does the whole run. (SGLang samples from one shared generator unless deterministic inference is on; a
+  learner comparing two runs step by step needs the same samples, and a test of learning must not depend on how
+  requests happened to be batched.)
 - When every row samples and logprobs are taken after temperature, the draw's probabilities are the exp of those
   logprobs (no second softmax over the vocabulary), and temperature 1 divides nothing.
 - Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
