@@ -291,3 +291,34 @@ def test_unknown_code_cell_option_is_an_error(tmp_path):
     src.write_text("%% code headlin\nprint(1)\n", encoding="utf-8")
     with pytest.raises(SystemExit, match="unknown code cell option"):
         _build_tool().parse_source(str(src))
+
+
+def test_nbval_kernel_starts_while_the_tcp_port_jupyter_picks_is_taken(monkeypatch):
+    """notebooks/conftest.py puts nbval's kernels on ipc sockets. jupyter_client picks a TCP port by binding port 0
+    and closing it; a process that binds it before the kernel does kills the kernel at start-up (seen once in CI
+    under two workers). Here that port is always taken: the kernel must still start and run a cell."""
+    import socket
+
+    import nbval.kernel
+    from jupyter_client.connect import LocalPortCache
+
+    spec = importlib.util.spec_from_file_location("notebooks_conftest", os.path.join(ROOT, "notebooks", "conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    monkeypatch.setattr(nbval.kernel, "KernelManager", conftest.IpcKernelManager)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        monkeypatch.setattr(LocalPortCache, "find_available_port", lambda self, ip: taken.getsockname()[1])
+        kernel = nbval.kernel.RunningKernel("python3", cwd=ROOT)
+        try:
+            msg_id = kernel.execute_cell_input("print(6 * 7)", allow_stdin=False)
+            kernel.await_reply(msg_id, timeout=30)
+            outputs = []
+            while not outputs:
+                msg = kernel.get_message(stream="iopub", timeout=30)
+                if msg["msg_type"] == "stream":
+                    outputs.append(msg["content"]["text"])
+        finally:
+            kernel.stop()
+    assert outputs == ["42\n"]
