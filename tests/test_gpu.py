@@ -1,26 +1,36 @@
 """GPU-only tests, run by `make test-gpu` (marker `gpu`; `make test` leaves them out).
 
-The CUDA paths the CPU suite cannot reach: the actor in bfloat16 on a GPU, the embedded server on CUDA, and the
-multi-process paths over NCCL (the weight broadcast and FSDP2), which need two GPUs: NCCL refuses two ranks on one
-device, so on a one-GPU machine those two say so and skip. Without any CUDA device every test here fails with one
-line: `make test-gpu` is the command that promised a GPU.
+The CUDA paths the CPU suite cannot reach: the actor in bfloat16 on a GPU (full and LoRA), the embedded server on
+CUDA (with an adapter synced to it), and the multi-process paths over NCCL (the weight broadcast and FSDP2), which
+need two GPUs: NCCL refuses two ranks on one device, so on a one-GPU machine those two say so and skip. Without any
+CUDA device every test here fails with one line: `make test-gpu` is the command that promised a GPU.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from test_actor import FSDP_SCRIPT, RECEIVER, make_batch, save_fsdp_batch
-from test_serve import PROMPTS, forward_logprobs, generate
+from test_actor import FSDP_SCRIPT, RECEIVER, fill_logprobs, make_batch, save_fsdp_batch
+from test_lora import PROMPTS as LORA_PROMPTS
+from test_lora import adapter, base, greedy_outputs, perturb_adapter
+from test_serve import PROMPTS, call, forward_logprobs, generate
 
-from areal_lite.api.cli_args import EmbeddedServerConfig, OptimizerConfig, PPOActorConfig
-from areal_lite.api.io_struct import WeightUpdateMeta
+from areal_lite.api.cli_args import (
+    EmbeddedServerConfig,
+    GenerationHyperparameters,
+    InferenceEngineConfig,
+    OptimizerConfig,
+    PPOActorConfig,
+)
+from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal_lite.engine.fsdp_engine import FSDPPPOActor
 from areal_lite.engine.fsdp_utils.weights import init_custom_process_group
+from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +92,61 @@ def test_embedded_server_on_cuda_logprobs_equal_forward_pass(tiny_model_path):
             assert (got - want).abs().max().item() < 1e-2, (got, want)  # CUDA kernels differ from CPU ones
     finally:
         handle.stop()
+
+
+def test_lora_bf16_actor_on_cuda_trains_the_adapter_and_the_cuda_server_serves_it(tiny_model_path, vocab, tmp_path):
+    """LoRA on a GPU: the bf16 actor's PPO step moves only the adapter; the adapter alone is synced to the embedded
+    server on CUDA, which then generates with the merged weights (its log-probs are those of peft's merged model)
+    and gives the base model's generations back once the adapter is unloaded."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.launch import launch_server
+
+    lora = dict(use_lora=True, lora_rank=4, lora_alpha=8, optimizer=OptimizerConfig(lr=1e-2))
+    actor = FSDPPPOActor(PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16", **lora)).initialize()
+    batch = make_batch(vocab, B=4, seed=3)
+    fill_logprobs(actor, batch)
+    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+    base0, lora0 = base(actor), adapter(actor)
+    stats = actor.ppo_update(batch)
+    assert stats["skipped"] == 0 and stats["grad_norm"] > 0
+    assert all(torch.equal(base0[n], p) for n, p in base(actor).items()), "a base weight moved"
+    assert any("lora_B" in n and not torch.equal(lora0[n], p) for n, p in adapter(actor).items())
+
+    perturb_adapter(actor)  # a large adapter, so that generations surely change
+    handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, device="cuda"), backend="embedded")
+    engine = None
+    try:
+        handle.wait_ready(timeout=300)
+        addr, n = handle.address, 10
+        before = greedy_outputs(addr, n)
+        meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), use_lora=True, lora_name="pol")
+        engine = RemoteSGLangEngine(InferenceEngineConfig(use_lora=True)).initialize(addr=addr)
+        actor.connect_engine(engine, meta)
+        actor.update_weights(meta)
+        actor.set_version(1)
+        engine.set_version(1)
+        assert call(addr, "/server_info")[1]["lora_adapter"] == "pol-v1"
+        merged = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(merged, meta.dir_for(1)).merge_and_unload().eval()
+        g = GenerationHyperparameters(max_new_tokens=n, greedy=True, ignore_eos=True, lora_name="pol")
+        changed = False
+        for prompt, old in zip(LORA_PROMPTS, before):
+            resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=prompt, gconfig=g)))
+            want = forward_logprobs(merged, prompt, resp.output_tokens)
+            got = torch.tensor(resp.output_logprobs)
+            assert (got - want).abs().max().item() < 1e-2, (got, want)
+            changed |= resp.output_tokens != old
+        assert changed, "the adapter changed no generation"
+        status, out = call(addr, "/unload_lora_adapter", {"lora_name": "pol-v1"})
+        assert status == 200 and out["loaded_adapters"] == {}
+        assert greedy_outputs(addr, n) == before
+    finally:
+        if engine is not None:
+            engine.destroy()
+        handle.stop()
+        actor.destroy()
 
 
 @two_gpus
