@@ -18,6 +18,7 @@ from functools import partial
 
 import pytest
 import torch
+from _bench import load_bench
 
 from areal_lite.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
@@ -1043,21 +1044,8 @@ def test_same_batch_same_gradients_with_shared_prompts_on_two_threads(tiny_model
     """GRPO groups share their prompt (and the prompts a chat template's start), whose keys/values each bucket
     gathers: their gradients are summed back in the backward, and on two threads that sum must not depend on the
     threads' timing, or two same-seed runs part after a few steps. Fails with `x[:, idx]` gathers (atomic adds)."""
-    g = torch.Generator().manual_seed(3)
-    start, rows = torch.randint(10, vocab, (27,), generator=g), []
-    for _ in range(4):  # the demo's shape: 4 prompts x 8 samples, a 27-token common start, 16 new tokens
-        prompt = torch.cat([start, torch.randint(10, vocab, (11,), generator=g)])
-        rows += [torch.cat([prompt, torch.randint(10, vocab, (16,), generator=g)]) for _ in range(8)]
-    B, L = len(rows), 54
-    lm = torch.tensor([0] * 38 + [1] * 16).repeat(B, 1)
-    batch = {
-        "input_ids": torch.stack(rows),
-        "attention_mask": torch.ones(B, L, dtype=torch.bool),
-        "loss_mask": lm,
-        "logprobs": torch.zeros(B, L),
-        "versions": torch.where(lm.bool(), 0, -1),
-        "rewards": torch.rand(B, generator=g),
-    }
+    # the demo's shape: 4 prompts x 8 samples, 38-token prompts with a 27-token common start, 16 new tokens
+    batch = load_bench("update_speed").make_batch(4, 8, 38, 16, vocab, common=27, seed=3)
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize(None)
     fill_logprobs(actor, batch)
     actor.compute_advantages(batch)
