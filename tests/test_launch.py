@@ -92,6 +92,34 @@ def test_lifecycle(tiny_model_path, tmp_path):
     assert "exited" in repr(handle)
 
 
+def taken(port: int) -> bool:
+    """Whether another process binding `port` on 127.0.0.1 now fails (as a starting server's would)."""
+    with socket.socket() as intruder:
+        try:
+            intruder.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def test_the_port_is_held_from_launch_not_from_when_the_server_binds(tiny_model_path, tmp_path):
+    """The embedded server serves on a socket the launcher bound: from the moment launch_server returns, while the
+    child is still importing, no other process can take the port (a port picked and released could be taken, and
+    the server would die with "address already in use"; that race killed a notebook kernel once in CI)."""
+    handle = launch_server(cfg(tiny_model_path), backend="embedded", log_dir=str(tmp_path))
+    try:
+        assert taken(handle.port) and "--listen-fd" in handle.cmd
+        handle.wait_ready(timeout=180)
+        with urllib.request.urlopen(handle.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        ours = psutil.Process().net_connections(kind="tcp")
+        assert not [c for c in ours if c.status == psutil.CONN_LISTEN and c.laddr.port == handle.port], (
+            "the launcher kept its copy of the listening socket"
+        )
+    finally:
+        handle.stop()
+
+
 def test_the_launchers_omp_num_threads_caps_the_servers_threads(tiny_model_path, tmp_path, monkeypatch):
     """A config asking for 2 server threads gets 1 under OMP_NUM_THREADS=1 (how `make test` shares 2 cores).
 

@@ -924,7 +924,7 @@ def test_prefill_groups_bound_padded_tokens():
 # the command line: defined once, in EmbeddedServerConfig
 
 # Per launch, not per config: the launcher passes them itself.
-LAUNCH_OPTIONS = {"host", "port", "random_seed", "exit_with_parent"}
+LAUNCH_OPTIONS = {"host", "port", "random_seed", "exit_with_parent", "listen_fd"}
 
 
 def test_server_options_are_the_config_fields():

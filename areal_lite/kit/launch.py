@@ -45,7 +45,14 @@ from areal_lite.api.cli_args import (
     server_backend,
     vLLMConfig,
 )
-from areal_lite.kit.procs import ServerLaunchError, ServerProcess, find_free_port, find_free_ports, spawn
+from areal_lite.kit.procs import (
+    ServerLaunchError,
+    ServerProcess,
+    find_free_port,
+    find_free_ports,
+    listening_socket,
+    spawn,
+)
 
 __all__ = ["ServerHandle", "ServerLaunchError", "find_free_port", "find_free_ports", "launch_server", "choose_backend"]
 
@@ -264,7 +271,10 @@ def launch_server(
     if not path:
         field = "vllm.model" if chosen == "vllm" else f"{chosen}.model_path"
         raise ValueError(f"no model path: pass model_path= or set {field}")
-    port = port or find_free_port(host)
+    # No port given: our own server inherits a socket that already listens (procs.listening_socket), so nothing can
+    # take the port while it starts; SGLang and vLLM bind theirs themselves, on a port that was free a moment ago.
+    sock = listening_socket(host) if not port and chosen == "embedded" else None
+    port = port or (sock.getsockname()[1] if sock else find_free_port(host))
     if chosen == "sglang":
         from areal_lite.utils.model_store import resolve_model_path
 
@@ -281,7 +291,7 @@ def launch_server(
         cmd = _vllm_cmd(cfg, host, port, path, seed, on_cpu, tp_size)
         env_threads = None  # _vllm_env sets them (CPU only)
     else:
-        cmd = _embedded_cmd(cfg, host, port, path, seed)
+        cmd = _embedded_cmd(cfg, host, port, path, seed) + (["--listen-fd", str(sock.fileno())] if sock else [])
         env_threads = _server_threads(cfg.threads)
 
     log_dir = log_dir or os.path.join(tempfile.gettempdir(), "areal-lite-logs")
@@ -292,7 +302,11 @@ def launch_server(
         env["OMP_NUM_THREADS"] = env_threads  # the server's torch pool: no oversubscription of a shared CPU
     if chosen == "vllm":
         _vllm_env(env, cfg, path, on_cpu, tp_size, base_gpu_id)
-    proc = spawn(cmd, log_path, env)
+    try:
+        proc = spawn(cmd, log_path, env, pass_fds=(sock.fileno(),) if sock else ())
+    finally:
+        if sock:
+            sock.close()  # the child holds its own copy
     handle = ServerHandle(proc, host, port, chosen, log_path, cmd)
     _remember(proc.pid, handle.address)
     print(f"launch_server: backend={chosen} ({why}) address={handle.address} pid={proc.pid} log={log_path}")

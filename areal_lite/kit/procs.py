@@ -26,9 +26,12 @@ Design decisions
 - `wait_ready()` polls a health URL until it answers 200. If the child exits first it raises `ServerLaunchError`;
   if time runs out it stops the child (a server that never got ready only holds its port) and raises
   `ServerTimeoutError`, which is both a `ServerLaunchError` and a `TimeoutError`.
-- Free ports are picked by the OS (bind to port 0). The port is free when chosen and is bound by the child a
-  moment later; on a shared machine another process can take it in between, which then shows as a child that
-  exits with "address already in use" in its log.
+- Ports for our own servers are never chosen and then released: `listening_socket()` binds port 0 and listens,
+  and the child serves on that very socket (`spawn(..., pass_fds=...)`). A port picked by binding and closing
+  (`find_free_port`, for servers that must bind it themselves: SGLang, vLLM) is free when chosen, but any process
+  that binds port 0 in the second before the child does can take it; the child then exits with "address already
+  in use" in its log. Under two test workers that race killed a notebook kernel once, which is why our servers
+  no longer pick ports that way.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ __all__ = [
     "ServerProcess",
     "find_free_port",
     "find_free_ports",
+    "listening_socket",
     "spawn",
     "exit_with_parent",
 ]
@@ -92,6 +96,21 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: the OS picks a free port) and listening. Pass its descriptor to a
+    child (`spawn(..., pass_fds=[sock.fileno()])`), which serves on it, then close this copy: the port is never
+    free between being chosen and being served, so no other process can take it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what aiohttp sets when it binds itself
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -149,14 +168,19 @@ _SPAWNER = _Spawner()
 
 
 def spawn(
-    cmd: Sequence[str], log_path: str, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None
+    cmd: Sequence[str],
+    log_path: str,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen:
     """Start `cmd` (an argv list) as a child server, in `cwd` (default: ours): stdout and stderr appended to
-    `log_path`, stdin from /dev/null, in its own process group, and (on Linux) sent SIGTERM if this process dies."""
+    `log_path`, stdin from /dev/null, in its own process group, and (on Linux) sent SIGTERM if this process dies.
+    `pass_fds`: descriptors the child inherits under the same numbers (a `listening_socket()`'s)."""
     with open(log_path, "ab") as log:  # the child holds its own copy of the descriptor
         return _SPAWNER.popen(
             list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=None if env is None else dict(env), cwd=cwd,
+            env=None if env is None else dict(env), cwd=cwd, pass_fds=tuple(pass_fds),
             start_new_session=True,  # own process group: stop() reaches the child's children; Ctrl-C does not
             preexec_fn=_parent_death_preexec(),
         )  # fmt: skip

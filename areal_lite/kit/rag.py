@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,7 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from areal_lite.kit.procs import ServerProcess, exit_with_parent, find_free_port, spawn
+from areal_lite.kit.procs import ServerProcess, exit_with_parent, listening_socket, spawn
 from areal_lite.utils.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
 
 __all__ = [
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stemmer", default="english", help="bm25 only: PyStemmer language, or 'none'")
     p.add_argument("--threads", type=int, default=0, help="torch threads for dense encoding (0 = torch default)")
     p.add_argument("--exit-with-parent", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # the launcher's socket (procs)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -425,7 +427,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logger.info("%s index over %d passages ready in %.1f s", args.retriever, index.num_docs, time.time() - t0)
     app = build_app(index)
-    web.run_app(app, host=args.host, port=args.port, print=lambda msg: logger.info("%s", msg.strip()), access_log=None)
+    where = {"host": args.host, "port": args.port}
+    if args.listen_fd is not None:
+        where = {"sock": socket.socket(fileno=args.listen_fd)}
+    web.run_app(app, **where, print=lambda msg: logger.info("%s", msg.strip()), access_log=None)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -460,7 +465,10 @@ def launch_rag_server(
     """Start the RAG server in a subprocess (free port by default). Use `with ... as srv:` or `.wait_ready()`."""
     if not os.path.exists(corpus):
         raise FileNotFoundError(f"corpus file not found: {corpus}")
-    port = port or find_free_port(host)
+    # No port given: the server inherits a socket that already listens (procs.listening_socket), so the seconds
+    # it spends building its index cannot let another process take the port.
+    sock = None if port else listening_socket(host)
+    port = port or sock.getsockname()[1]
     cmd = [
         sys.executable,
         "-m",
@@ -482,6 +490,8 @@ def launch_rag_server(
         cmd += ["--index-cache", str(index_cache)]
     if max_dense_docs:
         cmd += ["--max-dense-docs", str(max_dense_docs)]
+    if sock is not None:
+        cmd += ["--listen-fd", str(sock.fileno())]
     env = dict(os.environ)
     # The child must import this package even when it is not installed (running from a checkout).
     root = str(Path(__file__).resolve().parents[2])
@@ -492,7 +502,12 @@ def launch_rag_server(
         env["OMP_NUM_THREADS"] = str(threads)
     fd, log_path = tempfile.mkstemp(prefix=f"areal-lite-rag-{port}-", suffix=".log")
     os.close(fd)
-    return RAGServerHandle(spawn(cmd, log_path, env), host, port, log_path)
+    try:
+        proc = spawn(cmd, log_path, env, pass_fds=() if sock is None else (sock.fileno(),))
+    finally:
+        if sock is not None:
+            sock.close()  # the child holds its own copy
+    return RAGServerHandle(proc, host, port, log_path)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The launcher's pid: exit when it dies (the no-orphan fallback where the kernel cannot signal us, see procs).
     p.add_argument("--exit-with-parent", type=int, default=None, help=argparse.SUPPRESS)
+    # The launcher's listening socket, inherited: serve on it instead of binding --host/--port (see procs).
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -136,7 +139,11 @@ async def _serve(args: argparse.Namespace) -> int:
     access_log = log if args.log_level == "debug" else None
     runner = web.AppRunner(build_app(state), access_log=access_log, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()  # bind first: /health answers 503 while loading
+    if args.listen_fd is not None:
+        site = web.SockSite(runner, socket.socket(fileno=args.listen_fd))
+    else:
+        site = web.TCPSite(runner, args.host, args.port)
+    await site.start()  # listen first: /health answers 503 while loading
     log.info("listening on http://%s:%d; loading %s", args.host, args.port, args.model_path)
     stop = asyncio.Event()
     _stop_on_signals(stop)
