@@ -105,7 +105,8 @@ def taken(port: int) -> bool:
 def test_the_port_is_held_from_launch_not_from_when_the_server_binds(tiny_model_path, tmp_path):
     """The embedded server serves on a socket the launcher bound: from the moment launch_server returns, while the
     child is still importing, no other process can take the port (a port picked and released could be taken, and
-    the server would die with "address already in use"; that race killed a notebook kernel once in CI)."""
+    the server would die with "address already in use"; the same race in jupyter_client's choice of a kernel's
+    ports killed a notebook kernel once in CI)."""
     handle = launch_server(cfg(tiny_model_path), backend="embedded", log_dir=str(tmp_path))
     try:
         assert taken(handle.port) and "--listen-fd" in handle.cmd

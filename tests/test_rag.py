@@ -198,12 +198,11 @@ def test_launch_reports_a_bad_corpus_with_the_log(tmp_path):
 def test_the_rag_port_is_held_while_the_index_builds(small_corpus):
     """The RAG server serves on a socket the launcher bound, so no other process can take its port during the
     seconds (minutes, dense) it spends building its index before it serves."""
-    import socket
+    from test_launch import taken
 
     handle = launch_rag_server(small_corpus, retriever="bm25")
     try:
-        with socket.socket() as intruder, pytest.raises(OSError):
-            intruder.bind(("127.0.0.1", handle.port))
+        assert taken(handle.port)
         handle.wait_ready(timeout=120)
         assert handle.is_alive()
     finally:

@@ -30,8 +30,8 @@ Design decisions
   and the child serves on that very socket (`spawn(..., pass_fds=...)`). A port picked by binding and closing
   (`find_free_port`, for servers that must bind it themselves: SGLang, vLLM) is free when chosen, but any process
   that binds port 0 in the second before the child does can take it; the child then exits with "address already
-  in use" in its log. Under two test workers that race killed a notebook kernel once, which is why our servers
-  no longer pick ports that way.
+  in use" in its log. The same race, in jupyter_client's choice of a kernel's ports, killed a notebook kernel once
+  under two test workers (`notebooks/conftest.py`); our servers no longer pick ports that way.
 """
 
 from __future__ import annotations
