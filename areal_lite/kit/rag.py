@@ -500,8 +500,10 @@ def launch_rag_server(
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if threads > 0:
         env["OMP_NUM_THREADS"] = str(threads)
-    fd, log_path = tempfile.mkstemp(prefix=f"areal-lite-rag-{port}-", suffix=".log")
-    os.close(fd)
+    # Next to the inference servers' logs (launch.launch_server), not loose in the temp folder.
+    log_dir = os.path.join(tempfile.gettempdir(), "areal-lite-logs")
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"rag-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log")
     try:
         proc = spawn(cmd, log_path, env, pass_fds=() if sock is None else (sock.fileno(),))
     finally:
