@@ -93,7 +93,8 @@ AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, ar
 # Two workers share the two cores, each process at one thread (OMP_NUM_THREADS). The few tests that must run two
 # threads (batch invariance, same gradients) then compete with the other worker, and OpenMP's default busy-wait at
 # each barrier spins on a core the preempted thread needs: with one busy process beside it, the SmolLM2 invariance
-# test took 27.3 s with the default policy and 13.8 s with PASSIVE (10.4 s alone). One thread never waits.
+# test took 27.4-30.8 s with the default policy and 14.6-14.9 s with PASSIVE (10.4 s alone). One thread never waits;
+# the demo at two threads trained its 16 steps in 150.2 s (default) and 152.0 s (PASSIVE): no cost where none spins.
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
 test: lint
