@@ -60,6 +60,19 @@ def base(actor: FSDPPPOActor) -> dict:
     return {n: p.detach().clone() for n, p in actor.model.named_parameters() if "lora_" not in n}
 
 
+def check_a_ppo_step_moves_only_the_adapter(actor: FSDPPPOActor, vocab: int, seed: int = 0) -> None:
+    """One PPO step on a random batch: every base weight stays bit for bit, and some lora_B matrix moves."""
+    batch = make_batch(vocab, B=4, seed=seed)
+    fill_logprobs(actor, batch)
+    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+    base0, lora0 = base(actor), adapter(actor)
+    stats = actor.ppo_update(batch)
+    assert stats["skipped"] == 0 and stats["grad_norm"] > 0
+    assert all(torch.equal(base0[n], p) for n, p in base(actor).items()), "a base weight moved"
+    moved = [n for n, p in adapter(actor).items() if not torch.equal(lora0[n], p)]
+    assert any("lora_B" in n for n in moved), "the PPO step did not change the adapter"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the actor
 
@@ -74,15 +87,7 @@ def test_only_the_adapter_trains_and_is_in_the_optimizer(tiny_model_path, vocab,
     in_optimizer = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for p in actor.model.parameters() if p.requires_grad}
 
-    batch = make_batch(vocab, B=4)
-    fill_logprobs(actor, batch)
-    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
-    base0, lora0 = base(actor), adapter(actor)
-    stats = actor.ppo_update(batch)
-    assert stats["skipped"] == 0 and stats["grad_norm"] > 0
-    assert all(torch.equal(base0[n], p) for n, p in base(actor).items()), "a base weight moved"
-    moved = [n for n, p in adapter(actor).items() if not torch.equal(lora0[n], p)]
-    assert any("lora_B" in n for n in moved), "the PPO step did not change the adapter"
+    check_a_ppo_step_moves_only_the_adapter(actor, vocab)
     actor.destroy()
 
 
