@@ -34,8 +34,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from typing import Any, Optional
 
 from areal_lite.api.cli_args import (
@@ -51,6 +49,7 @@ from areal_lite.kit.procs import (
     find_free_port,
     find_free_ports,
     listening_socket,
+    server_log_path,
     spawn,
 )
 
@@ -294,19 +293,13 @@ def launch_server(
         cmd = _embedded_cmd(cfg, host, port, path, seed) + (["--listen-fd", str(sock.fileno())] if sock else [])
         env_threads = _server_threads(cfg.threads)
 
-    log_dir = log_dir or os.path.join(tempfile.gettempdir(), "areal-lite-logs")
-    os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, f"{chosen}-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+    log_path = server_log_path(chosen, port, log_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if env_threads is not None:
         env["OMP_NUM_THREADS"] = env_threads  # the server's torch pool: no oversubscription of a shared CPU
     if chosen == "vllm":
         _vllm_env(env, cfg, path, on_cpu, tp_size, base_gpu_id)
-    try:
-        proc = spawn(cmd, log_path, env, pass_fds=(sock.fileno(),) if sock else ())
-    finally:
-        if sock:
-            sock.close()  # the child holds its own copy
+    proc = spawn(cmd, log_path, env, listener=sock)
     handle = ServerHandle(proc, host, port, chosen, log_path, cmd)
     _remember(proc.pid, handle.address)
     print(f"launch_server: backend={chosen} ({why}) address={handle.address} pid={proc.pid} log={log_path}")

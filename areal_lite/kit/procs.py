@@ -27,7 +27,7 @@ Design decisions
   if time runs out it stops the child (a server that never got ready only holds its port) and raises
   `ServerTimeoutError`, which is both a `ServerLaunchError` and a `TimeoutError`.
 - Ports for our own servers are never chosen and then released: `listening_socket()` binds port 0 and listens,
-  and the child serves on that very socket (`spawn(..., pass_fds=...)`). A port picked by binding and closing
+  and the child serves on that very socket (`spawn(..., listener=...)`). A port picked by binding and closing
   (`find_free_port`, for servers that must bind it themselves: SGLang, vLLM) is free when chosen, but any process
   that binds port 0 in the second before the child does can take it; the child then exits with "address already
   in use" in its log. The same race, in jupyter_client's choice of a kernel's ports, killed a notebook kernel once
@@ -44,6 +44,7 @@ import queue
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -60,6 +61,7 @@ __all__ = [
     "find_free_port",
     "find_free_ports",
     "listening_socket",
+    "server_log_path",
     "spawn",
     "exit_with_parent",
 ]
@@ -99,9 +101,9 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A TCP socket bound to `host`:`port` (0: the OS picks a free port) and listening. Pass its descriptor to a
-    child (`spawn(..., pass_fds=[sock.fileno()])`), which serves on it, then close this copy: the port is never
-    free between being chosen and being served, so no other process can take it."""
+    """A TCP socket bound to `host`:`port` (0: the OS picks a free port) and listening. Hand it to a child with
+    `spawn(..., listener=sock)`, which serves on it: the port is never free between being chosen and being served,
+    so no other process can take it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what aiohttp sets when it binds itself
@@ -172,18 +174,32 @@ def spawn(
     log_path: str,
     env: Optional[Mapping[str, str]] = None,
     cwd: Optional[str] = None,
-    pass_fds: Sequence[int] = (),
+    listener: Optional[socket.socket] = None,
 ) -> subprocess.Popen:
     """Start `cmd` (an argv list) as a child server, in `cwd` (default: ours): stdout and stderr appended to
     `log_path`, stdin from /dev/null, in its own process group, and (on Linux) sent SIGTERM if this process dies.
-    `pass_fds`: descriptors the child inherits under the same numbers (a `listening_socket()`'s)."""
-    with open(log_path, "ab") as log:  # the child holds its own copy of the descriptor
-        return _SPAWNER.popen(
-            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=None if env is None else dict(env), cwd=cwd, pass_fds=tuple(pass_fds),
-            start_new_session=True,  # own process group: stop() reaches the child's children; Ctrl-C does not
-            preexec_fn=_parent_death_preexec(),
-        )  # fmt: skip
+    `listener` (a `listening_socket()`): the child inherits it under the same descriptor number, and this process's
+    copy is closed once the child has started (or failed to), so only the child serves on it."""
+    try:
+        with open(log_path, "ab") as log:  # the child holds its own copy of the descriptor
+            return _SPAWNER.popen(
+                list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=None if env is None else dict(env), cwd=cwd,
+                pass_fds=() if listener is None else (listener.fileno(),),
+                start_new_session=True,  # own process group: stop() reaches the child's children; Ctrl-C does not
+                preexec_fn=_parent_death_preexec(),
+            )  # fmt: skip
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def server_log_path(name: str, port: int, log_dir: Optional[str] = None) -> str:
+    """`<log_dir>/<name>-<port>-<time>.log`, by default in the temp folder's `areal-lite-logs/` (created), where
+    every server the kit launches writes its log."""
+    log_dir = log_dir or os.path.join(tempfile.gettempdir(), "areal-lite-logs")
+    os.makedirs(log_dir, exist_ok=True)
+    return os.path.join(log_dir, f"{name}-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log")
 
 
 def exit_with_parent(parent_pid: int, interval: float = 1.0, log: Optional[logging.Logger] = None) -> threading.Thread:

@@ -44,7 +44,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 from pathlib import Path
@@ -52,7 +51,7 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from areal_lite.kit.procs import ServerProcess, exit_with_parent, listening_socket, spawn
+from areal_lite.kit.procs import ServerProcess, exit_with_parent, listening_socket, server_log_path, spawn
 from areal_lite.utils.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
 
 __all__ = [
@@ -500,16 +499,8 @@ def launch_rag_server(
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if threads > 0:
         env["OMP_NUM_THREADS"] = str(threads)
-    # Next to the inference servers' logs (launch.launch_server), not loose in the temp folder.
-    log_dir = os.path.join(tempfile.gettempdir(), "areal-lite-logs")
-    os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, f"rag-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log")
-    try:
-        proc = spawn(cmd, log_path, env, pass_fds=() if sock is None else (sock.fileno(),))
-    finally:
-        if sock is not None:
-            sock.close()  # the child holds its own copy
-    return RAGServerHandle(proc, host, port, log_path)
+    log_path = server_log_path("rag", port)  # beside the inference servers' logs
+    return RAGServerHandle(spawn(cmd, log_path, env, listener=sock), host, port, log_path)
 
 
 if __name__ == "__main__":
