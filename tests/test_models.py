@@ -327,3 +327,31 @@ def test_set_torch_threads_is_capped_by_omp_num_threads(monkeypatch):
         assert set_torch_threads(2) == 2  # a cap, never a raise
     finally:
         torch.set_num_threads(before)
+
+
+HEAP = """
+import sys, torch
+from areal_lite.utils.device import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory() and keep_freed_memory()  # idempotent
+x = torch.ones(64 * 2**20 // 4)  # 64 MiB: over glibc's largest mmap threshold (32 MiB)
+ptr = x.data_ptr()
+for line in open("/proc/self/maps"):
+    span, rest = line.split(" ", 1)
+    lo, hi = (int(v, 16) for v in span.split("-"))
+    if lo <= ptr < hi:
+        print("heap" if rest.rstrip().endswith("[heap]") else "mmap")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")
+def test_keep_freed_memory_serves_large_blocks_from_the_heap_not_from_their_own_mappings():
+    """glibc maps each block over 32 MiB on its own and unmaps it when freed (so the next one faults in again);
+    after `keep_freed_memory` such blocks come from the heap, which is not trimmed, so freed ones are reused."""
+
+    def region(mode: str) -> str:
+        out = subprocess.run([sys.executable, "-c", HEAP, mode], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    assert region("default") == "mmap"
+    assert region("keep") == "heap"

@@ -12,9 +12,11 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from areal_lite.api.io_struct import WeightUpdateMeta
 from areal_lite.engine.fsdp_utils import weights
+from areal_lite.utils.safetensors_io import save_tensors
 
 
 def _write(text: str):
@@ -55,6 +57,38 @@ def test_versions_are_swapped_in_pruned_and_removed_on_close(tmp_path):
     pub.close()
     pub.close()  # idempotent
     assert sorted(os.listdir(root)) == ["notes.txt", "weight_update_vx"]  # only what it wrote is gone
+
+
+def test_a_version_recycles_the_file_of_the_version_it_prunes(tmp_path):
+    """With `reuse`, version k's file is the one version k - keep_last held, overwritten in place (the same inode:
+    the file system keeps its pages); a failed write drops that old version rather than leave it without its file."""
+    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), keep_last=2)
+    pub = weights.WeightPublisher()
+    name = weights.MODEL_FILE
+
+    def fill(value: float):
+        return lambda tmp: save_tensors({"w": torch.full((256,), value)}, os.path.join(tmp, name))
+
+    inodes = {}
+    for v in range(1, 5):
+        pub.write_version(meta.dir_for(v), v, meta.keep_last, fill(float(v)), reuse=name)
+        inodes[v] = os.stat(os.path.join(meta.dir_for(v), name)).st_ino
+    assert inodes[3] == inodes[1] and inodes[4] == inodes[2] and inodes[1] != inodes[2]
+    for v in (3, 4):
+        assert torch.equal(load_file(os.path.join(meta.dir_for(v), name))["w"], torch.full((256,), float(v)))
+    assert not os.path.exists(meta.dir_for(2))
+
+    def broken(tmp: str) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        pub.write_version(meta.dir_for(5), 5, meta.keep_last, broken, reuse=name)
+    assert not os.path.exists(meta.dir_for(3)) and not os.path.exists(meta.dir_for(5))  # the donor is gone, whole
+    assert torch.equal(load_file(os.path.join(meta.dir_for(4), name))["w"], torch.full((256,), 4.0))
+    # Without `reuse` (an adapter) every version is a new file.
+    pub.write_version(meta.dir_for(6), 6, meta.keep_last, fill(6.0))
+    assert os.stat(os.path.join(meta.dir_for(6), name)).st_ino != inodes[4]
+    pub.close()
 
 
 def test_remove_weight_dirs_removes_a_parent_left_empty(tmp_path):

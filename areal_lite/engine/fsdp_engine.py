@@ -105,6 +105,7 @@ from areal_lite.engine.fsdp_utils.packing import (
     split_trajectories,
 )
 from areal_lite.engine.fsdp_utils.weights import (
+    MODEL_FILE,
     WeightPublisher,
     broadcast_params,
     fill_nccl_meta,
@@ -454,7 +455,7 @@ class _TrainEngine:
         """Load the model, optimizer and LR schedule: AReaL's `initialize(None, ft_spec)` (or `ft_spec=` alone)."""
         if isinstance(addr, FinetuneSpec):
             addr, ft_spec = None, addr
-        from areal_lite.utils.device import pick_device, set_torch_threads
+        from areal_lite.utils.device import keep_freed_memory, pick_device, set_torch_threads
         from areal_lite.utils.model_store import resolve_model_path
 
         cfg = self.config
@@ -469,6 +470,8 @@ class _TrainEngine:
             self.device = torch.device("cuda", local)
         else:
             self.device = pick_device(cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # an update allocates ~1 GB of large blocks: reuse them (utils.device)
 
         if not cfg.path:
             raise ValueError("actor.path is empty: give a model folder, alias (smollm2-135m-instruct) or hub id")
@@ -677,7 +680,9 @@ class _TrainEngine:
         final = meta.dir_for(version)  # a meta for another version fails here, on every rank alike
         write = self._model_writer()  # collective: every rank takes part
         if self._rank == 0:
-            self.last_sync_bytes = folder_bytes(self._weights.write_version(final, version, meta.keep_last, write))
+            reuse = None if self.config.use_lora else MODEL_FILE  # an adapter is small: nothing worth recycling
+            folder = self._weights.write_version(final, version, meta.keep_last, write, reuse=reuse)
+            self.last_sync_bytes = folder_bytes(folder)
         self._barrier()
 
     def _model_writer(self) -> Callable[[str], None]:

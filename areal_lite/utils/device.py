@@ -4,16 +4,23 @@ Design decisions: `pick_device("auto")` takes CUDA, else MPS, else the CPU, and 
 available is an error rather than a silent fallback. On a 2-core laptop the server and the trainer share the cores,
 so threads per process go through one rule, `capped_threads` (the config's count, capped by `OMP_NUM_THREADS`).
 `cpu_native_bf16` says whether this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX): without it, bf16 matmuls
-are emulated and slower than float32, so the actor only autocasts to bf16 where it pays.
+are emulated and slower than float32, so the actor only autocasts to bf16 where it pays. On Linux the trainer and
+the embedded server keep freed memory for reuse (`keep_freed_memory`) rather than page-faulting it back every step.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import sys
 
 import torch
 
-__all__ = ["capped_threads", "cpu_native_bf16", "set_torch_threads", "pick_device"]
+__all__ = ["capped_threads", "cpu_native_bf16", "keep_freed_memory", "set_torch_threads", "pick_device"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_kept = False
 
 
 def capped_threads(n: int) -> int:
@@ -36,6 +43,32 @@ def set_torch_threads(n: int) -> int:
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep the memory torch frees for its next allocations (Linux; once per process).
+
+    Why: glibc serves every block over 32 MB with its own mmap and unmaps it when freed, so the next allocation of
+    the same size page-faults all of it back in. One PPO update of SmolLM2-135M on 2 cores allocates about 1.2 GB
+    of such blocks (the logits over the 49k-token vocabulary, their log-softmax and gradients): measured, 313k page
+    faults and 1.1 s of system time per update, the update 3.1 s where it is 2.3 s with the memory kept. On a
+    virtual machine that hands freed pages back to its host, the faults cost more again. So, as jemalloc or
+    tcmalloc would: no mmap for large blocks (`M_MMAP_MAX` 0), and the heap is not trimmed below 1 GiB of free
+    memory (`M_TRIM_THRESHOLD`). The price is resident memory that stays at its peak (measured: 3.6 GB -> up to
+    4.9 GB for that trainer). Returns whether the setting took effect (False on other C libraries and systems).
+    """
+    global _kept
+    if _kept:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others have no mallopt
+        return False
+    _kept = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return _kept
 
 
 def pick_device(preferred: str = "auto") -> torch.device:

@@ -7,6 +7,11 @@ Design decisions, and why
   so a server polling for the folder never loads half of it, and rewriting a version (after a resume) never loses
   the previous copy. Then version folders older than `meta.keep_last` are removed (`prune_versions`): each holds a
   full copy of the weights, often in RAM under /dev/shm.
+- Recycled pages. A full version is written with `utils.safetensors_io.save_tensors` into the model file of the
+  oldest version it replaces, moved into the new folder first and overwritten in place: the file system then keeps
+  the same pages rather than freeing 540 MB (SmolLM2-135M, float32) and allocating 540 MB again each step. On the
+  2-core VM the kit is measured on, a fresh file in /dev/shm took 0.2-2.1 s to write (system time, varying step to
+  step) and a recycled one about 0.12 s. A version this replaces is one `keep_last` says is no longer read.
 - Version folders are transport, not checkpoints: `WeightPublisher` remembers the folders it wrote and removes them,
   and their parent folder if that is left empty (never anything else in it), on `close()` or at interpreter exit.
   A run's default folder (`cli_args.default_weight_update_dir`) is claimed by the process (`utils.weight_dirs`) and
@@ -41,13 +46,16 @@ import torch
 
 from areal_lite.api.io_struct import WeightUpdateMeta
 from areal_lite.utils.atomic import atomic_dir
+from areal_lite.utils.safetensors_io import save_tensors
 
 __all__ = [
+    "MODEL_FILE",
     "TOKENIZER_PREFIXES",
     "WeightPublisher",
     "init_custom_process_group",
     "remove_weight_dirs",
     "prune_versions",
+    "versions_before",
     "full_state_dict",
     "full_optimizer_state",
     "write_hf_folder",
@@ -61,6 +69,7 @@ __all__ = [
 
 # Files besides the weights that make a weight folder a complete, loadable model folder.
 TOKENIZER_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template")
+MODEL_FILE = "model.safetensors"  # the weights of a full-model folder
 VERSION_PREFIX = "weight_update_v"  # `io_struct.weight_dir`'s naming (AReaL's)
 ACTOR_STATE = "actor_state.pt"
 
@@ -86,12 +95,20 @@ def remove_weight_dirs(dirs: List[str]) -> None:
     dirs.clear()
 
 
-def prune_versions(root: str, keep_from: int) -> None:
-    """Remove the version folders `weight_update_v<k>` of `root` with k < keep_from (nothing else)."""
-    for name in os.listdir(root):
+def versions_before(root: str, keep_from: int) -> List[str]:
+    """The version folders `weight_update_v<k>` of `root` with k < keep_from, oldest first."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
         number = name[len(VERSION_PREFIX) :]
         if name.startswith(VERSION_PREFIX) and number.isdigit() and int(number) < keep_from:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            found.append((int(number), os.path.join(root, name)))
+    return [path for _, path in sorted(found)]
+
+
+def prune_versions(root: str, keep_from: int) -> None:
+    """Remove the version folders `weight_update_v<k>` of `root` with k < keep_from (nothing else)."""
+    for path in versions_before(root, keep_from):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def full_state_dict(model: torch.nn.Module, world: int) -> Dict[str, torch.Tensor]:
@@ -105,23 +122,14 @@ def full_state_dict(model: torch.nn.Module, world: int) -> Dict[str, torch.Tenso
 
 def write_hf_folder(model: torch.nn.Module, state: Dict[str, torch.Tensor], out_dir: str, tokenizer_dir: str) -> None:
     """safetensors + config + generation config + the tokenizer files of `tokenizer_dir`: a folder
-    `from_pretrained` loads."""
-    from safetensors.torch import save_file
-
+    `from_pretrained` loads. A `MODEL_FILE` already in `out_dir` (a recycled one) is overwritten in place."""
     tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
     if isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", False):
         drop = set(tied)
     else:
         drop = set()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in drop}
-    # Two names for one storage would make safetensors refuse; clone the rare leftover aliases.
-    seen: Dict[int, str] = {}
-    for k, v in list(tensors.items()):
-        ptr = v.untyped_storage().data_ptr()
-        if ptr in seen and v.numel():
-            tensors[k] = v.clone()
-        seen[ptr] = k
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    tensors = {k: v for k, v in state.items() if k not in drop}
+    save_tensors(tensors, os.path.join(out_dir, MODEL_FILE), metadata={"format": "pt"})
     model.config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)
@@ -207,12 +215,33 @@ class WeightPublisher:
         self._cleanup = weakref.finalize(self, remove_weight_dirs, self.dirs)
         self.nccl_group = None
 
-    def write_version(self, final: str, version: int, keep_last: int, fill: Callable[[str], None]) -> str:
+    def write_version(
+        self, final: str, version: int, keep_last: int, fill: Callable[[str], None], reuse: Optional[str] = None
+    ) -> str:
         """Build version `version`'s folder `final` with `fill(tmp_dir)`, swap it into place, and remove the versions
-        beside it older than the last `keep_last`. Returns the folder's absolute path."""
-        final = atomic_dir(final, fill)
+        beside it older than the last `keep_last`. Returns the folder's absolute path.
+
+        `reuse` names a file that `fill` overwrites in place when it finds it (`MODEL_FILE`: `write_hf_folder`): the
+        oldest version this call removes gives its copy to the new folder first ("Recycled pages", module docstring).
+        """
+        final = os.path.abspath(final)
+        keep_from = version - max(1, int(keep_last)) + 1
+        donors = [d for d in versions_before(os.path.dirname(final), keep_from) if d != final]
+        donor = next((d for d in donors if reuse and os.path.isfile(os.path.join(d, reuse))), None)
+
+        def fill_reusing(tmp: str) -> None:
+            if donor is None:
+                return fill(tmp)
+            os.replace(os.path.join(donor, reuse), os.path.join(tmp, reuse))
+            try:
+                fill(tmp)
+            except BaseException:
+                shutil.rmtree(donor, ignore_errors=True)  # lost its file: drop it now, as pruning would have
+                raise
+
+        final = atomic_dir(final, fill_reusing)
         self.dirs.append(final)
-        prune_versions(os.path.dirname(final), keep_from=version - max(1, int(keep_last)) + 1)
+        prune_versions(os.path.dirname(final), keep_from=keep_from)
         return final
 
     def nccl_group_for(self, meta: WeightUpdateMeta):

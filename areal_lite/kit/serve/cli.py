@@ -192,7 +192,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from areal_lite.utils.device import set_torch_threads
+    from areal_lite.utils.device import keep_freed_memory, set_torch_threads
 
+    keep_freed_memory()  # each weight update re-packs the weights: reuse last update's memory (utils.device)
     args.threads = set_torch_threads(args.threads)  # OMP_NUM_THREADS caps it; the scheduler thread uses this count
     return asyncio.run(_serve(args))
