@@ -46,6 +46,9 @@ Design decisions
   random streams differ, so the sampled completions differ even at step 0. The kit's decoupled loss weighs each
   token by exp(trainer log-prob - server log-prob) (about 1 when both hold the same weights); TRL has no such
   term (num_iterations=1: its ratio is exactly 1). Advantage epsilon: 1e-5 in the kit, 1e-4 in TRL.
+- Memory: the kit's trainer and server keep freed memory for reuse (`utils.device.keep_freed_memory`, glibc's
+  mallopt: no mmap per large block, no heap trim); TRL runs as installed, with glibc's defaults. `--trl-keep-freed`
+  gives TRL's process the same settings (GLIBC_TUNABLES), to see what they are worth to TRL.
 - Both sides are seeded (the kit: the config's `seed` for its server's sampler and its trainer; TRL: `seed` in
   GRPOConfig, the same value), and a repeat replays the same samples: two smoke runs gave each side identical
   rewards, losses and accuracies. The repeats measure the spread of the time, not of what is learnt.
@@ -245,7 +248,10 @@ def run_trl(args, root: str, index: int, spec: dict) -> dict:
     with open(spec_path, "w", encoding="utf-8") as fh:
         json.dump(spec, fh)
     cmd = [args.trl_python, TRL_SCRIPT, spec_path, out_path]
-    proc = run_child(cmd, os.path.join(root, f"{name}.log"), child_env(args.threads, kit_path=False))
+    env = child_env(args.threads, kit_path=False)
+    if args.trl_keep_freed:  # glibc's settings of the kit's `keep_freed_memory`, from the start of TRL's process
+        env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
+    proc = run_child(cmd, os.path.join(root, f"{name}.log"), env)
     with open(out_path, encoding="utf-8") as fh:
         out = json.load(fh)
     ph = out["phase_s"]
@@ -349,6 +355,8 @@ def print_report(result: dict) -> None:
     shape = f"{steps} steps of {result['prompts_per_step']} prompts x {result['group_size']}"
     machine = f"CPU {result['cpu_model']} ({result['cpu_count']} cores)"
     print(f"kit vs TRL GRPOTrainer: {shape}, {result['threads']} threads, {len(kit)} repeat(s); {machine}")
+    if result.get("trl_keep_freed"):
+        print("TRL's process kept freed memory as the kit's do (--trl-keep-freed)")
     print(
         f"{'run':8s} {'train s':>8s} {'s/step':>7s} {'proc wall':>9s} {'CPU s':>7s} {'held-out acc':>13s}  phases (s)"
     )
@@ -388,6 +396,12 @@ def main() -> int:
     ap.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "vs_trl.json"))
     ap.add_argument("--keep", action="store_true", help="keep the temp folder (logs, stats, specs)")
+    ap.add_argument(
+        "--trl-keep-freed",
+        action="store_true",
+        help="TRL's process keeps freed memory as the kit's "
+        "trainer and server do (glibc tunables; default: TRL as installed)",
+    )
     ap.add_argument("--eval-model", help=argparse.SUPPRESS)  # internal: evaluate a model folder (eval_main)
     ap.add_argument("--eval-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -446,6 +460,7 @@ def main() -> int:
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
         "kit_threads": {"actor": config.actor.threads, "embedded_server": config.embedded.threads},
+        "trl_keep_freed": args.trl_keep_freed,  # TRL's process with the kit's malloc settings (else as installed)
         "steps": args.steps,
         "repeats": args.repeats,
         "prompts_per_step": config.train_dataset.batch_size,

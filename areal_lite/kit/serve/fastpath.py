@@ -11,12 +11,13 @@ Design decisions
   matrix (see `_Linear`), so a weight update, which `copy_`s into the parameters, updates the fused matrix too.
 - On CPU, every matmul of the layers and the lm_head runs through oneDNN-reordered copies of the weights, which
   beat MKL on decode batches (measured on a 2-core EPYC: 1.2-1.3x on the layers at 32 rows, 1.8x on the lm_head)
-  and compute each row the same way at any number of rows; the price is the weights held twice (+540 MB for
-  SmolLM2-135M) and a re-pack after each weight update (`refresh`).
+  and compute each row the same way at any number of rows (from two up); the price is the weights held twice
+  (+540 MB for SmolLM2-135M) and a re-pack after each weight update (`refresh`).
 - Batch-invariant on CPU (with oneDNN): a row's logits are bit for bit the same whatever rows share its batch, so
   a seeded request samples the same tokens alone, beside others, or joining a running batch (`sampling.py` gives
   each request its own random stream; together they make a synchronous run repeat itself). Three choices make it:
-  oneDNN for every matmul of weights (MKL's rows change with the row count: measured, at 1, 7 and 9 rows); prefill
+  oneDNN for every matmul of weights (MKL's rows change with the row count: measured, at 1, 7 and 9 rows; oneDNN's
+  agree at any count from 2 up, and a lone row is computed as two, see `_Linear`); prefill
   attention per prompt, never over a padded batch (`_prompt_attention`); decode attention over a cache that keeps
   every row's newest token first, in a window a whole number of `KV_ALIGN` columns wide (`StaticKV`). Tested by
   `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
@@ -218,8 +219,9 @@ class _Linear:
     """`modules` (`nn.Linear`s of one input) as one matmul. Their weights are stored once, fused, and each module's
     parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters) updates this
     matmul and the model's own forward still works. With `pack` (a CPU with oneDNN), a oneDNN-reordered copy of the
-    weight serves every input, whatever its rows: oneDNN computes each row the same way at any batch size, which is
-    what makes the server batch-invariant (module docstring), and it beats MKL on decode batches (1.2-1.3x at 32 rows,
+    weight serves every input, whatever its rows: oneDNN computes each row the same way at any batch size of two
+    rows or more (one row takes another kernel on AVX-512 CPUs, so it runs as two), which is what makes the server
+    batch-invariant (module docstring), and it beats MKL on decode batches (1.2-1.3x at 32 rows,
     1.8x for the lm_head's 49k outputs); `refresh()` (re)builds it. Without it, with `transpose`, the weight is stored
     as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step: 1.4x at one row)."""
 
