@@ -53,8 +53,8 @@ def keep_freed_memory() -> bool:
     of such blocks (the logits over the 49k-token vocabulary, their log-softmax and gradients): measured, 313k page
     faults and 1.1 s of system time per update, the update 3.1 s where it is 2.3 s with the memory kept. On a
     virtual machine that hands freed pages back to its host, the faults cost more again. So, as jemalloc or
-    tcmalloc would: no mmap for large blocks (`M_MMAP_MAX` 0), and the heap is not trimmed below 1 GiB of free
-    memory (`M_TRIM_THRESHOLD`). The price is resident memory that stays at its peak (measured: 3.6 GB -> up to
+    tcmalloc would: no mmap for large blocks (`M_MMAP_MAX` 0), and the heap's free top goes back to the OS only
+    past 1 GiB (`M_TRIM_THRESHOLD`). The price is resident memory that stays at its peak (measured: 3.6 GB -> up to
     4.9 GB for that trainer). Returns whether the setting took effect (False on other C libraries and systems).
     """
     global _kept

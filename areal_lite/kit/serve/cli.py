@@ -194,6 +194,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     from areal_lite.utils.device import keep_freed_memory, set_torch_threads
 
-    keep_freed_memory()  # each weight update re-packs the weights: reuse last update's memory (utils.device)
+    keep_freed_memory()  # a weight update re-packs the lm_head (113 MB for SmolLM2): into the last copy's memory
     args.threads = set_torch_threads(args.threads)  # OMP_NUM_THREADS caps it; the scheduler thread uses this count
     return asyncio.run(_serve(args))
