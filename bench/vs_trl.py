@@ -251,8 +251,10 @@ def run_trl(args, root: str, index: int, spec: dict) -> dict:
         json.dump(spec, fh)
     cmd = [args.trl_python, TRL_SCRIPT, spec_path, out_path]
     env = child_env(args.threads, kit_path=False)
-    if args.trl_keep_freed:  # glibc's settings of the kit's `keep_freed_memory`, from the start of TRL's process
-        env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
+    if args.trl_keep_freed:  # the kit's `keep_freed_memory`, from the start of TRL's process
+        from areal_lite.utils.device import KEEP_FREED_TUNABLES
+
+        env["GLIBC_TUNABLES"] = KEEP_FREED_TUNABLES
     proc = run_child(cmd, os.path.join(root, f"{name}.log"), env)
     with open(out_path, encoding="utf-8") as fh:
         out = json.load(fh)

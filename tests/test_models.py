@@ -8,6 +8,7 @@ import string
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 import torch
@@ -349,9 +350,13 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap_not_from_their_own_
     """glibc maps each block over 32 MiB on its own and unmaps it when freed (so the next one faults in again);
     after `keep_freed_memory` such blocks come from the heap, which is not trimmed, so freed ones are reused."""
 
-    def region(mode: str) -> str:
-        out = subprocess.run([sys.executable, "-c", HEAP, mode], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
+    from areal_lite.utils.device import KEEP_FREED_TUNABLES
+
+    def region(mode: str, env: Optional[dict] = None) -> str:
+        run = dict(capture_output=True, text=True, check=True, env=None if env is None else {**os.environ, **env})
+        return subprocess.run([sys.executable, "-c", HEAP, mode], **run).stdout.strip()
 
     assert region("default") == "mmap"
     assert region("keep") == "heap"
+    # The same settings spelled for a process's start (what bench/vs_trl.py gives TRL with --trl-keep-freed).
+    assert region("default", {"GLIBC_TUNABLES": KEEP_FREED_TUNABLES}) == "heap"

@@ -17,9 +17,19 @@ import sys
 
 import torch
 
-__all__ = ["capped_threads", "cpu_native_bf16", "keep_freed_memory", "set_torch_threads", "pick_device"]
+__all__ = [
+    "KEEP_FREED_TUNABLES",
+    "capped_threads",
+    "cpu_native_bf16",
+    "keep_freed_memory",
+    "set_torch_threads",
+    "pick_device",
+]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_TRIM_THRESHOLD = 1 << 30  # what `keep_freed_memory` sets (with no mmap for large blocks)
+# The same settings for a process started with them (GLIBC_TUNABLES), e.g. TRL's in bench/vs_trl.py.
+KEEP_FREED_TUNABLES = f"glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={_TRIM_THRESHOLD}"
 _kept = False
 
 
@@ -67,7 +77,7 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
-    _kept = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    _kept = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     return _kept
 
 

@@ -226,8 +226,8 @@ class WeightPublisher:
         """
         final = os.path.abspath(final)
         keep_from = version - max(1, int(keep_last)) + 1
-        donors = [d for d in versions_before(os.path.dirname(final), keep_from) if d != final]
-        donor = next((d for d in donors if reuse and os.path.isfile(os.path.join(d, reuse))), None)
+        donors = versions_before(os.path.dirname(final), keep_from) if reuse else []
+        donor = next((d for d in donors if d != final and os.path.isfile(os.path.join(d, reuse))), None)
 
         def fill_reusing(tmp: str) -> None:
             if donor is None:
