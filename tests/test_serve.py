@@ -778,6 +778,43 @@ def test_counters_include_a_row_when_its_client_is_answered(tiny_model_path, tin
     assert at_second["generated_tokens"] == 5 + 9 and at_second["finished_requests"] == 2
 
 
+def test_the_scheduler_thread_builds_the_runner_and_start_raises_its_failure(tiny_model_path, tiny, monkeypatch):
+    """The runner (whose weight packing runs parallel regions) is built on the scheduler thread, the thread that then
+    computes every step, so that no other thread of the server gets an OpenMP team (scheduler.py's `_run`: a second
+    team made each decode step 25% slower). A runner that cannot be built fails `start`, not a later request."""
+    from transformers import AutoModelForCausalLM
+
+    import areal_lite.kit.serve.scheduler as scheduler_module
+    from areal_lite.kit.serve.scheduler import Scheduler
+
+    built_on = []
+    real = scheduler_module.make_runner
+    monkeypatch.setattr(
+        scheduler_module, "make_runner", lambda *a, **k: built_on.append(threading.current_thread()) or real(*a, **k)
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    sched = Scheduler(model, tiny[1], model_path="tiny")
+    assert built_on == [] and sched.runner is None
+    sched.start()
+    try:
+        assert built_on == [sched._thread] and sched._thread is not threading.current_thread()
+        row = sched.new_state(_spec(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True)), 0)
+        _run_rows(sched, [row])
+        assert len(row.output) == 3
+    finally:
+        sched.stop()
+
+    def broken(*a, **k):
+        raise RuntimeError("cannot pack these weights")
+
+    monkeypatch.setattr(scheduler_module, "make_runner", broken)
+    failing = Scheduler(model, tiny[1], model_path="tiny")
+    with pytest.raises(RuntimeError, match="cannot pack these weights"):
+        failing.start()
+    failing._thread.join(timeout=10)
+    assert not failing._thread.is_alive()
+
+
 def _spec(ids, params):
     from areal_lite.kit.serve.protocol import PromptSpec
 
