@@ -96,7 +96,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> Optional[tuple[Any, Any, str]]:
-    """(model, tokenizer, path) loaded on a daemon thread, or None if `stop` is set first. Raises a load error."""
+    """(model, tokenizer, path) loaded on a daemon thread, or None if `stop` is set first. Raises a load error.
+    Returns once that thread has ended, and with it the OpenMP team its loading made: the scheduler's must be the
+    only one (scheduler.py, "One thread computes")."""
     from areal_lite.kit.serve.weights import load_model
 
     loop = asyncio.get_running_loop()
@@ -110,12 +112,14 @@ async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) ->
         else:
             loop.call_soon_threadsafe(lambda: load.done() or load.set_result(result))
 
-    threading.Thread(target=load_in_thread, name="areal-lite-load", daemon=True).start()
+    loader = threading.Thread(target=load_in_thread, name="areal-lite-load", daemon=True)
+    loader.start()
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         return None
     waiter.cancel()
+    loader.join()  # it has set `load`: only its exit is left
     return load.result()
 
 
