@@ -583,7 +583,8 @@ class TrainEngineConfig:
     dtype: str = _f(
         "float32",
         "training dtype; bfloat16 on a CPU: float32 weights and optimizer state, forward passes under bf16 autocast "
-        "if the CPU has AVX-512 BF16 or AMX, else float32 (AREAL_LITE_CPU_BF16=1 forces, 0 forbids the autocast)",
+        "if the CPU has AVX-512 BF16 or AMX and bf16 measures faster there, else float32 (AREAL_LITE_CPU_BF16=1 "
+        "forces, 0 forbids the autocast)",
         choices=("float32", "bfloat16", "float16"),
     )
     grad_reduce_dtype: str = _f("float32", "dtype of the gradient reduction across ranks")
@@ -1071,7 +1072,7 @@ def resolve_profile(requested: str) -> tuple[str, str]:
 # the kit default; `areal_lite.kit.areal_config` writes the kit's value explicitly into the AReaL YAML;
 # tests/test_areal_config.py checks this table against the installed AReaL, and that it is complete.
 AREAL_DEFAULT_DIFFERENCES: Dict[str, tuple] = {
-    "actor.dtype": ("bfloat16", "CPUs train in float32: bf16 pays only with AVX-512 BF16 or AMX"),
+    "actor.dtype": ("bfloat16", "CPUs train in float32: bf16 pays only on some CPUs with AVX-512 BF16 or AMX"),
     "actor.ppo_n_minibatches": (4, "small CPU batches: one optimizer step per batch"),
     "actor.kl_ctl": (0.1, "no reference model unless `ref` is set"),
     "actor.use_decoupled_loss": (False, "asynchronous rollouts need the proximal policy"),

@@ -60,8 +60,10 @@ Design decisions, and why
   state in float32 (master weights: a bf16 weight has an 8-bit mantissa, so an AdamW step below 1/256 of it is
   rounded away) and runs every forward pass (log-probs, the update, the reference model) under
   `torch.autocast("cpu", torch.bfloat16)`, the backward following it. Only where the CPU computes bf16 in hardware
-  (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`): elsewhere bf16 is emulated and slower than float32
-  (bench/update_speed.py), so the actor trains in float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1`
+  (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`) and where a linear layer measured faster in bf16 at start
+  (`utils/device.cpu_bf16_speedup`, at least `CPU_BF16_MIN_SPEEDUP`): without the instructions bf16 is emulated and
+  slower than float32 (bench/update_speed.py), and with them it was slower too on one Xeon VM, so elsewhere the
+  actor trains in float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1`
   forces the autocast (tests reach it on any CPU), `=0` forbids it. On a GPU the weights are bf16, as before;
   `dtype="float32"` is untouched (the parity tests run it).
 """
@@ -140,6 +142,11 @@ _DTYPES = {
 
 # AREAL_LITE_CPU_BF16=1 forces bf16 autocast for dtype="bfloat16" on a CPU whatever the hardware, =0 forbids it.
 CPU_BF16_ENV = "AREAL_LITE_CPU_BF16"
+# A CPU with bf16 instructions autocasts only where bf16 measured at least this much faster
+# (`utils/device.cpu_bf16_speedup`). The machines measured so far were far on either side: the Xeon VM 0.58-0.64x
+# (its whole update 0.61x), the EPYC's update 2.7x; the margin keeps a noisy measurement from choosing a path that is
+# no faster.
+CPU_BF16_MIN_SPEEDUP = 1.2
 
 Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
 # train_batch's callables, as AReaL's: loss_fn(logprobs, entropy, input_data, **kwargs) -> scalar, weight_fn(input_data)
@@ -178,15 +185,21 @@ def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
     native = device_utils.cpu_native_bf16()
     head = "areal-lite: actor.dtype=bfloat16"
     autocast = f"{head} on CPU: float32 weights and optimizer state, forward passes under bf16 autocast"
+    forces = f"{CPU_BF16_ENV}=1 forces bf16 autocast"
     if env == "0":
         return torch.float32, False, f"{head}: {CPU_BF16_ENV}=0 forbids bf16 autocast on CPU; training in float32"
-    if native:
-        return torch.float32, True, f"{autocast} (this CPU has {native})"
     if env == "1":
-        return torch.float32, True, f"{autocast} (forced by {CPU_BF16_ENV}=1; no AVX-512 BF16/AMX: slower here)"
-    capability = torch.backends.cpu.get_cpu_capability()
-    why = f"this CPU ({capability}) has no AVX-512 BF16/AMX, so bf16 would be slower here; training in float32"
-    return torch.float32, False, f"{head}: {why} ({CPU_BF16_ENV}=1 forces bf16 autocast)"
+        hardware = f"this CPU has {native}" if native else "no AVX-512 BF16/AMX: slower here"
+        return torch.float32, True, f"{autocast} (forced by {CPU_BF16_ENV}=1; {hardware})"
+    if not native:
+        capability = torch.backends.cpu.get_cpu_capability()
+        why = f"this CPU ({capability}) has no AVX-512 BF16/AMX, so bf16 would be slower here; training in float32"
+        return torch.float32, False, f"{head}: {why} ({forces})"
+    speedup = device_utils.cpu_bf16_speedup()
+    measured = f"a linear layer's forward and backward ran {speedup:.2f}x as fast in bf16 as in float32 here"
+    if speedup >= CPU_BF16_MIN_SPEEDUP:
+        return torch.float32, True, f"{autocast} (this CPU has {native}; {measured})"
+    return torch.float32, False, f"{head}: this CPU has {native}, but {measured}; training in float32 ({forces})"
 
 
 def _load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: bool) -> torch.nn.Module:
