@@ -1013,9 +1013,42 @@ def test_cpu_bf16_speedup_measures_this_cpu():
     """The measurement behind the plan runs here, whatever the CPU, and gives a ratio of two timings."""
     from areal_lite.utils.device import cpu_bf16_speedup
 
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
     speedup = cpu_bf16_speedup(rows=64, width=128, repeats=1)
+    assert torch.equal(torch.rand(3), expected_draw)  # the caller's random stream is untouched (the actor seeds first)
     assert math.isfinite(speedup) and speedup > 0
     assert torch.is_autocast_enabled("cpu") is False  # it left no autocast behind
+    assert cpu_bf16_speedup(rows=64, width=128, repeats=1) == speedup  # once per process: its actors agree
+
+
+BF16_RANKS_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from areal_lite.utils import device
+from areal_lite.engine.fsdp_engine import _precision_plan
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+device.cpu_native_bf16 = lambda: "AVX-512 BF16"
+device.cpu_bf16_speedup = lambda: 2.0 if rank == 0 else 0.9  # one rank measures bf16 faster, the other slower
+dtype, autocast, line = _precision_plan(torch.bfloat16, torch.device("cpu"))
+open(sys.argv[1] + str(rank), "w").write(f"{autocast} {line}")
+dist.destroy_process_group()
+"""
+
+
+def test_cpu_bf16_plan_is_the_same_on_every_rank(tmp_path):
+    """Ranks that measure differently still take one path (a rank autocasting beside one that does not would train
+    a different model on each): the slowest measurement decides, here float32 on both."""
+    script = tmp_path / "bf16_ranks.py"
+    script.write_text(BF16_RANKS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop(CPU_BF16_ENV, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd + [str(tmp_path / "rank")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
+    assert all(line.startswith("False ") and "0.90x as fast" in line for line in lines), lines
 
 
 def bf16_pair(path: str, vocab: int) -> tuple[FSDPPPOActor, FSDPPPOActor, dict]:

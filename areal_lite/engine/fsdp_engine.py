@@ -196,6 +196,11 @@ def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
         why = f"this CPU ({capability}) has no AVX-512 BF16/AMX, so bf16 would be slower here; training in float32"
         return torch.float32, False, f"{head}: {why} ({forces})"
     speedup = device_utils.cpu_bf16_speedup()
+    dist = _dist()
+    if dist is not None:  # every rank must take the same path: the slowest measurement decides
+        t = torch.tensor([speedup], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        speedup = float(t)
     measured = f"a linear layer's forward and backward ran {speedup:.2f}x as fast in bf16 as in float32 here"
     if speedup >= CPU_BF16_MIN_SPEEDUP:
         return torch.float32, True, f"{autocast} (this CPU has {native}; {measured})"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import statistics
 import sys
@@ -131,14 +132,20 @@ def cpu_native_bf16() -> str:
 def cpu_bf16_speedup(rows: int = 512, width: int = 1024, repeats: int = 3) -> float:
     """How many times as fast a linear layer's forward and backward run under bf16 autocast as in float32, on this
     CPU with this thread's torch threads: a [rows, width] input through a [2 * width, width] weight, the median of
-    `repeats` runs of each, taken in turns after one warm-up each (about 0.3 s in all on 2 cores).
+    `repeats` runs of each, taken in turns after one warm-up each (about 0.3 s in all on 2 cores). Measured once per
+    process and thread count, so that the actors of one process (an actor and its reference model) agree.
 
     Why measure rather than trust the instructions: on a 2-core Xeon VM with AVX-512 BF16 (no AMX), oneDNN's bf16
     kernels ran a whole PPO update of SmolLM2-135M 1.65x slower than float32 (bench/update_speed.py: 4.90 against
     2.97 s); on the 2-core AMD EPYC with AVX-512 BF16 this kit was first measured on, a forward, backward and AdamW
     step of SmolLM2-135M on 8 x 128 tokens ran 2.7x faster in bf16 (2.3 against 6.2 s).
     """
-    g = torch.Generator().manual_seed(0)
+    return _bf16_speedup(rows, width, repeats, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_speedup(rows: int, width: int, repeats: int, threads: int) -> float:
+    g = torch.Generator().manual_seed(0)  # its own generator: the caller's random stream is left as it was
     x = torch.randn(rows, width, generator=g, requires_grad=True)
     w = torch.randn(2 * width, width, generator=g, requires_grad=True)
 
