@@ -60,7 +60,8 @@ Design decisions
   run: kit 361 (343-366), TRL 814 (803-836). On a 2-core Intel Xeon (AVX-512 BF16) at 1dbcf4e, once the kit kept
   freed memory: kit 94.3 s (87.3-98.1), TRL 298.2 s (268.4-312.0), TRL / kit 3.16x (3.08-3.18), accuracies as
   above; with `--trl-keep-freed` (one repeat) TRL 225.6 s against the kit's 96.1 s, 2.35x. The next day at 42f96c1,
-  the server's decode on one OpenMP team: kit 67.7 s (66.7-67.8), TRL 213.0 s (194.9-216.4), 3.14x (2.92-3.20);
+  the server's decode on one OpenMP team: kit 67.7 s (66.7-67.8), TRL 213.0 s (194.9-216.4), 3.14x (2.92-3.20)
+  (a second run at 87bc95f: kit 68.3 s (64.7-75.2), TRL 224.4 s (221.6-228.7), 3.29x (2.95-3.54));
   with `--trl-keep-freed` (one repeat) TRL 209.3 s against the kit's 84.5 s, 2.48x.
 """
 
