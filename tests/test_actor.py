@@ -35,6 +35,11 @@ from areal_lite.utils.functional import grpo_advantages, kl_estimate, normalize,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def child_env() -> dict:
+    """The environment of a child Python process of these tests: this checkout importable, one torch thread each."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 
@@ -748,7 +753,7 @@ def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_pat
     script = tmp_path / "recv.py"
     script.write_text(RECEIVER)
     addr = f"tcp://127.0.0.1:{find_free_port()}"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, str(script), addr, tiny_model_path, str(tmp_path / "got")],
         env=env,
@@ -817,7 +822,7 @@ def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
     script = tmp_path / "fsdp_step.py"
     script.write_text(FSDP_SCRIPT)
     save_fsdp_batch(vocab, tmp_path / "batch.pt")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = child_env()
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}.pt"
@@ -1042,7 +1047,7 @@ def test_cpu_bf16_plan_is_the_same_on_every_rank(tmp_path):
     a different model on each): the slowest measurement decides, here float32 on both."""
     script = tmp_path / "bf16_ranks.py"
     script.write_text(BF16_RANKS_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = child_env()
     env.pop(CPU_BF16_ENV, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd + [str(tmp_path / "rank")], env=env, capture_output=True, text=True, timeout=300)
