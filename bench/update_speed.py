@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/update_speed.py [--model smollm2-135m-instruct] [--groups 4]
         [--group-size 8] [--prompt 38] [--completion 16] [--repeats 3] [--threads 2] [--lora-rank 16]
-        [--no-lora] [--no-bf16] [--json bench/results/update_speed.json]
+        [--no-lora] [--no-bf16] [--baseline-tree DIR] [--json bench/results/update_speed.json]
 
 The workload is one `FSDPPPOActor.ppo_update` (packed forward, backward, gradient clipping, AdamW step) of
 SmolLM2-135M-Instruct on one GRPO batch, the same every time: `--groups` random prompts of `--prompt` tokens, the
@@ -21,6 +21,11 @@ advantage), so no row is skipped. Rows:
 5. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
    the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
 6. `LoRA + bf16`: the same adapter under the bf16 autocast.
+With `--baseline-tree DIR` (a `git worktree` of an older commit), one more row comes first: that tree's own float32
+update on the same batch, in a child process (`bench/_update_worker.py`), each row then also compared with it. Issue
+30 measured the update at a4b8130, whose update differs from row 1 in more than shared prompts: AdamW ran
+tensor by tensor (not fused), the entropies took a second log-softmax, and freed memory went back to the system
+(`git worktree add /tmp/a4b8130 a4b8130`, then `--baseline-tree /tmp/a4b8130`).
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
 per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
 the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same
@@ -59,14 +64,16 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, git_state  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig  # noqa: E402
@@ -132,6 +139,41 @@ def one_update(actor: FSDPPPOActor, batch: dict, share: str) -> float:
     return stats["update_time"]
 
 
+class BaselineTree:
+    """The float32 update of another source tree (`--baseline-tree`), in a child process (`_update_worker.py`) that
+    runs one update each time `update()` asks: the same batch, threads and optimizer settings as the rows here."""
+
+    def __init__(self, tree: str, batch: dict, path: str, threads: int, tmp: str):
+        batch_file = os.path.join(tmp, "batch.pt")
+        torch.save(batch, batch_file)
+        worker = os.path.join(ROOT, "bench", "_update_worker.py")
+        env = dict(os.environ, PYTHONPATH=tree)  # the tree's areal_lite, not ours
+        self.proc = subprocess.Popen(
+            [sys.executable, worker, batch_file, path, str(threads)],
+            cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        ready = self._line()
+        if not ready.startswith("ready "):
+            raise RuntimeError(f"the baseline worker did not start (said {ready!r}; its errors are above)")
+        self.trainable_M = int(ready.split()[1]) / 1e6
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the baseline worker exited (code {self.proc.wait()}; its errors are above)")
+        return line.strip()
+
+    def update(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # end of input ends the worker
+            self.proc.wait(timeout=60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -146,29 +188,52 @@ def main() -> int:
     ap.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA rows")
     ap.add_argument("--no-lora", action="store_true", help="no LoRA rows")
     ap.add_argument("--no-bf16", action="store_true", help="no bf16 rows (where bf16 is emulated they are slow)")
+    ap.add_argument("--baseline-tree", default="", help="source tree whose float32 update is one more row (e.g. "
+                    "a git worktree of a4b8130, where issue 30 measured the update)")  # fmt: skip
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "update_speed.json"))
     args = ap.parse_args()
 
     path = bench_model_path(args.model)
     fp32 = build_actor(path, "float32", args.threads)
+    actors = {"float32": fp32}
     # (row name, actor, shared prompts): the first row is the update as it was before prompts were shared
-    rows = [(BEFORE, fp32, "no"), ("float32, group prompts once", fp32, "prompts"), ("float32 (default)", fp32, "all")]
+    rows = [(BEFORE, "float32", "no"), ("float32, group prompts once", "float32", "prompts")]
+    rows.append(("float32 (default)", "float32", "all"))
     if not args.no_bf16:
-        rows.append(("bf16 autocast", build_actor(path, "bfloat16", args.threads), "all"))
+        actors["bf16"] = build_actor(path, "bfloat16", args.threads)
+        rows.append(("bf16 autocast", "bf16", "all"))
     if not args.no_lora:
         r = args.lora_rank
-        rows.append((f"LoRA r{r}", build_actor(path, "float32", args.threads, r), "all"))
+        actors["lora"] = build_actor(path, "float32", args.threads, r)
+        rows.append((f"LoRA r{r}", "lora", "all"))
         if not args.no_bf16:
-            rows.append((f"LoRA r{r} + bf16", build_actor(path, "bfloat16", args.threads, r), "all"))
+            actors["lora_bf16"] = build_actor(path, "bfloat16", args.threads, r)
+            rows.append((f"LoRA r{r} + bf16", "lora_bf16", "all"))
     vocab = fp32.model.config.vocab_size
     batch = make_batch(args.groups, args.group_size, args.prompt, args.completion, vocab, args.common_start)
     logp = fp32.compute_logp(batch)
     lp_diff = None
     if not args.no_bf16:
-        bf16 = rows[3][1]
-        lp_diff = float((bf16.compute_logp(batch) - logp)[batch["loss_mask"].bool()].abs().max())
+        lp_diff = float((actors["bf16"].compute_logp(batch) - logp)[batch["loss_mask"].bool()].abs().max())
     batch["logprobs"] = batch["prox_logp"] = logp
     fp32.compute_advantages(batch)
+
+    def trainable_M(actor: FSDPPPOActor) -> float:
+        return sum(p.numel() for p in actor.model.parameters() if p.requires_grad) / 1e6
+
+    # name -> (one timed update, trainable parameters in millions)
+    runs = {
+        name: (lambda a=actors[key], s=share: one_update(a, batch, s), trainable_M(actors[key]))
+        for name, key, share in rows
+    }
+    tmp = tempfile.TemporaryDirectory()
+    baseline, baseline_name = None, ""
+    if args.baseline_tree:
+        tree = os.path.abspath(args.baseline_tree)
+        state = git_state(tree)
+        baseline_name = f"float32 at {state['commit'][:7] or tree}" + (" (dirty)" if state["dirty"] else "")
+        baseline = BaselineTree(tree, batch, path, args.threads, tmp.name)
+        runs = {baseline_name: (baseline.update, baseline.trainable_M), **runs}
 
     native = cpu_native_bf16() or "none (no AVX-512 BF16, no AMX)"
     n_params = sum(p.numel() for p in fp32.model.parameters()) / 1e6
@@ -180,30 +245,37 @@ def main() -> int:
         f"{args.common_start} of them common to all; {B * L} tokens per row-by-row pass, {shared} shared; "
         f"CPU {torch.backends.cpu.get_cpu_capability()}, native bf16: {native}"
     )
-    for _, actor, share in rows:
-        one_update(actor, batch, share)  # warm-up: AdamW state, oneDNN kernels
-    times = {name: [] for name, _, _ in rows}
+    for name, (run, _) in runs.items():
+        if name != baseline_name:
+            run()  # warm-up: AdamW state, oneDNN kernels (the baseline worker warmed up on its own)
+    times = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so background load hits every row alike
-        for name, actor, share in rows:
-            times[name].append(one_update(actor, batch, share))
+        for name, (run, _) in runs.items():
+            times[name].append(run())
+    if baseline is not None:
+        baseline.close()
+    tmp.cleanup()
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {"args": vars(args), "cpu": cpu_model(), "native_bf16": native, "rows": {}}
-    for name, actor, _ in rows:
+    if baseline is not None:
+        result["baseline"] = {"tree": os.path.abspath(args.baseline_tree), **git_state(args.baseline_tree)}
+    for name, (_, trainable) in runs.items():
         t = times[name]
-        trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad) / 1e6
-        speedup = med[BEFORE] / med[name]
-        print(
-            f"{name:26s}: median {med[name]:6.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs), "
-            f"{speedup:.2f}x as fast as the first row, {trainable:.2f} M trainable params"
-        )
-        result["rows"][name] = {"seconds": t, "median": med[name], "speedup": speedup, "trainable_M": trainable}
+        row = {"seconds": t, "median": med[name], "speedup": med[BEFORE] / med[name], "trainable_M": trainable}
+        line = f"{name:26s}: median {med[name]:6.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs), "
+        line += f"{row['speedup']:.2f}x as fast as '{BEFORE}'"
+        if baseline is not None:
+            row["speedup_vs_baseline"] = med[baseline_name] / med[name]
+            line += f", {row['speedup_vs_baseline']:.2f}x as fast as '{baseline_name}'"
+        print(f"{line}, {trainable:.2f} M trainable params")
+        result["rows"][name] = row
     if lp_diff is not None:
         print(f"largest |log-prob difference| bf16 vs float32 on the policy tokens: {lp_diff:.2e}")
         result["bf16_logp_max_diff"] = lp_diff
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
-    for actor in {id(a): a for _, a, _ in rows}.values():
+    for actor in actors.values():
         actor.destroy()
     return 0
 

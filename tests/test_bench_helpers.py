@@ -1,4 +1,5 @@
-"""bench/rollout_throughput.py's /proc helpers: CPU lists, binding a server to cores, the CPU time of a process tree."""
+"""The bench scripts' helpers: rollout_throughput's /proc helpers (CPU lists, binding a server to cores, the CPU time
+of a process tree) and update_speed's worker that times another source tree's update."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from _bench import load_bench
+from _bench import ROOT, load_bench
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, uses sched_setaffinity")
 
@@ -70,3 +71,23 @@ def test_tree_cpu_seconds_counts_living_and_reaped_descendants():
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
+
+
+def test_update_speed_baseline_worker_times_another_trees_update(tiny_model_path, vocab, tmp_path):
+    # This tree stands in for the other one: the worker imports areal_lite from the tree it is given.
+    us = load_bench("update_speed")
+    actor = us.build_actor(tiny_model_path, "float32", 1)
+    batch = us.make_batch(2, 3, 8, 4, vocab, common=3)
+    batch["logprobs"] = batch["prox_logp"] = actor.compute_logp(batch)
+    actor.compute_advantages(batch)
+    n_params = sum(p.numel() for p in actor.model.parameters())
+    actor.destroy()
+    worker = us.BaselineTree(ROOT, batch, tiny_model_path, 1, str(tmp_path))
+    try:
+        assert worker.trainable_M == n_params / 1e6
+        assert all(0 < worker.update() < 60 for _ in range(2))
+    finally:
+        worker.close()
+    assert worker.proc.returncode == 0
+    with pytest.raises(RuntimeError, match="the baseline worker exited"):
+        us.BaselineTree(ROOT, batch, str(tmp_path / "no-such-model"), 1, str(tmp_path))
