@@ -56,6 +56,15 @@ On a 2-core Intel Xeon VM with AVX-512 BF16 (no AMX), at 42f96c1, idle, defaults
 slower than float32 although the CPU has the instructions (`utils/device.cpu_bf16_speedup` measures 0.58-0.64x there,
 and the actor then trains in float32); LoRA r16 2.48 s, 2.91x; LoRA r16 + bf16 4.23 s. The largest bf16 log-prob
 difference from float32 on the policy tokens: 0.16.
+
+The same VM later that day, at f0c8244, `--repeats 5 --baseline-tree` (a worktree of a4b8130): a4b8130's update
+9.21 s (8.24-13.37); rows whole 9.89 s (7.30-10.63); the default 2.99 s (2.68-3.71), **3.08x as fast as a4b8130's** and
+3.30x as fast as rows whole; LoRA r16 2.37 s; bf16 autocast 5.05 s. Three shorter runs that day (3 repeats, the
+float32 rows only or all rows; the first before afc98de, whose update computes the same bits) put the default at
+2.75x, 2.96x and 3.14x a4b8130's update, and 2.64x, 2.87x and 3.30x rows whole. The two reference rows swing most
+(6.5-9.9 s for rows whole across the runs): their larger activations outgrow the heap that
+`utils.device.keep_freed_memory` keeps (up to 340k page faults in one update after the warm-up, none in the
+default's), and on this VM a page fault costs what the host makes it cost.
 """
 
 from __future__ import annotations
