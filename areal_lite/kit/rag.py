@@ -345,6 +345,9 @@ def parse_retrieve_request(body) -> tuple[list[str], int, bool]:
     return queries, topk, return_scores
 
 
+INDEX_KEY = web.AppKey("index", SearchIndex)  # the app's SearchIndex (a typed key: aiohttp warns on a str)
+
+
 def build_app(
     corpus: str | os.PathLike | list[dict] | SearchIndex,
     retriever: str = "bm25",
@@ -385,7 +388,7 @@ def build_app(
 
     middleware = json_errors_middleware(_ROUTES_HELP, logger)
     app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
-    app["index"] = index
+    app[INDEX_KEY] = index
     app.router.add_get("/health", health)
     app.router.add_post("/retrieve", retrieve)
     app.router.add_post("/access", access)
