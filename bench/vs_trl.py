@@ -62,7 +62,9 @@ Design decisions
   above; with `--trl-keep-freed` (one repeat) TRL 225.6 s against the kit's 96.1 s, 2.35x. The next day at 42f96c1,
   the server's decode on one OpenMP team: kit 67.7 s (66.7-67.8), TRL 213.0 s (194.9-216.4), 3.14x (2.92-3.20)
   (a second run at 87bc95f: kit 68.3 s (64.7-75.2), TRL 224.4 s (221.6-228.7), 3.29x (2.95-3.54));
-  with `--trl-keep-freed` (one repeat) TRL 209.3 s against the kit's 84.5 s, 2.48x.
+  with `--trl-keep-freed` (one repeat) TRL 209.3 s against the kit's 84.5 s, 2.48x. A third run, at 2053e32 on a
+  slower stretch of the same VM (both sides 10-20% more user CPU for the same work): kit 81.5 s (73.8-81.7), TRL
+  220.2 s (208.3-230.7), 2.70x (2.55-3.13).
 """
 
 from __future__ import annotations
