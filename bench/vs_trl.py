@@ -64,7 +64,8 @@ Design decisions
   (a second run at 87bc95f: kit 68.3 s (64.7-75.2), TRL 224.4 s (221.6-228.7), 3.29x (2.95-3.54));
   with `--trl-keep-freed` (one repeat) TRL 209.3 s against the kit's 84.5 s, 2.48x. A third run, at 2053e32 on a
   slower stretch of the same VM (both sides 10-20% more user CPU for the same work): kit 81.5 s (73.8-81.7), TRL
-  220.2 s (208.3-230.7), 2.70x (2.55-3.13).
+  220.2 s (208.3-230.7), 2.70x (2.55-3.13); a fourth, half an hour later at f895c99 (the same code): kit 71.0 s
+  (70.3-71.1), TRL 203.2 s (187.2-217.7), 2.89x (2.63-3.06).
 """
 
 from __future__ import annotations
