@@ -65,7 +65,8 @@ Design decisions
   with `--trl-keep-freed` (one repeat) TRL 209.3 s against the kit's 84.5 s, 2.48x. A third run, at 2053e32 on a
   slower stretch of the same VM (both sides 10-20% more user CPU for the same work): kit 81.5 s (73.8-81.7), TRL
   220.2 s (208.3-230.7), 2.70x (2.55-3.13); a fourth, half an hour later at f895c99 (the same code): kit 71.0 s
-  (70.3-71.1), TRL 203.2 s (187.2-217.7), 2.89x (2.63-3.06).
+  (70.3-71.1), TRL 203.2 s (187.2-217.7), 2.89x (2.63-3.06). Then with `--trl-keep-freed`, 3 repeats (the same
+  code): kit 85.6 s (73.3-89.0), TRL 196.3 s (175.3-200.9), 2.29x (2.26-2.39).
 """
 
 from __future__ import annotations
