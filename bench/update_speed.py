@@ -150,10 +150,12 @@ def one_update(actor: FSDPPPOActor, batch: dict, share: str) -> float:
 
 class BaselineTree:
     """The float32 update of another source tree (`--baseline-tree`), in a child process (`_update_worker.py`) that
-    runs one update each time `update()` asks: the same batch, threads and optimizer settings as the rows here."""
+    runs one update each time `update()` asks: the same batch, threads and optimizer settings as the rows here.
+    The batch reaches it through a file in a temporary folder of its own, removed by `close()`."""
 
-    def __init__(self, tree: str, batch: dict, path: str, threads: int, tmp: str):
-        batch_file = os.path.join(tmp, "batch.pt")
+    def __init__(self, tree: str, batch: dict, path: str, threads: int):
+        self.tmp = tempfile.TemporaryDirectory()
+        batch_file = os.path.join(self.tmp.name, "batch.pt")
         torch.save(batch, batch_file)
         worker = os.path.join(ROOT, "bench", "_update_worker.py")
         env = dict(os.environ, PYTHONPATH=tree)  # the tree's areal_lite, not ours
@@ -181,6 +183,7 @@ class BaselineTree:
         if self.proc.poll() is None:
             self.proc.stdin.close()  # end of input ends the worker
             self.proc.wait(timeout=60)
+        self.tmp.cleanup()
 
 
 def main() -> int:
@@ -235,13 +238,13 @@ def main() -> int:
         name: (lambda a=actors[key], s=share: one_update(a, batch, s), trainable_M(actors[key]))
         for name, key, share in rows
     }
-    tmp = tempfile.TemporaryDirectory()
-    baseline, baseline_name = None, ""
+    baseline, baseline_name, baseline_state = None, "", {}
     if args.baseline_tree:
         tree = os.path.abspath(args.baseline_tree)
-        state = git_state(tree)
-        baseline_name = f"float32 at {state['commit'][:7] or tree}" + (" (dirty)" if state["dirty"] else "")
-        baseline = BaselineTree(tree, batch, path, args.threads, tmp.name)
+        baseline_state = {"tree": tree, **git_state(tree)}
+        commit = baseline_state["commit"][:7] or tree
+        baseline_name = f"float32 at {commit}" + (" (dirty)" if baseline_state["dirty"] else "")
+        baseline = BaselineTree(tree, batch, path, args.threads)
         runs = {baseline_name: (baseline.update, baseline.trainable_M), **runs}
 
     native = cpu_native_bf16() or "none (no AVX-512 BF16, no AMX)"
@@ -263,11 +266,10 @@ def main() -> int:
             times[name].append(run())
     if baseline is not None:
         baseline.close()
-    tmp.cleanup()
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {"args": vars(args), "cpu": cpu_model(), "native_bf16": native, "rows": {}}
     if baseline is not None:
-        result["baseline"] = {"tree": os.path.abspath(args.baseline_tree), **git_state(args.baseline_tree)}
+        result["baseline"] = baseline_state
     for name, (_, trainable) in runs.items():
         t = times[name]
         row = {"seconds": t, "median": med[name], "speedup": med[BEFORE] / med[name], "trainable_M": trainable}

@@ -82,12 +82,12 @@ def test_update_speed_baseline_worker_times_another_trees_update(tiny_model_path
     actor.compute_advantages(batch)
     n_params = sum(p.numel() for p in actor.model.parameters())
     actor.destroy()
-    worker = us.BaselineTree(ROOT, batch, tiny_model_path, 1, str(tmp_path))
+    worker = us.BaselineTree(ROOT, batch, tiny_model_path, 1)
     try:
         assert worker.trainable_M == n_params / 1e6
         assert all(0 < worker.update() < 60 for _ in range(2))
     finally:
         worker.close()
-    assert worker.proc.returncode == 0
+    assert worker.proc.returncode == 0 and not os.path.exists(worker.tmp.name)  # its batch file is gone too
     with pytest.raises(RuntimeError, match="the baseline worker exited"):
-        us.BaselineTree(ROOT, batch, str(tmp_path / "no-such-model"), 1, str(tmp_path))
+        us.BaselineTree(ROOT, batch, str(tmp_path / "no-such-model"), 1)
