@@ -67,9 +67,10 @@ def test_layout_keeps_one_copy_of_each_prompt(vocab):
     packed = packed_of(batch)
     row = share_prompts(packed, packed["loss_mask"].bool())
     T = packed["input_ids"].shape[0]
-    # 5 + 7 + 4 prompt tokens once, every completion whole, the policy-free row whole (its "prompt")
+    # 5 + 7 + 4 prompt tokens once, every completion but its last token (whose output nothing reads), the
+    # policy-free row whole (its "prompt")
     completions = int(batch["attention_mask"].sum()) - (3 * 5 + 3 * 7 + 4 + 6)
-    assert row.input_ids.shape[0] == 5 + 7 + 4 + 6 + completions < T
+    assert row.input_ids.shape[0] == 5 + 7 + 4 + 6 + completions - 7 < T
     # 4 prompts (one is the policy-free row), 7 completions, each completion attending to its prompt
     assert [bucket.q_idx.shape[0] for bucket in row.buckets] == [4, 7]
     assert sorted(row.out_idx.tolist()) == sorted(set(row.out_idx.tolist()))  # each output read once
@@ -84,7 +85,7 @@ def test_layout_keeps_one_copy_of_the_prompts_common_start(vocab):
     packed = packed_of(batch)
     row = share_prompts(packed, packed["loss_mask"].bool())
     completions = int(batch["attention_mask"].sum()) - (3 * 25 + 3 * 27 + 24 + 26)
-    assert row.input_ids.shape[0] == 20 + 5 + 7 + 4 + 6 + completions
+    assert row.input_ids.shape[0] == 20 + 5 + 7 + 4 + 6 + completions - 7
     # the common start, then 4 prompts' rests over it, then 7 completions over their whole prompts
     assert [bucket.q_idx.shape[0] for bucket in row.buckets] == [1, 4, 7]
     assert len(set(row.out_idx.tolist())) == len(row.out_idx)  # each output read once
@@ -115,6 +116,27 @@ def test_logits_at_every_position_equal_the_plain_row(tiny_model_path, vocab, co
     packed = packed_of(grouped_batch(vocab, common=common))
     row = share_prompts(packed, packed["loss_mask"].bool())
     targets = torch.nonzero(~packed["seq_start"]).flatten()
+    with torch.no_grad():
+        plain = packed_forward(actor.model, packed, keep=targets - 1)
+        shared = shared_prefix_forward(actor.model, row, row.pred_of[targets])
+    torch.testing.assert_close(shared, plain, rtol=1e-10, atol=1e-10)
+    actor.destroy()
+
+
+def test_a_one_token_completion_runs_no_remainder(tiny_model_path, vocab):
+    # A completion of one token is predicted by its prompt's last token: with its last token left out, its
+    # remainder is empty and gets no attention segment; its log-prob is still the plain row's.
+    batch = grouped_batch(vocab)
+    keep = [0, 1, 2, 7]  # the first group (completions of 2, 3+5 and 4 tokens) and the policy-free row
+    sub = {k: v[keep].clone() for k, v in batch.items()}
+    ends = sub["attention_mask"].sum(1)
+    sub["attention_mask"][0, int(ends[0]) - 1 :] = False  # the first completion cut to one token
+    sub["loss_mask"][0, int(ends[0]) - 1 :] = 0
+    packed = packed_of(sub)
+    row = share_prompts(packed, packed["loss_mask"].bool())
+    assert [bucket.q_idx.shape[0] for bucket in row.buckets] == [2, 2]  # 2 prompts; 2 remainders, not 3
+    targets = torch.nonzero(~packed["seq_start"]).flatten()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
     with torch.no_grad():
         plain = packed_forward(actor.model, packed, keep=targets - 1)
         shared = shared_prefix_forward(actor.model, row, row.pred_of[targets])

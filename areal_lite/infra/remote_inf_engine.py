@@ -66,6 +66,9 @@ ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
 _RID_CACHE = 4096  # rids remembered for server affinity (oldest forgotten first)
 _BACKOFF_START, _BACKOFF_MAX = 0.1, 5.0  # seconds between retries of a failed request
 _ABORT_GRACE = 2.0  # seconds a shutdown gives aborted requests to come back with their partial output
+# Seconds between looks for a weight folder the trainer is writing: a stat call, while every server waits paused
+# (pause_poll_interval, 50 ms, cost a synchronous run 25 ms a step on average: 0.4 s of the demo's 16 steps).
+_FOLDER_POLL = 0.005
 
 
 class EngineError(RuntimeError):
@@ -486,7 +489,7 @@ class SGLangClient:
         while not os.path.isdir(path):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {path} did not appear within {timeout:g}s (version {version})")
-            await asyncio.sleep(max(0.01, self.config.pause_poll_interval))
+            await asyncio.sleep(_FOLDER_POLL)
         if lora is not None:
             await self.load_lora(path, version, lora)
         else:
