@@ -52,21 +52,9 @@ Design decisions
 - Both sides are seeded (the kit: the config's `seed` for its server's sampler and its trainer; TRL: `seed` in
   GRPOConfig, the same value), and a repeat replays the same samples: two smoke runs gave each side identical
   rewards, losses and accuracies. The repeats measure the spread of the time, not of what is learnt.
-- Measured on the 2-core AMD EPYC (AVX2, no native bf16) this was written on, idle, defaults (3 x 16 steps, 49 min),
-  at 14d8fbd plus the micro-batch grouping of the next commit (one micro-batch here, so the same work): the kit
-  181.7 s (179.0-187.0) of training, 11.4 s per step (generate 3.8, update 6.2, weight sync 1.3); TRL 426.3 s
-  (419.8-433.1), 26.6 s per step (generate 7.0, update 19.6). TRL / kit 2.38x (2.24-2.38). Held-out greedy
-  accuracy 0.44 -> 0.96 for the kit and 0.44 -> 0.92 for TRL, the same in every repeat. CPU seconds of the whole
-  run: kit 361 (343-366), TRL 814 (803-836). On a 2-core Intel Xeon (AVX-512 BF16) at 1dbcf4e, once the kit kept
-  freed memory: kit 94.3 s (87.3-98.1), TRL 298.2 s (268.4-312.0), TRL / kit 3.16x (3.08-3.18), accuracies as
-  above; with `--trl-keep-freed` (one repeat) TRL 225.6 s against the kit's 96.1 s, 2.35x. The next day at 42f96c1,
-  the server's decode on one OpenMP team: kit 67.7 s (66.7-67.8), TRL 213.0 s (194.9-216.4), 3.14x (2.92-3.20)
-  (a second run at 87bc95f: kit 68.3 s (64.7-75.2), TRL 224.4 s (221.6-228.7), 3.29x (2.95-3.54));
-  with `--trl-keep-freed` (one repeat) TRL 209.3 s against the kit's 84.5 s, 2.48x. A third run, at 2053e32 on a
-  slower stretch of the same VM (both sides 10-20% more user CPU for the same work): kit 81.5 s (73.8-81.7), TRL
-  220.2 s (208.3-230.7), 2.70x (2.55-3.13); a fourth, half an hour later at f895c99 (the same code): kit 71.0 s
-  (70.3-71.1), TRL 203.2 s (187.2-217.7), 2.89x (2.63-3.06). Then with `--trl-keep-freed`, 3 repeats (the same
-  code): kit 85.6 s (73.3-89.0), TRL 196.3 s (175.3-200.9), 2.29x (2.26-2.39).
+- Figures: the README ("The kit against TRL") has every run of this bench in one table (commit, CPU, both sides'
+  train time, the ratio); `bench/results/vs_trl.json` holds the latest run whole. They are kept there only, so
+  that a re-measurement changes one place.
 """
 
 from __future__ import annotations
