@@ -41,30 +41,9 @@ Design decisions
 - AdamW's learning rate is 1e-7: every step runs the whole update while the weights barely move, so the repeats
   time the same work (the speed of a matmul does not depend on the values anyway).
 
-Measured on the 2-core AMD EPYC this was written on (AVX2, no native bf16, so `--no-bf16`), idle, defaults,
-3 repeats, `--no-lora`: float32 rows whole 11.53 s per update (10.74-12.67); group prompts once 5.00 s
-(4.42-5.21), 2.30x as fast; the default, common start shared too, 4.66 s (4.55-5.05), 2.48x. An earlier run with
-LoRA rows (group prompts once as the default then): rows whole 12.29 s, default 5.65 s (2.17x), LoRA r16 5.05 s
-(2.43x). Row 1 already has the other change made with shared prompts (log-probs and entropies from one
-log-softmax): against the update before both, the gain is a little larger. On this CPU matmuls are 64% of the
-default update (torch profiler), at about 180 GFLOP/s on two cores, so what is left to gain here without bf16 is
-small. bf16 autocast, forced on this CPU, was 3.7x slower than float32 (an earlier run, rows
-whole, under load).
-
-On a 2-core Intel Xeon VM with AVX-512 BF16 (no AMX), at 42f96c1, idle, defaults (every row): rows whole 7.21 s
-(7.18-7.25); group prompts once 3.29 s, 2.20x; the default 2.97 s (2.85-3.35), 2.43x; bf16 autocast 4.90 s, 1.47x,
-slower than float32 although the CPU has the instructions (`utils/device.cpu_bf16_speedup` measures 0.58-0.64x there,
-and the actor then trains in float32); LoRA r16 2.48 s, 2.91x; LoRA r16 + bf16 4.23 s. The largest bf16 log-prob
-difference from float32 on the policy tokens: 0.16.
-
-The same VM later that day, at f0c8244, `--repeats 5 --baseline-tree` (a worktree of a4b8130): a4b8130's update
-9.21 s (8.24-13.37); rows whole 9.89 s (7.30-10.63); the default 2.99 s (2.68-3.71), **3.08x as fast as a4b8130's** and
-3.30x as fast as rows whole; LoRA r16 2.37 s; bf16 autocast 5.05 s. Three shorter runs that day (3 repeats, the
-float32 rows only or all rows; the first before afc98de, whose update computes the same bits) put the default at
-2.75x, 2.96x and 3.14x a4b8130's update, and 2.64x, 2.87x and 3.30x rows whole. The two reference rows swing most
-(6.5-9.9 s for rows whole across the runs): their larger activations outgrow the heap that
-`utils.device.keep_freed_memory` keeps (up to 340k page faults in one update after the warm-up, none in the
-default's), and on this VM a page fault costs what the host makes it cost.
+Figures: the README (the paragraph after the table of `bench/vs_trl.py` runs) has this bench's runs;
+`bench/results/update_speed.json` holds the latest run whole. They are kept there only, so that a re-measurement
+changes one place.
 """
 
 from __future__ import annotations
