@@ -549,11 +549,16 @@ def test_generated_bodies_on_the_rag_server(rag, route, raw):
     assert_healthy(rag + "/health")
 
 
+TEXT_CHAR = st.characters(exclude_categories=("Cs",))  # any character valid in a JSON string once parsed
+
+
 @settings(max_examples=int(os.environ.get("AREAL_LITE_SOAK_EXAMPLES", "40")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(text=st.text(min_size=0, max_size=3000) | st.builds(lambda c, n: c * n, st.characters(), st.integers(1, 5000)))
+@given(text=st.text(min_size=0, max_size=3000) | st.builds(lambda c, n: c * n, TEXT_CHAR, st.integers(1, 5000)))
 def test_the_length_bound_never_exceeds_the_real_token_count(tok, text):
-    """A prompt refused from its length alone (`token_lower_bound`) would have been refused after tokenizing too."""
+    """A prompt refused from its length alone (`token_lower_bound`) would have been refused after tokenizing too.
+    Texts are what a parsed body can hold: no lone surrogate, which `parse_json_bytes` refuses (tested above) and no
+    tokenizer can encode (`st.characters()` draws one now and then: this test once failed on '\ud800')."""
     from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 
     assert token_lower_bound(tok, text) <= count_tokens(tok, text, add_special_tokens=False)

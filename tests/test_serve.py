@@ -749,6 +749,42 @@ def test_sampling_does_not_depend_on_batch_neighbours(tiny_model_path, tiny):
     assert outputs(seed=4, neighbours=0, reverse=False) != alone
 
 
+def test_an_idle_server_prefills_a_burst_together(tiny_model_path, tiny):
+    """Requests that reach an idle server one after another (a GRPO client sends one per sample) are prefilled as one
+    batch once none has come for `admit_quiet` seconds. Without the wait, the first is prefilled alone and the
+    rest need a second prefill. Either way each row gets the same tokens (sampling is batch-invariant)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.scheduler import Scheduler
+
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+
+    def burst(quiet: float) -> tuple[int, list[list[int]]]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        sched = Scheduler(model, tiny[1], model_path="tiny", random_seed=5, admit_quiet=quiet, admit_max=30.0)
+        rows = [sched.new_state(_spec(PROMPTS[i % 2], sp), 0) for i in range(4)]
+        done = threading.Semaphore(0)
+        for r in rows:
+            r.on_done = lambda _row: done.release()
+        sched.start()
+        try:
+            sched.submit(rows[:1])
+            if quiet:
+                time.sleep(0.05)  # well inside the quiet time: the burst is still open
+            else:
+                assert wait_until(lambda: sched.counters["prefill_batches"] == 1, interval=0.005)
+            sched.submit(rows[1:])
+            assert all(done.acquire(timeout=60) for _ in rows)
+            return sched.counters["prefill_batches"], [r.output for r in rows]
+        finally:
+            sched.stop()
+
+    together, tokens = burst(quiet=1.0)
+    apart, tokens_apart = burst(quiet=0.0)
+    assert (together, apart) == (1, 2)
+    assert tokens == tokens_apart
+
+
 def test_counters_include_a_row_when_its_client_is_answered(tiny_model_path, tiny):
     """`on_done` answers the client, who may read /server_info at once: by then the counters must hold every token
     and the end of the row (they were once updated after it, so a test's counter deltas were off by a step)."""
