@@ -305,7 +305,8 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
 
     A sequence's last token is left out of the new row: nothing reads its output (no later token of its sequence
     attends to it, and its logits would predict the next sequence's first token), so running it through every
-    layer, forward and backward, is work for nothing. One token per sequence: 5-8% of the demo's update.
+    layer, forward and backward, is work for nothing. One token per sequence: 6-11% of the demo's update (answers
+    of 16 and of 10 tokens).
     """
     ids = packed["input_ids"]
     T = ids.shape[0]
