@@ -558,7 +558,7 @@ TEXT_CHAR = st.characters(exclude_categories=("Cs",))  # any character valid in 
 def test_the_length_bound_never_exceeds_the_real_token_count(tok, text):
     """A prompt refused from its length alone (`token_lower_bound`) would have been refused after tokenizing too.
     Texts are what a parsed body can hold: no lone surrogate, which `parse_json_bytes` refuses (tested above) and no
-    tokenizer can encode (`st.characters()` draws one now and then: this test once failed on '\ud800')."""
+    tokenizer can encode (`st.characters()` draws one now and then: this test once failed on '\\ud800')."""
     from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 
     assert token_lower_bound(tok, text) <= count_tokens(tok, text, add_special_tokens=False)

@@ -769,8 +769,10 @@ def test_an_idle_server_prefills_a_burst_together(tiny_model_path, tiny):
         sched.start()
         try:
             sched.submit(rows[:1])
-            if quiet:
-                time.sleep(0.05)  # well inside the quiet time: the burst is still open
+            if quiet:  # the first row taken in, and held back: the burst is open
+                assert wait_until(
+                    lambda: len(sched.waiting) == 1 and sched.counters["prefill_batches"] == 0, interval=0.005
+                )
             else:
                 assert wait_until(lambda: sched.counters["prefill_batches"] == 1, interval=0.005)
             sched.submit(rows[1:])
@@ -779,7 +781,7 @@ def test_an_idle_server_prefills_a_burst_together(tiny_model_path, tiny):
         finally:
             sched.stop()
 
-    together, tokens = burst(quiet=1.0)
+    together, tokens = burst(quiet=3.0)  # far longer than the test takes to send the rest
     apart, tokens_apart = burst(quiet=0.0)
     assert (together, apart) == (1, 2)
     assert tokens == tokens_apart
