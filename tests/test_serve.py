@@ -1034,6 +1034,35 @@ def test_config_round_trips_through_the_server_command_line(monkeypatch):
     assert parse_args(default.cli_args()).return_original_logprob is True
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_norm_and_rotation_are_the_models_own_bit_for_bit(tiny_model_path, dtype):
+    """The fast path's RMSNorm and rotary embedding (written with in-place temporaries, q and k rotated in one call)
+    compute exactly what the model's own modules compute, in float32 and bf16, so its logits differ from the model's
+    only where matmul kernels round differently."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from areal_lite.kit.serve.fastpath import _rms_norm, _rope
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=dtype).eval()
+    norm = model.model.layers[0].input_layernorm
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, model.config.hidden_size, generator=g).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)  # a trained norm is not all ones
+        assert torch.equal(_rms_norm(x, norm), norm(x))
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        d = model.config.hidden_size // heads
+        q = torch.randn(1, heads, 7, d, generator=g).to(dtype)
+        k = torch.randn(1, kv_heads, 7, d, generator=g).to(dtype)
+        cos, sin = model.model.rotary_emb(q, torch.arange(7)[None])
+        ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+        qk = torch.cat([q, k], dim=1)[0].transpose(0, 1)  # [N, heads + kv_heads, d], as the fused qkv output
+        got = _rope(qk, cos[0][:, None, :], sin[0][:, None, :])
+    assert torch.equal(got[:, :heads].transpose(0, 1)[None], ref_q)
+    assert torch.equal(got[:, heads:].transpose(0, 1)[None], ref_k)
+
+
 def test_fast_path_serves_bf16_weights_on_any_cpu(tiny_model_path):
     """oneDNN packs bf16 weights only on CPUs with bf16 instructions (it raises elsewhere): the fast path then runs
     plain matmuls, so a bf16 server starts on any CPU and computes what the model computes."""

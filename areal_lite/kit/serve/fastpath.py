@@ -205,6 +205,8 @@ def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * variance.add_(norm.variance_epsilon).rsqrt_()  # in place on our own temporaries: the same numbers
+    if norm.weight.dtype != dtype:  # a norm kept in another dtype: the result takes the promoted one, as the model's
+        return norm.weight * h.to(dtype)
     return h.to(dtype).mul_(norm.weight)
 
 
