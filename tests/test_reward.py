@@ -471,6 +471,62 @@ asyncio.run(main())
 """
 
 
+HOLDS_A_POOL = """
+import asyncio, os, sys, time
+from areal_lite.api.reward_api import AsyncRewardWrapper
+
+async def main():
+    w = AsyncRewardWrapper(len, max_workers=2)
+    assert await w("abcd") == 4.0
+    queues = (w._pool._call_queue, w._pool._result_queue)
+    names = [getattr(q, a)._semlock.name for q in queues for a in ("_rlock", "_wlock", "_sem") if hasattr(q, a)]
+    print(" ".join(names), flush=True)
+    assert await w("abcdef") == 6.0  # the pool still works with its names gone
+    print("ok", flush=True)
+    if sys.argv[1] == "hold":
+        time.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX named semaphores live in /dev/shm on Linux")
+def test_a_killed_process_group_leaves_no_semaphore_names_behind():
+    """A notebook kernel stopped by nbval, or by Jupyter after its grace period, is killed with its process group:
+    multiprocessing's resource tracker dies too, and the reward pool's five named semaphores stayed in /dev/shm
+    until reboot (measured: 5 per notebook run, 40 per CI run). The pool removes the names once every worker has
+    opened them: none exists while it runs, after a SIGKILL of the whole group, or after a normal exit (which must
+    not trip over the names being gone)."""
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+
+    def shm(names):
+        return [n for n in names if os.path.exists("/dev/shm/sem." + n.lstrip("/"))]
+
+    child = subprocess.Popen([sys.executable, "-c", HOLDS_A_POOL, "hold"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        names = child.stdout.readline().split()
+        assert len(names) == 5, (names, child.stderr.read() if child.poll() is not None else "")
+        assert child.stdout.readline().strip() == "ok"
+        assert shm(names) == []
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    time.sleep(0.5)
+    assert shm(names) == []
+
+    out = subprocess.run([sys.executable, "-c", HOLDS_A_POOL, "exit"], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert shm(out.stdout.split()[:5]) == []
+
+
 def test_exit_with_a_hung_reward_is_quick_and_kills_workers():
     import subprocess
     import sys

@@ -14,6 +14,9 @@ Design decisions:
 - No orphans, whoever dies: each worker exits when the process that started the pool ends (a pidfd watch,
   `utils.lifeline`), SIGKILL included, and when its parent, the forkserver, dies. The forkserver and the resource
   tracker exit by themselves once the workers are gone (the workers hold their pipes open until then).
+- Nothing left in /dev/shm either: the pool's named semaphores lose their names as soon as every worker has opened
+  them (`_unlink_semaphore_names`), so a kill of the whole process group, resource tracker included (a notebook
+  kernel stopped by nbval), leaves none behind.
 """
 
 from __future__ import annotations
@@ -119,7 +122,67 @@ def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
     with _main_script_hidden():
         warmups = [pool.submit(_noop) for _ in range(max_workers)]
     concurrent.futures.wait(warmups)
+    if _every_worker_answered(pool):
+        _unlink_semaphore_names(pool)
     return pool
+
+
+def _pid_after(delay: float) -> int:
+    time.sleep(delay)
+    return os.getpid()
+
+
+def _every_worker_answered(pool: concurrent.futures.ProcessPoolExecutor, within: float = 10.0) -> bool:
+    """Whether every started worker ran a call (so has unpickled its queues and opened their semaphores): a started
+    worker may still be unpickling while another has run all the warm-up calls. Short sleeping calls, one per worker
+    and round, until each worker's pid came back; False when one has not within `within` seconds."""
+    seen: set = set()
+    deadline = time.monotonic() + within
+    try:
+        with _main_script_hidden():
+            while set(pool._processes) - seen:
+                if time.monotonic() > deadline:
+                    return False
+                calls = [pool.submit(_pid_after, 0.02) for _ in pool._processes]
+                seen.update(f.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0) for f in calls)
+    except Exception:  # a worker that died on start: the first real call finds the pool broken, as before
+        return False
+    return True
+
+
+def _unlink_semaphore_names(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Remove the /dev/shm names of the pool's semaphores (its two queues' locks) once every worker has opened them.
+
+    Why: with forkserver or spawn, multiprocessing keeps each name until the pool is collected, or until the resource
+    tracker cleans up after its owner died. A kill of the owner's whole process group (a notebook kernel stopped by
+    nbval, or by Jupyter after its grace period) takes the tracker too, and the five names stayed until reboot. Every
+    process that needs them has them open by now, and no worker starts later (a broken pool is replaced, not
+    refilled), so the names can go, as a fork pool's do at once; the semaphores live on. Best effort: the pool's
+    queues are private attributes (stable since Python 3.8); where anything differs, the names stay as they were.
+    """
+    try:
+        import _multiprocessing
+        from multiprocessing import resource_tracker, util
+        from multiprocessing.synchronize import SemLock
+
+        if len(pool._processes) < pool._max_workers:  # a worker still to start would open the names
+            return
+        queues = (pool._call_queue, pool._result_queue)
+        locks = [getattr(q, a, None) for q in queues for a in ("_rlock", "_wlock", "_sem")]
+        names = {lock._semlock.name for lock in locks if lock is not None and lock._semlock.name}
+    except Exception as e:  # never worth failing a reward pool over
+        logger.debug("reward pool: semaphore names left in place (%s)", e)
+        return
+    for name in names:
+        try:
+            _multiprocessing.sem_unlink(name)
+            resource_tracker.unregister(name, "semaphore")
+            # Its exit-time unlink would now fail on the missing name (a traceback at exit): cancelled.
+            for finalizer in list(util._finalizer_registry.values()):
+                if finalizer._callback is SemLock._cleanup and finalizer._args == (name,):
+                    finalizer.cancel()
+        except Exception as e:
+            logger.debug("reward pool: semaphore name %s left in place (%s)", name, e)
 
 
 def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
