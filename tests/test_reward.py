@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.reward.gsm8k import gsm8k_reward_fn
@@ -484,7 +485,7 @@ async def main():
     assert await w("abcdef") == 6.0  # the pool still works with its names gone
     print("ok", flush=True)
     if sys.argv[1] == "hold":
-        time.sleep(600)
+        sys.stdin.read()  # until the test closes it (or dies): the group is killed before that
 
 asyncio.run(main())
 """
@@ -508,8 +509,9 @@ def test_a_killed_process_group_leaves_no_semaphore_names_behind():
     def shm(names):
         return [n for n in names if os.path.exists("/dev/shm/sem." + n.lstrip("/"))]
 
-    child = subprocess.Popen([sys.executable, "-c", HOLDS_A_POOL, "hold"], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    child = subprocess.Popen([sys.executable, "-c", HOLDS_A_POOL, "hold"], env=env, text=True, start_new_session=True,
+                             **pipes)  # fmt: skip
     try:
         names = child.stdout.readline().split()
         assert len(names) == 5, (names, child.stderr.read() if child.poll() is not None else "")
@@ -519,7 +521,15 @@ def test_a_killed_process_group_leaves_no_semaphore_names_behind():
         with contextlib.suppress(ProcessLookupError):  # a child that failed early has gone already
             os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
-    time.sleep(0.5)
+
+    def group_alive() -> bool:  # the pool's workers, its forkserver and resource tracker share the child's group
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == child.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    return True
+        return False
+
+    assert wait_until(lambda: not group_alive(), timeout=30)
     assert shm(names) == []
 
     out = subprocess.run([sys.executable, "-c", HOLDS_A_POOL, "exit"], env=env, capture_output=True, text=True,

@@ -106,13 +106,9 @@ def _main_script_hidden():
             main.__dict__.update(saved)
 
 
-def _noop() -> None:
-    return None
-
-
 def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
     """A pool whose workers are all started now, with the script hidden (see `_main_script_hidden`): a worker is
-    started inside `submit`, so `max_workers` concurrent no-op calls start every one of them."""
+    started inside `submit`, so `max_workers` concurrent short calls start every one of them."""
     pool = concurrent.futures.ProcessPoolExecutor(
         max_workers=max_workers,
         mp_context=_mp_context(),
@@ -120,9 +116,9 @@ def _start_pool(max_workers: int) -> concurrent.futures.ProcessPoolExecutor:
         initargs=(process_identity(os.getpid()),),
     )
     with _main_script_hidden():
-        warmups = [pool.submit(_noop) for _ in range(max_workers)]
+        warmups = [pool.submit(_pid_after, 0.02) for _ in range(max_workers)]
     concurrent.futures.wait(warmups)
-    if _every_worker_answered(pool):
+    if _every_worker_answered(pool, warmups):
         _unlink_semaphore_names(pool)
     return pool
 
@@ -132,22 +128,24 @@ def _pid_after(delay: float) -> int:
     return os.getpid()
 
 
-def _every_worker_answered(pool: concurrent.futures.ProcessPoolExecutor, within: float = 10.0) -> bool:
-    """Whether every started worker ran a call (so has unpickled its queues and opened their semaphores): a started
-    worker may still be unpickling while another has run all the warm-up calls. Short sleeping calls, one per worker
-    and round, until each worker's pid came back; False when one has not within `within` seconds."""
+def _every_worker_answered(pool: concurrent.futures.ProcessPoolExecutor, calls: list, within: float = 10.0) -> bool:
+    """Whether every started worker ran one of `calls` (`_pid_after`; so has unpickled its queues and opened their
+    semaphores): a started worker may still be unpickling while another has run all the warm-up calls. Further
+    rounds of short calls, one per worker, until each worker's pid came back; False when one has not within
+    `within` seconds."""
     seen: set = set()
     deadline = time.monotonic() + within
     try:
         with _main_script_hidden():
-            while set(pool._processes) - seen:
+            while True:
+                seen.update(f.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0) for f in calls)
+                if not set(pool._processes) - seen:
+                    return True
                 if time.monotonic() > deadline:
                     return False
                 calls = [pool.submit(_pid_after, 0.02) for _ in pool._processes]
-                seen.update(f.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0) for f in calls)
     except Exception:  # a worker that died on start: the first real call finds the pool broken, as before
         return False
-    return True
 
 
 def _unlink_semaphore_names(pool: concurrent.futures.ProcessPoolExecutor) -> None:
