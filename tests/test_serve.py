@@ -958,7 +958,7 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_m
     arrival order of its requests (`sampling.py`); before it, logits moved by up to 1e-4 with the batch."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.fastpath import FastRunner
+    from areal_lite.kit.serve.fastpath import FastRunner, shared_start
 
     path = tiny_model_path if model_name == "tiny" else smollm_path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -966,6 +966,8 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_m
     g = torch.Generator().manual_seed(0)
     high = min(model.config.vocab_size, 40000)
     prompts = [torch.randint(10, high, (n,), generator=g).tolist() for n in (38, 38, 41, 12, 60, 5, 33, 90, 3)]
+    prompts[1][:30] = prompts[0][:30]  # joined together below: their first 30 tokens run once (the shared start)
+    prompts[3][:10] = prompts[4][:10] = prompts[2][:10]  # the same, 10 tokens
     n_steps = 8
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -978,12 +980,61 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_m
         ])  # fmt: skip
     finally:
         torch.set_num_threads(saved)
+    assert shared_start([prompts[0], prompts[1]]) == 30 and shared_start([prompts[i] for i in (2, 3, 4)]) == 10
     for got in (together, staggered):
         for i in range(9):
             n = min(len(got[i]), len(alone[i]))
             assert n >= 5, (i, n)
             unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
             assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
+
+
+def test_shared_start_is_the_common_prefix_that_leaves_each_prompt_a_token():
+    from areal_lite.kit.serve.fastpath import MIN_SHARED_START, shared_start
+
+    start = list(range(100, 100 + MIN_SHARED_START + 4))
+    assert shared_start([start + [1, 2], start + [1, 3], start + [4]]) == len(start)
+    assert shared_start([start + [1, 2, 3], start + [1, 2, 5]]) == len(start) + 2
+    assert shared_start([start, start + [7]]) == len(start) - 1  # the shorter keeps its last token
+    assert shared_start([start + [1]]) == 0  # one prompt: nothing to share
+    assert shared_start([start[: MIN_SHARED_START - 1] + [1], start[: MIN_SHARED_START - 1] + [2]]) == 0  # too short
+    assert shared_start([[5] + start, start]) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, smollm_path, monkeypatch):
+    """A prompt's prefill logits, keys and values are bit for bit the same prefilled alone (whole), beside prompts
+    that share its start (which then runs once), or with its attention in chunks of a few queries; and they are
+    the model's own forward's up to rounding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lite.kit.serve import fastpath
+
+    model = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm_path)
+    chats = [[{"role": "user", "content": q}] for q in ("What is 3 + 4?", "Name a city in Peru.", "Why is ice cold?")]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
+    assert fastpath.shared_start(prompts) >= 20  # SmolLM2's template opens with its default system prompt
+    runner = fastpath.FastRunner(model)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            together = runner.prefill(prompts)
+            alone = [runner.prefill([p]) for p in prompts]
+            monkeypatch.setattr(fastpath, "QUERY_CHUNK", 7)
+            chunked = runner.prefill(prompts)
+            reference = [model(torch.tensor([p])).logits[0, -1] for p in prompts]
+    finally:
+        torch.set_num_threads(saved)
+    for i, (part, logits) in enumerate(alone):
+        n = len(prompts[i])
+        for got_part, got_logits in (together, chunked):
+            assert torch.equal(got_logits[i], logits[0]), i
+            assert torch.equal(got_part.mask[i, :n], part.mask[0]) and not got_part.mask[i, n:].any()
+            for a, b in zip(part.keys + part.values, got_part.keys + got_part.values):
+                assert torch.equal(b[i, :, :n], a[0]), i
+        assert (logits[0] - reference[i]).abs().max().item() < 1e-3, i
 
 
 def test_prefill_groups_bound_padded_tokens():
