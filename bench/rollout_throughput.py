@@ -3,13 +3,15 @@ raw batched generate, on the same cores, in tokens/s and in CPU-seconds.
 
     PYTHONPATH=. .venv/bin/python bench/rollout_throughput.py [--model smollm2-135m-instruct|tiny|PATH]
         [--requests 32] [--max-new-tokens 64] [--threads 1,2] [--cores 0-1] [--dtype float32|bfloat16]
-        [--repeats 3] [--sequential-requests 4] [--vllm-python .venv-vllm/bin/python] [--vllm-modes eager,compiled]
-        [--baseline-tree DIR] [--no-raw] [--start-timeout 1800] [--settle 2]
+        [--distinct-starts] [--repeats 3] [--sequential-requests 4] [--vllm-python .venv-vllm/bin/python]
+        [--vllm-modes eager,compiled] [--baseline-tree DIR] [--no-raw] [--start-timeout 1800] [--settle 2]
         [--json bench/results/rollout_throughput.json]
 
-The workload is a rollout's: `--requests` chat prompts (62-72 tokens for SmolLM2) sent at once, each sampling
-`--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, in `--dtype` (default float32). For each
-`--threads` count t, every system gets the same t cores (the first t of `--cores`, default 0..t-1) and t threads:
+The workload is a rollout's: `--requests` chat prompts (62-72 tokens for SmolLM2, the first ~50 shared: the chat
+template's opening and a system prompt; `--distinct-starts` gives each its own from the fourth token) sent at once,
+each sampling `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, in `--dtype` (default
+float32). For each `--threads` count t, every system gets the same t cores (the first t of `--cores`, default
+0..t-1) and t threads:
 1. `embedded`: `python -m areal_lite.kit.serve` of this tree (`--threads t --dtype D`), all requests at once (it
    batches them continuously);
 2. `vllm eager` and `vllm compiled` (`--vllm-modes`, both by default): vLLM's OpenAI server from `--vllm-python`'s
@@ -206,12 +208,16 @@ def bind_this_process(cpus) -> None:
 # the systems
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, distinct_starts: bool = False) -> list[list[int]]:
+    """The chat prompts: a system prompt, then a question. They share their first ~50 tokens (the chat template's
+    opening and the system prompt), as a rollout's prompts do; with `distinct_starts` each system prompt begins
+    with its request's number instead, so no two prompts share more than the template's first tokens."""
     out = []
     for i in range(n):
         q = QUESTIONS[i % len(QUESTIONS)].format(a=7 * i + 3, b=11 * i + 5, c=COUNTRIES[i % len(COUNTRIES)])
+        system = f"Request {i + 1}. {SYSTEM}" if distinct_starts else SYSTEM
         text = tokenizer.apply_chat_template(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
             tokenize=False,
             add_generation_prompt=True,
         )
@@ -519,6 +525,7 @@ def main() -> Optional[int]:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, measured in turn")
     ap.add_argument("--cores", default="", help="cores to bind to, e.g. 2-3: t threads get the first t "
                     "(default 0..t-1)")  # fmt: skip
+    ap.add_argument("--distinct-starts", action="store_true", help="prompts that share no start (see `prompts`)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype of every system")
     ap.add_argument("--sequential-requests", type=int, default=4, help="requests of the one-by-one run")
     ap.add_argument("--repeats", type=int, default=3, help="turns of the concurrent runs (medians are compared)")
@@ -550,7 +557,7 @@ def main() -> Optional[int]:
 
     path = bench_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = prompts(tokenizer, args.requests)
+    ids = prompts(tokenizer, args.requests, args.distinct_starts)
     have_vllm = os.path.exists(args.vllm_python)
     vllm_note = ""
     if not args.vllm_modes:
