@@ -239,9 +239,9 @@ def shared_start(prompts: list[list[int]]) -> int:
     return n if n >= MIN_SHARED_START else 0
 
 
-def _rows(shared: int, own_at: int, count: int, device: torch.device) -> torch.Tensor:
-    """Packed rows of one prompt's tokens: the shared start's, then its own."""
-    return torch.cat([torch.arange(shared), torch.arange(own_at, own_at + count)]).to(device)
+def _sequences(shared: int, own_at: list[int], lens: list[int]) -> torch.Tensor:
+    """The packed rows of each prompt's whole sequence, prompt after prompt: the shared start's, then its own."""
+    return torch.cat([torch.cat([torch.arange(shared), torch.arange(o, o + n - shared)]) for o, n in zip(own_at, lens)])
 
 
 def _causal_attention(
@@ -421,26 +421,27 @@ class FastRunner:
         # packed: the shared start once, then each prompt's own tokens
         ids = torch.tensor(prompts[0][:s] + [t for p in prompts for t in p[s:]], device=dev)
         pos = torch.cat([torch.arange(s)] + [torch.arange(s, n) for n in lens]).to(dev)
-        own_at = [s + sum(n - s for n in lens[:i]) for i in range(B)]  # where each prompt's own tokens begin
-        # segments of queries (packed start, count, first position) and the packed rows of their keys, in order
-        segments = [(0, s, 0, None)] if s else []
-        segments += [(o, n - s, s, _rows(s, o, n - s, dev) if s else None) for o, n in zip(own_at, lens)]
+        own_at = [s + sum(n - s for n in lens[:i]) for i in range(B)]  # where each prompt's own tokens are packed
+        seq_at = [sum(lens[:i]) for i in range(B)]  # where each prompt's whole sequence starts, below
+        # the packed rows of each prompt's whole sequence (the shared start's, then its own), prompt after prompt
+        src = _sequences(s, own_at, lens).to(dev) if s else None
         # where each prompt's tokens go in the cache's layout: its last token first, its first at n - 1
         slot = torch.cat([torch.arange(i * L + n - 1, i * L - 1, -1) for i, n in enumerate(lens)]).to(dev)
-        src = torch.cat([seg[3] for seg in segments[1:]]) if s else None  # each prompt's tokens, from the packed
         mask = torch.zeros(B * L, dtype=torch.bool, device=dev).index_fill_(0, slot, True).view(B, L)
         x = F.embedding(ids, self.inner.embed_tokens.weight)
         cos, sin = self._rope_tables(x, pos)
         keys, values = [], []
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin)
-            keys.append(self._pad(k if src is None else k.index_select(0, src), slot, B, L))
-            values.append(self._pad(v if src is None else v.index_select(0, src), slot, B, L))
+            seq_k, seq_v = (k, v) if src is None else (k.index_select(0, src), v.index_select(0, src))
+            keys.append(self._pad(seq_k, slot, B, L))
+            values.append(self._pad(seq_v, slot, B, L))
             attn = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-            for start, count, first, rows in segments:
-                end = start + count
-                ks, vs = (k[start - first : end], v[start - first : end]) if rows is None else (k[rows], v[rows])
-                _causal_attention(q[start:end], ks, vs, first, layer.scaling, out=attn[start:end])
+            if s:  # the shared start, over itself
+                _causal_attention(q[:s], k[:s], v[:s], 0, layer.scaling, out=attn[:s])
+            for o, a, n in zip(own_at, seq_at, lens):  # each prompt's own tokens, over its whole sequence
+                own = slice(o, o + n - s)
+                _causal_attention(q[own], seq_k[a : a + n], seq_v[a : a + n], s, layer.scaling, out=attn[own])
             x = self._finish_layer(layer, x, attn)
         last = torch.tensor([o + n - s - 1 for o, n in zip(own_at, lens)], device=dev)
         return PrefillKV(keys, values, mask), self._logits(x.index_select(0, last))
