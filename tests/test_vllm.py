@@ -36,7 +36,7 @@ from areal_lite.engine.vllm_client import VLLMClient
 from areal_lite.engine.vllm_remote import RemotevLLMEngine
 from areal_lite.infra.remote_inf_engine import EngineError
 from areal_lite.kit.launch import _vllm_python, launch_server
-from areal_lite.kit.procs import ServerLaunchError
+from areal_lite.kit.procs import ServerLaunchError, server_log_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,7 +143,9 @@ def test_notebook_06_runs_on_vllm(tmp_path):
            "--nbval-sanitize-with", "notebooks/sanitize.cfg", "notebooks/en/06_async_vs_sync.ipynb"]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    logs = [p for p in glob.glob(os.path.join(ROOT, "notebooks/en/runs/**/vllm-*.log"), recursive=True)]
+    # every server the kit launches logs to server_log_path()'s folder (the temp folder's, not the run's: 97f46d6)
+    log_dir = os.path.dirname(server_log_path("vllm", 0))
+    logs = glob.glob(os.path.join(log_dir, "vllm-*.log"))
     assert [p for p in logs if os.path.getmtime(p) >= started], "the notebook did not launch vLLM"
 
 
