@@ -48,6 +48,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from areal_lite.engine.fsdp_utils.packing import common_start
 from areal_lite.kit.serve.batch import HFRunner
 
 
@@ -230,13 +231,9 @@ QUERY_CHUNK = 256  # prefill attention's query rows per matmul: bounds its score
 
 def shared_start(prompts: list[list[int]]) -> int:
     """How many leading tokens all `prompts` (two or more) have in common, leaving each at least one of its own (its
-    last position gives its logits); 0 below MIN_SHARED_START."""
-    if len(prompts) < 2:
-        return 0
-    first, n = prompts[0], min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
-    return n if n >= MIN_SHARED_START else 0
+    last position gives its logits); 0 below MIN_SHARED_START. The trainer's `common_start`, whose bound counts the
+    tokens saved: MIN_SHARED_START for every prompt after the first is a start of at least MIN_SHARED_START."""
+    return common_start(prompts, min_saved=MIN_SHARED_START * (len(prompts) - 1))
 
 
 def _sequences(shared: int, own_at: list[int], lens: list[int]) -> torch.Tensor:
