@@ -43,6 +43,36 @@ def test_next_token_logp_is_the_shift_and_scatter_agrees():
     torch.testing.assert_close(grad, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_row_by_row_logp_is_the_whole_tensor_formula_bit_for_bit(dtype):
+    """`scatter_logp_and_entropy` on a CPU goes a few rows at a time (`_RowwiseLogpEntropy`); its log-probs,
+    entropies and gradient must be those of the formula on the whole tensor, bit for bit: row counts that are not a
+    multiple of the pass, a vocabulary the size of a real one, float32 and bf16 (autocast's) logits."""
+    g = torch.Generator().manual_seed(1)
+    K, V, T = 2 * fn._RowwiseLogpEntropy.ROWS + 5, 49152, 0.8
+    logits = (torch.randn(K, V, generator=g) * 3).to(dtype)
+    ids = torch.randint(0, V, (K + 3,), generator=g)
+    pred = torch.arange(1, K + 1)
+    weights = torch.randn(K + 3, generator=g)
+
+    def whole(x):  # the formula on the whole tensor (the function's GPU branch)
+        logp_all = (x.to(torch.float32) / T).log_softmax(-1)
+        lp = logp_all.gather(-1, ids[pred + 1].unsqueeze(-1)).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1).detach()
+        return lp.new_zeros(K + 3).index_put((pred + 1,), lp), ent
+
+    results = []
+    for f in (lambda x: fn.scatter_logp_and_entropy(x, ids, pred, T), whole):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = f(x)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), ent, x.grad))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    empty = fn.scatter_logp_and_entropy(logits[:0], ids, pred[:0], T)  # no policy token: no pass at all
+    assert empty[0].tolist() == [0.0] * (K + 3) and empty[1].numel() == 0
+
+
 def test_entropy_of_uniform_and_one_hot():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -1e4, -1e4, -1e4]])
     torch.testing.assert_close(fn.entropy(logits, 1.0), torch.tensor([math.log(4), 0.0]))

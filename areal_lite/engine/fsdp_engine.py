@@ -4,10 +4,11 @@ Method names follow AReaL's `FSDPPPOActor` (`initialize`, `compute_logp`, `compu
 `train_batch`, `step_lr_scheduler`, `update_weights`/`upload_weights`, `set_version`, `get_version`, `save`, `load`,
 `destroy`) so a notebook cell reads the same in both projects.
 
-`FSDPPPOActor` orchestrates; the parts it orchestrates live in three modules, each stating its own design decisions:
+`FSDPPPOActor` orchestrates; the parts it orchestrates live in these modules, each stating its own design decisions:
 - `utils/functional.py`: the formulas (normalisation, KL estimates, the shift from logits to per-token log-probs,
   the PPO loss, GRPO advantages), pure tensor functions tested against float64 loops;
 - `fsdp_utils/packing.py`: rows packed into one sequence, micro-batch splitting, the packed sdpa attention;
+- `fsdp_utils/embedding_grad.py`: the embedding's gradient added row by row (packing's forward passes use it);
 - `fsdp_utils/weights.py`: publishing weights (disk versions, NCCL broadcast) and actor checkpoints;
 - `fsdp_utils/lora.py`: `use_lora` (peft wrapping, adapter-only weight versions and checkpoints).
 Their names are imported from those modules, not from this one.

@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from areal_lite.api.cli_args import MicroBatchSpec
+from areal_lite.engine.fsdp_utils.embedding_grad import embedding_inputs
 from areal_lite.utils.data import concat_padded_tensors
 
 __all__ = [
@@ -114,11 +116,20 @@ def _shared_prefix_attention(module, query, key, value, layout, dropout, scaling
         # index_select's backward adds them one index at a time.
         return x[0].index_select(1, idx.flatten()).unflatten(1, idx.shape).transpose(0, 1)
 
+    # Grouped heads on a CPU: sdpa's own `enable_gqa`, bit for bit what transformers' `repeat_kv` gives (it uses that
+    # only without a mask), without copying every key and value once per query head and summing their gradients
+    # back: 4.7 -> 3.1 ms per layer for the demo's 32 completions (fwd + bwd, SmolLM2's 9 heads over 3).
+    gqa = query.device.type == "cpu" and query.shape[1] != key.shape[1]
     outs = []
     for bucket in layout.buckets:
         q, k, v = gather(query, bucket.q_idx), gather(key, bucket.k_idx), gather(value, bucket.k_idx)
-        out, _ = sdpa_attention_forward(module, q, k, v, bucket.mask, dropout=dropout, scaling=scaling,
-                                        is_causal=False, **kwargs)  # fmt: skip
+        if gqa:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bucket.mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            ).transpose(1, 2)  # [segments, Q, heads, d], as sdpa_attention_forward returns it
+        else:
+            out, _ = sdpa_attention_forward(module, q, k, v, bucket.mask, dropout=dropout, scaling=scaling,
+                                            is_causal=False, **kwargs)  # fmt: skip
         outs.append(out.flatten(0, 1))  # [segments * Q, heads, d]
     # index_select, not [out_idx]: each position is picked once, and indexing's backward (an accumulating
     # index_put) took 1.3 ms a layer here against index_select's index_add at 0.07 ms (the same sums, exactly).
@@ -215,7 +226,7 @@ def packed_forward(
     cu = torch.cat([starts, torch.tensor([T], device=starts.device)]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     out = model(
-        input_ids=packed["input_ids"].unsqueeze(0),
+        **embedding_inputs(model, packed["input_ids"].unsqueeze(0)),
         position_ids=packed["position_ids"].unsqueeze(0),
         cu_seq_lens_q=cu,
         cu_seq_lens_k=cu,
@@ -371,7 +382,7 @@ def common_start(prompts: List[tuple], min_saved: Optional[int] = None) -> int:
 def shared_prefix_forward(model: torch.nn.Module, row: SharedPrefixRow, keep: torch.Tensor) -> torch.Tensor:
     """Logits [len(keep), V] at the positions `keep` of a `SharedPrefixRow` (the `packed_sdpa` attention only)."""
     out = model(
-        input_ids=row.input_ids.unsqueeze(0),
+        **embedding_inputs(model, row.input_ids.unsqueeze(0)),
         position_ids=row.position_ids.unsqueeze(0),
         use_cache=False,
         logits_to_keep=keep,
