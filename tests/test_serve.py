@@ -17,6 +17,7 @@ import torch
 from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite.api.cli_args import EmbeddedServerConfig
+from areal_lite.kit.serve import sampling
 from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
 from areal_lite.kit.serve.cli import build_parser, parse_args
 from areal_lite.kit.serve.protocol import GenerationState, SamplingParams, parse_generate_body
@@ -660,6 +661,39 @@ def test_sample_tokens_units():
     # top_p keeps the smallest set whose mass reaches p: with p tiny only the argmax survives
     t, _ = sample_tokens(logits.clone(), [_seq(SamplingParams(temperature=1.0, top_p=1e-4))] * 4)
     assert torch.equal(t, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("original_logprob", [False, True])
+def test_a_rows_sample_does_not_depend_on_the_rows_beside_it(original_logprob, monkeypatch):
+    """A batch of mixed rows (greedy, temperatures, top-k/top-p, penalties), more than one CPU pass of rows
+    (`CPU_SAMPLE_ROWS`): each row's token and logprob are bit for bit those it gets sampled alone, and those it gets
+    beside rows of another kind (a sampled row next to a greedy one)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(11, 49152, generator=g) * 3
+    kinds = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.3, top_p=0.9),
+             SamplingParams(temperature=0.8, frequency_penalty=0.5)]  # fmt: skip
+    params = [kinds[i % len(kinds)] for i in range(11)]
+
+    def rows(order):
+        return [_seq(params[i], output=[5, 5, 7], seed=i) for i in order]
+
+    drawn = []  # the probabilities each sampled row is drawn from, in row order: equal bits, not only equal tokens
+    real_draw = sampling.draw
+    monkeypatch.setattr(sampling, "draw", lambda probs, u: drawn.extend(probs) or real_draw(probs, u))
+    together = sample_tokens(logits.clone(), rows(range(11)), original_logprob)
+    probs = dict(zip([i for i in range(11) if not params[i].greedy], drawn))
+    assert 11 > sampling.CPU_SAMPLE_ROWS and len(probs) == 9
+    for i in range(11):
+        drawn.clear()
+        alone = sample_tokens(logits[i : i + 1].clone(), rows([i]), original_logprob)
+        assert torch.equal(alone[0], together[0][i : i + 1]) and torch.equal(alone[1], together[1][i : i + 1]), i
+        assert len(drawn) == (i in probs) and (not drawn or torch.equal(drawn[0], probs[i])), i
+    mixed = [0, 1, 4, 1]  # sampled rows between greedy ones, in one pass
+    drawn.clear()
+    pair = sample_tokens(logits[mixed].clone(), rows(mixed), original_logprob)
+    assert torch.equal(pair[0], together[0][mixed]) and torch.equal(pair[1], together[1][mixed])
+    assert torch.equal(drawn[0], probs[0]) and torch.equal(drawn[1], probs[4])
 
 
 def test_draw_follows_each_rows_probabilities_and_never_picks_a_zero():

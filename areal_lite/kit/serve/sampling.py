@@ -21,8 +21,9 @@ Design decisions
   and so does the whole run. (SGLang samples from one shared generator unless deterministic inference is on; a
   learner comparing two runs step by step needs the same samples, and a test of learning must not depend on how
   requests happened to be batched.)
-- When every row samples and logprobs are taken after temperature, the draw's probabilities are the exp of those
-  logprobs (no second softmax over the vocabulary), and temperature 1 divides nothing.
+- When logprobs are taken after temperature, a sampled row's draw probabilities are the exp of its logprobs (no
+  second softmax over the vocabulary), whatever rows share its batch; temperature 1 divides nothing. On a CPU a
+  batch is sampled a few rows at a time (`CPU_SAMPLE_ROWS`), so that each pass's logits stay in cache.
 - Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
 """
 
@@ -68,11 +69,27 @@ def _digest(*parts: Any) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
 
+# Rows per pass on a CPU: a pass's logits (4 x 49k floats for SmolLM2, 0.8 MB) stay in the core's cache through its
+# half-dozen steps over the vocabulary instead of the whole batch's streaming from memory at each. Measured for
+# 32 x 49k logits: 9 -> 3.5 ms on two cores (bit for bit the same: every step works row by row).
+CPU_SAMPLE_ROWS = 4
+
+
 def sample_tokens(
     logits: torch.Tensor, seqs: list[GenerationState], original_logprob: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` [B, V] (float32) and its logprob, with each row's own sampling parameters and
     random stream (`rng`, which sampled rows must have)."""
+    B, step = logits.shape[0], CPU_SAMPLE_ROWS
+    if logits.device.type != "cpu" or B <= step:
+        return _sample_rows(logits, seqs, original_logprob)
+    parts = [_sample_rows(logits[i : i + step], seqs[i : i + step], original_logprob) for i in range(0, B, step)]
+    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
+
+
+def _sample_rows(
+    logits: torch.Tensor, seqs: list[GenerationState], original_logprob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     B = logits.shape[0]
     apply_penalties(logits, seqs)
     greedy = [s.params.greedy for s in seqs]
@@ -84,12 +101,14 @@ def sample_tokens(
     if not all(greedy):
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = [seqs[i] for i in rows]
-        if len(rows) == B and not original_logprob:
-            probs = logprobs_all.exp()  # softmax(scaled), from the pass already made
-        else:
+        if original_logprob:
             probs = torch.softmax(scaled[rows] if len(rows) < B else scaled, dim=-1)
-        if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in sub):
-            probs = top_k_top_p(probs, sub)
+        else:  # softmax(scaled), from the pass already made: the same numbers whether greedy rows are beside it
+            probs = (logprobs_all[rows] if len(rows) < B else logprobs_all).exp()
+        # Only the rows that ask: top-p's float32 running sum can pass 1 before a row's tail, which would cut it
+        cut = [j for j, s in enumerate(sub) if s.params.top_k != -1 or s.params.top_p < 1.0]
+        if cut:
+            probs[cut] = top_k_top_p(probs[cut], [sub[j] for j in cut])
         uniforms = torch.tensor([s.rng.random() for s in sub], dtype=torch.float64, device=probs.device)
         picked = draw(probs, uniforms)
         if tokens is None:
