@@ -181,7 +181,9 @@ def main() -> int:
     ap.add_argument("--no-bf16", action="store_true", help="no bf16 rows (where bf16 is emulated they are slow)")
     ap.add_argument("--baseline-tree", default="", help="source tree whose float32 update is one more row (e.g. "
                     "a git worktree of a4b8130, where issue 30 measured the update)")  # fmt: skip
-    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "update_speed.json"))
+    ap.add_argument(
+        "--json", default=os.path.join(ROOT, "bench", "results", "update_speed.json"), help="results file ('' for none)"
+    )
     args = ap.parse_args()
 
     path = bench_model_path(args.model)
@@ -262,9 +264,10 @@ def main() -> int:
     if lp_diff is not None:
         print(f"largest |log-prob difference| bf16 vs float32 on the policy tokens: {lp_diff:.2e}")
         result["bf16_logp_max_diff"] = lp_diff
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    if args.json:  # '' writes no file
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     for actor in actors.values():
         actor.destroy()
     return 0
