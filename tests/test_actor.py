@@ -22,6 +22,7 @@ from _bench import load_bench
 
 from areal_lite.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal_lite.engine import fsdp_engine
 from areal_lite.engine.fsdp_engine import (
     CPU_BF16_ENV,
     CPU_BF16_MIN_SPEEDUP,
@@ -1132,3 +1133,35 @@ def test_same_batch_same_gradients_with_shared_prompts_on_two_threads(tiny_model
     for other in grads[1:]:
         differ = [i for i, (a, b) in enumerate(zip(grads[0], other)) if not torch.equal(a, b)]
         assert not differ, f"{len(differ)} of {len(other)} parameters' gradients differ between identical updates"
+
+
+def test_cpu_weights_do_not_point_into_the_checkpoint_file(tiny_model_path):
+    """float32 weights loaded on a CPU are views of the safetensors file's private mapping; the actor copies them out
+    (else the first AdamW step pays a copy-on-write fault per 4 KB page: 1.9 s for SmolLM2). Tied weights stay tied,
+    and the values are the file's."""
+    from safetensors.torch import load_file
+
+    def file_ranges() -> list:
+        out = []
+        for line in open("/proc/self/maps"):
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+        return out
+
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
+    model = actor.model
+    ranges = file_ranges()
+    for name, p in model.named_parameters():
+        ptr = p.untyped_storage().data_ptr()
+        assert not any(lo <= ptr < hi for lo, hi in ranges), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    saved = load_file(f"{tiny_model_path}/model.safetensors")
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+    ref_model = fsdp_engine._load_model(tiny_model_path, torch.float32, torch.device("cpu"), trainable=False)
+    assert any(  # a frozen model keeps reading the file: nothing writes it, and its pages stay shared
+        lo <= p.untyped_storage().data_ptr() < hi for p in ref_model.parameters() for lo, hi in file_ranges()
+    )
+    actor.destroy()

@@ -1161,3 +1161,34 @@ def test_fast_path_serves_bf16_weights_on_any_cpu(tiny_model_path):
         _, logits = prefill_distinct(FastRunner(model), [PROMPTS[0]])
     assert logits.dtype == torch.bfloat16
     torch.testing.assert_close(logits[0].float(), ref, atol=0.05, rtol=0.02)
+
+
+def test_fast_path_weights_leave_the_checkpoint_file_and_follow_updates(tiny_model_path):
+    """`from_pretrained` leaves float32 weights as views of the safetensors file's private mapping; the fast path gives
+    every one a copy of its own (else the first weight update copies-on-write the file page by page, and its pages
+    stay resident), keeps the tied LM head tied, and a `copy_` into any layer parameter (what a weight update does)
+    reaches the matmul that `refresh()` packs."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.fastpath import FastRunner
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    runner = FastRunner(model)
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            ranges.append([int(x, 16) for x in fields[0].split("-")])
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert not any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in ranges), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    prompt = [[5, 6, 7, 8, 9]]
+    with torch.inference_mode():
+        before = runner.prefill(prompt)[1]
+        for name in ("self_attn.o_proj", "mlp.down_proj", "self_attn.q_proj"):
+            param = model.model.layers[0].get_submodule(name).weight
+            param.copy_(param * 1.5)
+            runner.refresh()
+            after = runner.prefill(prompt)[1]
+            assert not torch.equal(before, after), name
+            before = after

@@ -279,17 +279,20 @@ class _Linear:
     1.8x for the lm_head's 49k outputs); `refresh()` (re)builds it. Without it, with `transpose`, the weight is stored
     as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step: 1.4x at one row)."""
 
-    def __init__(self, modules: list[Any], transpose: bool = False, pack: bool = False):
+    def __init__(self, modules: list[Any], transpose: bool = False, pack: bool = False, own: bool = False):
         weights = [m.weight.detach() for m in modules]
         self.wt: Optional[torch.Tensor] = None
         if transpose and not pack:
             self.wt = torch.cat([w.t() for w in weights], dim=1).contiguous()
             self.weight = self.wt.t()
+        elif len(weights) == 1:
+            # `own`: a copy of its own, as the fused weights have (`_own_unfused_weights` says why), else shared
+            self.weight = weights[0].clone() if own else weights[0]
         else:
-            self.weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
+            self.weight = torch.cat(weights, dim=0)
         biases = [m.bias for m in modules]
         self.bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
-        if self.wt is not None or len(modules) > 1:
+        if self.wt is not None or len(modules) > 1 or own:
             offset = 0
             for m in modules:
                 rows = m.weight.shape[0]
@@ -327,9 +330,9 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = _Linear([attn.q_proj, attn.k_proj, attn.v_proj], transpose=cpu, pack=pack)
-        self.o = _Linear([attn.o_proj], transpose=cpu, pack=pack)
+        self.o = _Linear([attn.o_proj], transpose=cpu, pack=pack, own=cpu)
         self.gate_up = _Linear([mlp.gate_proj, mlp.up_proj], transpose=cpu, pack=pack)
-        self.down = _Linear([mlp.down_proj], transpose=cpu, pack=pack)
+        self.down = _Linear([mlp.down_proj], transpose=cpu, pack=pack, own=cpu)
         self.linears = [self.qkv, self.o, self.gate_up, self.down]
         self.scaling = float(attn.scaling)
 
@@ -339,7 +342,9 @@ def _own_unfused_weights(model: Any, layers: list[_Layer]) -> None:
     Why: `from_pretrained` maps the safetensors file (one private mmap) and the parameters point into it; the fusion
     reads every layer weight once, so all of the file becomes resident, and the mapping stays, pages and all (+540 MB
     of RSS for SmolLM2-135M, beside the fused copies), as long as any tensor still points into it. Copied out, the
-    mapping goes. Costs a copy of the embeddings (113 MB); `.data` is swapped in place, so tied weights stay tied."""
+    mapping goes, and the first weight update does not copy-on-write it page by page (the layers' lone o_proj and
+    down_proj weights, left in it until they were given copies too, made the first update 0.6 s instead of 0.08).
+    Costs a copy of the embeddings (113 MB); `.data` is swapped in place, so tied weights stay tied."""
     linears = [lin for layer in layers for lin in layer.linears]
     fused = {t.untyped_storage().data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None}
     with torch.no_grad():
