@@ -1141,15 +1141,7 @@ def test_cpu_weights_do_not_point_into_the_checkpoint_file(tiny_model_path):
     and the values are the file's."""
     from safetensors.torch import load_file
 
-    def file_ranges() -> list:
-        out = []
-        for line in open("/proc/self/maps"):
-            fields = line.split()
-            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                out.append((lo, hi))
-        return out
-
+    file_ranges = fsdp_engine._file_mappings
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
     model = actor.model
     ranges = file_ranges()

@@ -61,10 +61,8 @@ def test_the_row_by_row_gradient_is_autograds_bit_for_bit(tiny_model_path, vocab
     assert fast.keys() == plain.keys()
     for name in plain:
         assert torch.equal(fast[name], plain[name]), name
-    emb = model.get_input_embeddings().weight
     if not tied:  # the padding row's gradient is the lookup's: none
         assert not fast["model.embed_tokens.weight"][pad].any()
-    assert emb.requires_grad
 
 
 def test_no_gradients_or_a_frozen_matrix_take_the_input_ids(tiny_model_path):
