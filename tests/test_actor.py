@@ -1141,7 +1141,9 @@ def test_cpu_weights_do_not_point_into_the_checkpoint_file(tiny_model_path):
     and the values are the file's."""
     from safetensors.torch import load_file
 
-    file_ranges = fsdp_engine._file_mappings
+    from areal_lite.utils.device import file_mappings
+
+    file_ranges = file_mappings
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
     model = actor.model
     ranges = file_ranges()

@@ -1170,11 +1170,11 @@ def test_fast_path_weights_leave_the_checkpoint_file_and_follow_updates(tiny_mod
     reaches the matmul that `refresh()` packs."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.engine.fsdp_engine import _file_mappings
     from areal_lite.kit.serve.fastpath import FastRunner
+    from areal_lite.utils.device import file_mappings
 
     def in_file(t: torch.Tensor) -> bool:
-        return any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in _file_mappings())
+        return any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in file_mappings())
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     assert in_file(model.model.layers[0].mlp.down_proj.weight)  # what from_pretrained gives: the file's pages

@@ -79,7 +79,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -212,6 +212,8 @@ def _load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from areal_lite.utils.device import own_file_backed
+
     # A small model loads in well under a second; transformers' "Loading weights" bar would be a stray widget in
     # every notebook cell that builds an actor. Only this call is silenced: the caller's setting is restored.
     bar = hf_logging.is_progress_bar_enabled()
@@ -228,44 +230,12 @@ def _load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: 
     model.config.use_cache = False
     model.to(device)
     if trainable:
-        _own_weights(model)
+        own_file_backed(model)  # else the first AdamW step copies-on-write the checkpoint file (utils.device)
         model.train()
     else:
         model.eval()
         model.requires_grad_(False)
     return model
-
-
-def _own_weights(model: torch.nn.Module) -> None:
-    """Copy CPU weights that still point into the checkpoint file into memory of their own.
-
-    Why: `from_pretrained` maps a safetensors file privately and, where no conversion is needed (float32 on a CPU),
-    the parameters are views of that mapping, so the first optimizer step writes every page of it and each write
-    faults and copies its 4 KB page: SmolLM2-135M's first update took 4.2 s against 2.3 s for the next ones, all of
-    it in AdamW. Copied at load (0.16 s, into memory that can use huge pages), the first update takes 2.3 s too.
-    `.data` is swapped in place, so tied weights stay tied; elsewhere (a GPU, a converted dtype) they are the
-    model's own already and nothing is copied."""
-    mapped = _file_mappings()
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            ptr = t.untyped_storage().data_ptr()
-            if t.device.type == "cpu" and any(lo <= ptr < hi for lo, hi in mapped):
-                t.data = t.data.clone()
-
-
-def _file_mappings() -> List[Tuple[int, int]]:
-    """Address ranges of this process's safetensors file mappings (/proc/self/maps; none where it is missing)."""
-    ranges = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 6 and fields[5].endswith(".safetensors"):
-                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((lo, hi))
-    except OSError:
-        pass
-    return ranges
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from areal_lite.engine.fsdp_utils.packing import common_start
 from areal_lite.kit.serve.batch import HFRunner
+from areal_lite.utils.device import own_file_backed
 
 
 def supports(model: Any) -> bool:
@@ -286,7 +287,7 @@ class _Linear:
             self.wt = torch.cat([w.t() for w in weights], dim=1).contiguous()
             self.weight = self.wt.t()
         elif len(weights) == 1:
-            # `own`: a copy of its own, as the fused weights have (`_own_unfused_weights` says why), else shared
+            # `own`: a copy of its own, as the fused weights have (`utils.device.own_file_backed` says why)
             self.weight = weights[0].clone() if own else weights[0]
         else:
             self.weight = torch.cat(weights, dim=0)
@@ -337,22 +338,6 @@ class _Layer:
         self.scaling = float(attn.scaling)
 
 
-def _own_unfused_weights(model: Any, layers: list[_Layer]) -> None:
-    """Give the parameters and buffers the fusion left alone (embeddings, norms, an untied lm_head) a private copy.
-    Why: `from_pretrained` maps the safetensors file (one private mmap) and the parameters point into it; the fusion
-    reads every layer weight once, so all of the file becomes resident, and the mapping stays, pages and all (+540 MB
-    of RSS for SmolLM2-135M, beside the fused copies), as long as any tensor still points into it. Copied out, the
-    mapping goes, and the first weight update does not copy-on-write it page by page (the layers' lone o_proj and
-    down_proj weights, left in it until they were given copies too, made the first update 0.6 s instead of 0.08).
-    Costs a copy of the embeddings (113 MB); `.data` is swapped in place, so tied weights stay tied."""
-    linears = [lin for layer in layers for lin in layer.linears]
-    fused = {t.untyped_storage().data_ptr() for lin in linears for t in (lin.weight, lin.bias) if t is not None}
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.untyped_storage().data_ptr() not in fused:
-                t.data = t.data.clone()
-
-
 class FastRunner:
     """Prefill and decode for a `supports`-ed model (see the module docstring)."""
 
@@ -371,8 +356,8 @@ class FastRunner:
             and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         )
         self.layers = [_Layer(layer, cpu, packed) for layer in self.inner.layers]
-        if cpu:  # before the lm_head's `_Linear` takes its weight
-            _own_unfused_weights(model, self.layers)
+        if cpu:  # what the fusion left in the checkpoint's mapping (embeddings, norms), before the lm_head takes
+            own_file_backed(model)  # its weight: else updates copy it on write, and the file stays resident
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
