@@ -43,19 +43,21 @@ def test_next_token_logp_is_the_shift_and_scatter_agrees():
     torch.testing.assert_close(grad, want)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_row_by_row_logp_is_the_whole_tensor_formula_bit_for_bit(dtype):
-    """`scatter_logp_and_entropy` on a CPU goes a few rows at a time (`_RowwiseLogpEntropy`); its log-probs,
-    entropies and gradient must be those of the formula on the whole tensor, bit for bit: row counts that are not a
-    multiple of the pass, a vocabulary the size of a real one, float32 and bf16 (autocast's) logits."""
+def test_logp_and_entropy_are_the_whole_tensor_formula_bit_for_bit(dtype, device):
+    """`scatter_logp_and_entropy` goes a few rows at a time on a CPU and over all rows on a GPU (`_LogpEntropy`);
+    its log-probs, entropies and gradient must be those of the formula written on the whole tensor with autograd,
+    bit for bit: row counts that are not a multiple of the CPU's pass, a vocabulary the size of a real one, float32
+    and bf16 (autocast's) logits."""
     g = torch.Generator().manual_seed(1)
-    K, V, T = 2 * fn._RowwiseLogpEntropy.ROWS + 5, 49152, 0.8
-    logits = (torch.randn(K, V, generator=g) * 3).to(dtype)
-    ids = torch.randint(0, V, (K + 3,), generator=g)
-    pred = torch.arange(1, K + 1)
-    weights = torch.randn(K + 3, generator=g)
+    K, V, T = 2 * fn._LogpEntropy.CPU_ROWS + 5, 49152, 0.8
+    logits = (torch.randn(K, V, generator=g) * 3).to(dtype).to(device)
+    ids = torch.randint(0, V, (K + 3,), generator=g).to(device)
+    pred = torch.arange(1, K + 1, device=device)
+    weights = torch.randn(K + 3, generator=g).to(device)
 
-    def whole(x):  # the formula on the whole tensor (the function's GPU branch)
+    def whole(x):  # the formula on the whole tensor, autograd's gradient
         logp_all = (x.to(torch.float32) / T).log_softmax(-1)
         lp = logp_all.gather(-1, ids[pred + 1].unsqueeze(-1)).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1).detach()
@@ -69,8 +71,10 @@ def test_the_cpu_row_by_row_logp_is_the_whole_tensor_formula_bit_for_bit(dtype):
         results.append((lp.detach(), ent, x.grad))
     for got, want in zip(*results):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    empty = fn.scatter_logp_and_entropy(logits[:0], ids, pred[:0], T)  # no policy token: no pass at all
-    assert empty[0].tolist() == [0.0] * (K + 3) and empty[1].numel() == 0
+    x = logits[:0].clone().requires_grad_(True)  # no policy token: zeros, no entropy, a gradient of nothing
+    empty = fn.scatter_logp_and_entropy(x, ids, pred[:0], T)
+    empty[0].sum().backward()
+    assert empty[0].tolist() == [0.0] * (K + 3) and empty[1].numel() == 0 and x.grad.shape == (0, V)
 
 
 def test_entropy_of_uniform_and_one_hot():

@@ -171,33 +171,31 @@ def scatter_logp_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`scatter_next_token_logp` and `entropy` (detached) from one log-softmax of the K rows of logits: the update
     needs both, and each pass over a [K, vocabulary] tensor costs as much as a small layer."""
-    targets = input_ids[pred + 1]
-    if logits.device.type == "cpu" and logits.shape[0]:
-        lp, ent = _RowwiseLogpEntropy.apply(logits, targets, temperature)
-    else:
-        logp_all = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
-        lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
+    lp, ent = _LogpEntropy.apply(logits, input_ids[pred + 1], temperature)
     return lp.new_zeros(input_ids.shape[0]).index_put((pred + 1,), lp), ent
 
 
-class _RowwiseLogpEntropy(torch.autograd.Function):
-    """The lines above (`else` branch) and their backward, `ROWS` rows of logits at a time, for a CPU.
+class _LogpEntropy(torch.autograd.Function):
+    """For the rows of `logits`: log softmax(z / T) at each row's target, the entropy (no gradient), and the
+    gradient of the first as autograd would compute it (gather's backward, log-softmax's, the division's), which
+    a CPU runs `CPU_ROWS` rows at a time and a GPU over all rows at once.
 
-    Why: the whole [K, vocabulary] tensor (the demo's update: 512 x 49k floats, 100 MB) would be streamed from memory
-    by each of its dozen passes (temperature, log-softmax, gather, entropy; the gradient's scatter, log-softmax
-    backward and temperature); a few rows stay in the core's cache through all of them. The same operations, row by
-    row, so the same numbers bit for bit (tests/test_functional.py); measured on the demo's update, two cores:
-    240 -> 100 ms."""
+    Why rows at a time on a CPU: the whole [K, vocabulary] tensor (the demo's update: 512 x 49k floats, 100 MB)
+    would be streamed from memory by each of its dozen passes (temperature, log-softmax, gather, entropy; the
+    gradient's scatter, log-softmax backward and temperature); a few rows stay in the core's cache through all of
+    them. Measured on the demo's update, two cores: 240 -> 100 ms. A GPU streams the whole tensor fast, and rows at
+    a time would only add kernel launches. The same operations on any slicing give the same numbers bit for bit
+    as the formula written on the whole tensor with autograd (tests/test_functional.py, on a CPU and on CUDA)."""
 
-    ROWS = 16
+    CPU_ROWS = 16
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-        dtype, rows = torch.promote_types(logits.dtype, torch.float32), _RowwiseLogpEntropy.ROWS
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        K = logits.shape[0]
+        rows = _LogpEntropy.CPU_ROWS if logits.device.type == "cpu" else max(K, 1)
         lps, ents, saved = [], [], []
-        for a in range(0, logits.shape[0], rows):
+        for a in range(0, max(K, 1), rows):  # K = 0 (no policy token) still makes one empty pass
             logp_all = (logits[a : a + rows].to(dtype) / temperature).log_softmax(-1)
             lps.append(logp_all.gather(-1, targets[a : a + rows, None]).squeeze(-1))
             ents.append(-(logp_all.exp() * logp_all).sum(-1))
@@ -211,13 +209,18 @@ class _RowwiseLogpEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp: torch.Tensor, _grad_ent: torch.Tensor):
         targets, *saved = ctx.saved_tensors
-        rows = _RowwiseLogpEntropy.ROWS
-        grad = torch.empty(len(targets), saved[0].shape[-1], dtype=ctx.in_dtype, device=targets.device)
-        for i, logp_all in enumerate(saved):
-            a = i * rows
+        grad, a = None, 0
+        for logp_all in saved:
+            b = a + logp_all.shape[0]
             # autograd's own steps: gather's backward (scatter_add into zeros), log-softmax's, the division's
-            g = torch.zeros_like(logp_all).scatter_add_(-1, targets[a : a + rows, None], grad_lp[a : a + rows, None])
-            grad[a : a + rows] = torch._log_softmax_backward_data(g, logp_all, -1, logp_all.dtype) / ctx.temperature
+            g = torch.zeros_like(logp_all).scatter_add_(-1, targets[a:b, None], grad_lp[a:b, None])
+            part = torch._log_softmax_backward_data(g, logp_all, -1, logp_all.dtype) / ctx.temperature
+            if len(saved) == 1:  # one pass (a GPU): no buffer of the whole gradient beside it
+                return part.to(ctx.in_dtype), None, None
+            if grad is None:
+                grad = part.new_empty(len(targets), part.shape[-1], dtype=ctx.in_dtype)
+            grad[a:b] = part
+            a = b
         return grad, None, None
 
 
