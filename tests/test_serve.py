@@ -1023,6 +1023,56 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_m
             assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
 
 
+@pytest.mark.parametrize("model_name", ["tiny", "smollm2"])
+def test_a_grpo_batch_gets_each_prompts_own_numbers_while_rows_leave(model_name, tiny_model_path, smollm_path):
+    """The demo's shape of batch on the fast path: several samples of each prompt, prefilled once per prompt and
+    copied into their rows (`PrefillKV.select` records which prompt a row holds, `StaticKV.join` copies it there),
+    one row finished at its first token and never joining, then rows leaving from the middle, the last rows taking
+    their places (`batch.fill_places`). Every row's logits, at every step, are bit for bit its prompt's alone."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.serve.batch import fill_places
+    from areal_lite.kit.serve.fastpath import FastRunner
+
+    assert fill_places([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]  # place 1 and 4 were left: 5 and 6 fill them, in order
+    assert fill_places([1, 2, 3]) == [3, 1, 2] and fill_places([0, 1]) == [0, 1] and fill_places([]) == []
+    path = tiny_model_path if model_name == "tiny" else smollm_path
+    runner = FastRunner(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(10, 3000, (20,), generator=g).tolist()  # a shared system prompt
+    prompts = [start + torch.randint(10, 3000, (n,), generator=g).tolist() for n in (11, 9, 12)]
+    rows = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]  # each row's prompt
+    n_steps = 6
+
+    def decode_rows(which: list[int], leave: list[tuple[int, int]]) -> dict:
+        """Logits by (row id, step) of rows `which` prefilled together, row ids in `leave` leaving after a step."""
+        got: dict = {}
+        with torch.inference_mode():
+            part, logits = prefill_distinct(runner, [prompts[rows[r]] for r in which])
+            joined = [j for j, r in enumerate(which) if r != 1]  # row 1 "finished at its first token"
+            part.select(torch.tensor(joined))
+            for j in range(len(which)):
+                got[which[j], 0] = logits[j]
+            b = RunningBatch(runner.new_kv())
+            b.add([_seq(SamplingParams(), prompt=[which[j]]) for j in joined], part, logits[joined].argmax(-1),
+                  torch.tensor([len(prompts[rows[which[j]]]) for j in joined]))  # fmt: skip
+            for step in range(1, n_steps + 1):
+                logits = runner.decode(b)
+                b.next_ids = logits.argmax(-1)
+                for s, lg in zip(b.seqs, logits):
+                    got[s.prompt[0], step] = lg.clone()
+                gone = {r for at, r in leave if at == step}
+                b.keep([j for j, s in enumerate(b.seqs) if s.prompt[0] not in gone])
+        return got
+
+    alone = {p: decode_rows([i], []) for i, p in enumerate(rows) if i == rows.index(p)}
+    together = decode_rows(list(range(len(rows))), [(1, 2), (2, 5), (2, 6), (4, 0)])
+    for (r, step), lg in together.items():
+        want = alone[rows[r]][rows.index(rows[r]), step]
+        assert torch.equal(lg, want), f"row {r} (prompt {rows[r]}) differs from its prompt alone at step {step}"
+    assert {r for r, step in together if step == n_steps} == set(range(len(rows))) - {0, 1, 2, 5, 6}
+
+
 def test_shared_start_is_the_common_prefix_that_leaves_each_prompt_a_token():
     from areal_lite.kit.serve.fastpath import MIN_SHARED_START, shared_start
 

@@ -37,6 +37,19 @@ def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+def fill_places(rows: list[int]) -> list[int]:
+    """The order of the rows that stay (`rows`, ascending), each free place below len(rows) taken by a row from
+    beyond it: row j of the result is old row result[j]. Rows already below len(rows) keep their place, so a cache
+    moves one row per row that left instead of every row after it (a row's numbers do not depend on its place)."""
+    m = len(rows)
+    stay = set(rows)
+    free = [j for j in range(m) if j not in stay]
+    order = list(range(m))
+    for place, row in zip(free, [r for r in rows if r >= m]):
+        order[place] = row
+    return order
+
+
 class RunningBatch:
     """B rows decoding together over one KV cache `kv` (the runner's: `HFKV` or `fastpath.StaticKV`).
 
@@ -62,9 +75,11 @@ class RunningBatch:
         self.seqs.extend(seqs)
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (finished or aborted rows leave); the cache drops columns that are padding in every row."""
+        """Keep only `rows` (finished or aborted rows leave); the cache drops columns that are padding in every row.
+        The last rows take the places of those that left (`fill_places`), so only they move in the cache."""
         if len(rows) == len(self.seqs):
             return
+        rows = fill_places(rows)
         self.kv.keep(rows)
         if not rows:
             self.seqs, self.next_ids, self.pos = [], None, None
@@ -101,7 +116,8 @@ class HFKV:
         self.mask = torch.cat([left_pad(self.mask, length, 1), left_pad(part.mask, length, 1)], dim=0)
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows`, then drop leading columns that are padding in every row (the longest row may have left)."""
+        """Keep only `rows`, in that order, then drop leading columns that are padding in every row (the longest row
+        may have left)."""
         if not rows:
             self.cache = self.mask = None
             return

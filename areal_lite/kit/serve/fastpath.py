@@ -36,7 +36,8 @@ Design decisions
   that head's queries (transformers' one-token `pack_gqa`), over a strided view of the cache.
 - `StaticKV` keeps the running rows' keys/values in buffers [rows, kv_heads, cols, head_dim] per layer, newest
   token first (every row's newest token in the same column, the window's first). Decode writes one column in place,
-  to the left of the window; rows join by writing their prefill into free rows; buffers are reallocated (live
+  to the left of the window; rows join by writing their prefill into free rows (a prompt's keys straight into each
+  row that holds it), and the last rows move into the places of rows that leave; buffers are reallocated (live
   window copied) only when rows or columns run out, growing by half, and released when the batch empties, so an
   idle server holds no cache.
 """
@@ -67,17 +68,31 @@ def supports(model: Any) -> bool:
 
 
 class PrefillKV:
-    """A prefill's keys/values: per layer [B, kv_heads, L, head_dim], newest token first (as `StaticKV` keeps
-    them; padding after each prompt), with the mask [B, L]."""
+    """A prefill's keys/values: per layer [P, kv_heads, L, head_dim] for its P prompts, newest token first (as
+    `StaticKV` keeps them; padding after each prompt), and the mask [B, L] of its B rows. Row b holds prompt
+    `rows[b]`: `select` (the n samples of one prompt, the rows that survive their first token) only records which,
+    and `StaticKV.join` copies each prompt's keys straight to the rows that hold it (repeating a prompt's keys
+    first, then copying them again into the cache, cost the demo's rollouts 20 ms a prefill)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor):
         self.keys, self.values, self.mask = keys, values, mask
+        self.rows: Optional[torch.Tensor] = None  # None: row b holds prompt b
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) rows `rows`."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        self.rows = rows if self.rows is None else self.rows.index_select(0, rows)
         self.mask = self.mask.index_select(0, rows)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(first row, end row, prompt) for each run of consecutive rows that hold the same prompt."""
+        src = list(range(self.mask.shape[0])) if self.rows is None else self.rows.tolist()
+        out: list[tuple[int, int, int]] = []
+        for b, p in enumerate(src):
+            if out and out[-1][2] == p and out[-1][1] == b:
+                out[-1] = (out[-1][0], b + 1, p)
+            else:
+                out.append((b, b + 1, p))
+        return out
 
 
 KV_ALIGN = 32  # decode attends over a whole number of these columns (see StaticKV)
@@ -164,9 +179,16 @@ class StaticKV:
         if e > self.end:  # the window widens to the right: those columns are padding for the live rows
             self.mask[:n, self.end : e] = False
             self.end = e
+        runs = part.runs()
         for i in range(self.n_layers):
-            self.keys[i][n : n + m, :, s:e] = part.keys[i]
-            self.values[i][n : n + m, :, s:e] = part.values[i]
+            for dst, src in ((self.keys[i], part.keys[i]), (self.values[i], part.values[i])):
+                if len(runs) * 2 <= m:  # few prompts, each in several rows: one broadcast copy per prompt
+                    for a, b, p in runs:
+                        dst[n + a : n + b, :, s:e] = src[p]
+                elif part.rows is None:
+                    dst[n : n + m, :, s:e] = src
+                else:
+                    dst[n : n + m, :, s:e] = src.index_select(0, part.rows)
         self.mask[n : n + m, s:e] = part.mask
         self.mask[n : n + m, e : self.end] = False
         self.n += m
@@ -180,7 +202,8 @@ class StaticKV:
         return self.start
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only live rows `rows` (moved to the front), then drop columns that are padding in every row."""
+        """Keep only live rows `rows`, in that order (row j becomes old row rows[j]), then drop columns that are
+        padding in every row. Only the rows whose place changes are copied."""
         if not rows:
             held = bool(self.keys)
             self.clear()
@@ -188,12 +211,13 @@ class StaticKV:
                 _return_freed_memory()  # trainer's turn in RL) would still hold the cache and prefill's transients
             return
         m, s, e = len(rows), self.start, self.end
-        if rows != list(range(m)):
-            idx = torch.tensor(rows, device=self.device)
-            for i in range(self.n_layers):
-                self.keys[i][:m, :, s:e] = self.keys[i][:, :, s:e].index_select(0, idx)
-                self.values[i][:m, :, s:e] = self.values[i][:, :, s:e].index_select(0, idx)
-            self.mask[:m, s:e] = self.mask[:, s:e].index_select(0, idx)
+        moved = [j for j, r in enumerate(rows) if r != j]
+        if moved:
+            to = torch.tensor(moved, device=self.device)
+            src = torch.tensor([rows[j] for j in moved], device=self.device)
+            for buf in self.keys + self.values + [self.mask]:
+                window = buf[:, s:e] if buf is self.mask else buf[:, :, s:e]
+                window.index_copy_(0, to, window.index_select(0, src))
         self.n = m
         self.end -= int(self.window_mask().any(dim=0).flip(0).int().argmax())
 
