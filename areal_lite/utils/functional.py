@@ -214,12 +214,12 @@ class _LogpEntropy(torch.autograd.Function):
             b = a + logp_all.shape[0]
             # autograd's own steps: gather's backward (scatter_add into zeros), log-softmax's, the division's
             g = torch.zeros_like(logp_all).scatter_add_(-1, targets[a:b, None], grad_lp[a:b, None])
-            part = torch._log_softmax_backward_data(g, logp_all, -1, logp_all.dtype) / ctx.temperature
+            g = torch._log_softmax_backward_data(g, logp_all, -1, logp_all.dtype)
             if len(saved) == 1:  # one pass (a GPU): no buffer of the whole gradient beside it
-                return part.to(ctx.in_dtype), None, None
+                return (g / ctx.temperature).to(ctx.in_dtype), None, None
             if grad is None:
-                grad = part.new_empty(len(targets), part.shape[-1], dtype=ctx.in_dtype)
-            grad[a:b] = part
+                grad = g.new_empty(len(targets), g.shape[-1], dtype=ctx.in_dtype)
+            torch.div(g, ctx.temperature, out=grad[a:b])  # straight into place (rounded to its dtype), no copy
             a = b
         return grad, None, None
 
