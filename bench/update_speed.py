@@ -29,7 +29,7 @@ tensor by tensor (not fused), the entropies took a second log-softmax, and freed
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
 per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
 the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same
-figures go to `--json`.
+figures go to `--json`, with the date, the commit measured (and whether the tree was dirty) and the CPU.
 
 Design decisions
 - The rows take turns `--repeats` times after one warm-up update each (the first AdamW step allocates its state,
@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -248,7 +249,14 @@ def main() -> int:
     if baseline is not None:
         baseline.close()
     med = {name: statistics.median(t) for name, t in times.items()}
-    result = {"args": vars(args), "cpu": cpu_model(), "native_bf16": native, "rows": {}}
+    result = {
+        "args": vars(args),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **git_state(ROOT),  # the tree measured (the baseline's own is under "baseline")
+        "cpu": cpu_model(),
+        "native_bf16": native,
+        "rows": {},
+    }
     if baseline is not None:
         result["baseline"] = baseline_state
     for name, (_, trainable) in runs.items():
