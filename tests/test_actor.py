@@ -1141,21 +1141,18 @@ def test_cpu_weights_do_not_point_into_the_checkpoint_file(tiny_model_path):
     and the values are the file's."""
     from safetensors.torch import load_file
 
-    from areal_lite.utils.device import file_mappings
+    from areal_lite.utils.device import file_mappings, in_file_mapping
 
-    file_ranges = file_mappings
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
     model = actor.model
-    ranges = file_ranges()
+    ranges = file_mappings()
     for name, p in model.named_parameters():
-        ptr = p.untyped_storage().data_ptr()
-        assert not any(lo <= ptr < hi for lo, hi in ranges), name
+        assert not in_file_mapping(p, ranges), name
     assert model.lm_head.weight is model.model.embed_tokens.weight
     saved = load_file(f"{tiny_model_path}/model.safetensors")
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), saved[name]), name
     ref_model = fsdp_engine._load_model(tiny_model_path, torch.float32, torch.device("cpu"), trainable=False)
-    assert any(  # a frozen model keeps reading the file: nothing writes it, and its pages stay shared
-        lo <= p.untyped_storage().data_ptr() < hi for p in ref_model.parameters() for lo, hi in file_ranges()
-    )
+    ranges = file_mappings()  # a frozen model keeps reading the file: nothing writes it, and its pages stay shared
+    assert any(in_file_mapping(p, ranges) for p in ref_model.parameters())
     actor.destroy()

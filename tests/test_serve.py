@@ -1221,10 +1221,10 @@ def test_fast_path_weights_leave_the_checkpoint_file_and_follow_updates(tiny_mod
     from transformers import AutoModelForCausalLM
 
     from areal_lite.kit.serve.fastpath import FastRunner
-    from areal_lite.utils.device import file_mappings
+    from areal_lite.utils.device import file_mappings, in_file_mapping
 
     def in_file(t: torch.Tensor) -> bool:
-        return any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in file_mappings())
+        return in_file_mapping(t, file_mappings())
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     assert in_file(model.model.layers[0].mlp.down_proj.weight)  # what from_pretrained gives: the file's pages

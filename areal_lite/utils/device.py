@@ -29,6 +29,7 @@ __all__ = [
     "cpu_native_bf16",
     "keep_freed_memory",
     "file_mappings",
+    "in_file_mapping",
     "own_file_backed",
     "set_torch_threads",
     "pick_device",
@@ -183,6 +184,12 @@ def file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+def in_file_mapping(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether `t`'s storage lies in one of `ranges` (`file_mappings()`, read once for many tensors)."""
+    ptr = t.untyped_storage().data_ptr()
+    return t.device.type == "cpu" and any(lo <= ptr < hi for lo, hi in ranges)
+
+
 def own_file_backed(model: torch.nn.Module) -> None:
     """Copy the CPU parameters and buffers of `model` that point into a file mapping into memory of their own.
 
@@ -197,6 +204,5 @@ def own_file_backed(model: torch.nn.Module) -> None:
     mapped = file_mappings()
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            ptr = t.untyped_storage().data_ptr()
-            if t.device.type == "cpu" and any(lo <= ptr < hi for lo, hi in mapped):
+            if in_file_mapping(t, mapped):
                 t.data = t.data.clone()
