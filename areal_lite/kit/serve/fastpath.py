@@ -84,10 +84,9 @@ class PrefillKV:
         self.mask = self.mask.index_select(0, rows)
 
     def runs(self) -> list[tuple[int, int, int]]:
-        """(first row, end row, prompt) for each run of consecutive rows that hold the same prompt."""
-        src = list(range(self.mask.shape[0])) if self.rows is None else self.rows.tolist()
+        """(first row, end row, prompt) for each run of consecutive rows that hold the same prompt (after `select`)."""
         out: list[tuple[int, int, int]] = []
-        for b, p in enumerate(src):
+        for b, p in enumerate(self.rows.tolist()):
             if out and out[-1][2] == p and out[-1][1] == b:
                 out[-1] = (out[-1][0], b + 1, p)
             else:
@@ -179,16 +178,15 @@ class StaticKV:
         if e > self.end:  # the window widens to the right: those columns are padding for the live rows
             self.mask[:n, self.end : e] = False
             self.end = e
-        runs = part.runs()
+        runs = None if part.rows is None else part.runs()
+        broadcast = runs is not None and len(runs) * 2 <= m  # few prompts, each in several rows: a copy per prompt
         for i in range(self.n_layers):
             for dst, src in ((self.keys[i], part.keys[i]), (self.values[i], part.values[i])):
-                if len(runs) * 2 <= m:  # few prompts, each in several rows: one broadcast copy per prompt
+                if broadcast:
                     for a, b, p in runs:
                         dst[n + a : n + b, :, s:e] = src[p]
-                elif part.rows is None:
-                    dst[n : n + m, :, s:e] = src
                 else:
-                    dst[n : n + m, :, s:e] = src.index_select(0, part.rows)
+                    dst[n : n + m, :, s:e] = src if part.rows is None else src.index_select(0, part.rows)
         self.mask[n : n + m, s:e] = part.mask
         self.mask[n : n + m, e : self.end] = False
         self.n += m
