@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl areal-run lab bench exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl areal-run lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -35,11 +35,12 @@ help:
 	@echo "make soak      - opt-in: 500 generated bodies per endpoint, then load + faults + a crash on the real servers (~3 min)"
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
+	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make vllm      - opt-in: the vLLM backend's own venv (.venv-vllm, ~2.5 GB)"
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
-	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 07's export, 2 steps + a resumed one (~5 min)"
+	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 08's export, 2 steps + a resumed one (~5 min)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~30+ min; runs make trl first)"
@@ -134,9 +135,15 @@ soak: $(DEVSTAMP)
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
 
-# vs_trl.py needs TRL's venv: `make bench-trl`.
+# vs_trl.py needs TRL's venv: `make bench-trl`; report.py is no benchmark (`make bench-report`).
 bench: $(STAMP)
-	for f in bench/[!_]*.py; do [ $$f = bench/vs_trl.py ] && continue; echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/report.py) continue;; esac; \
+	  echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+# bench/RESULTS.md is generated from bench/results/*.json and bench/results/history/*.json (bench/report.py, standard
+# library only, so no venv needed); tests/test_bench_report.py fails when the committed file is not what this writes.
+bench-report:
+	$(PY) bench/report.py
 
 exercises: $(STAMP)
 	$(BIN)/python tools/make_exercises.py
@@ -158,11 +165,11 @@ test-vllm: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m pytest tests/test_vllm.py -m vllm -v -p no:cacheprovider --durations=10
 
 # Every notebook top to bottom on vLLM (~30 min on 2 cores): executed copies in runs/vllm-notebooks/; stops at the
-# first cell that raises. Outputs are not compared: sampled numbers differ by engine (07's comparison differs by design).
+# first cell that raises. Outputs are not compared: sampled numbers differ by engine (08's comparison differs by design).
 vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
-	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/0*.ipynb
+	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/[01]*.ipynb
 
 # TRL is opt-in too: its own venv (it brings its own transformers, accelerate, datasets), used by bench/vs_trl.py only.
 TRL_VENV ?= .venv-trl
@@ -179,13 +186,13 @@ bench-trl: $(TRL_VENV)/.installed $(STAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
 	PYTHONPATH=. $(BIN)/python bench/vs_trl.py $(BENCH_TRL_ARGS) --trl-python $(TRL_VENV)/bin/python
 
-# AReaL's own trainer on notebook 07's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
-# AReaL's checkpoint and trains step 3. Executes notebook 07 first when runs/areal_export has no export yet.
+# AReaL's own trainer on notebook 08's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
+# AReaL's checkpoint and trains step 3. Executes notebook 08 first when runs/areal_export has no export yet.
 areal-run: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.prepare
 	test -f runs/areal_export/search_agent_areal.py || (cd notebooks/en && OMP_NUM_THREADS=1 MPLBACKEND=Agg \
 	  ../../$(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1200 \
-	  --output-dir ../../runs/areal-run-notebook 07_to_areal.ipynb)
+	  --output-dir ../../runs/areal-run-notebook 08_to_areal.ipynb)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/test_areal_run.py -m areal_run -s -q -p no:cacheprovider
 
 clean:

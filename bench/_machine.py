@@ -1,21 +1,13 @@
-"""What a benchmark's results file records about where it ran: the CPU model and the source tree's commit."""
+"""What a benchmark's results file records about where it ran: the machine (CPU model, cores, vector ISA: the package's
+own `areal_lite.utils.machine`, re-exported here) and the source tree's commit."""
 
 from __future__ import annotations
 
-import platform
 import subprocess
 
+from areal_lite.utils.machine import cpu_model, describe, vector_isa
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (elsewhere what `platform` knows)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+__all__ = ["cpu_model", "describe", "git_state", "vector_isa"]
 
 
 def git_state(tree: str) -> dict:

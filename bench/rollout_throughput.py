@@ -33,7 +33,8 @@ then a table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and 
 medians, and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
 so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (issue 30's
 done-when). `--json` (default bench/results/rollout_throughput.json, '' for none) gets every run, the medians and
-spreads, the ratios, the git commit (and whether the tree was dirty), the CPU model and the arguments.
+spreads, the ratios, the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the
+arguments; `bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
 
 Design decisions
 - Same cores, not just the same thread count: every server is started under `taskset -c CORES` (a launcher that sets
@@ -551,7 +552,7 @@ def main() -> Optional[int]:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from _machine import cpu_model, git_state
+    from _machine import describe, git_state
     from _models import bench_model_path
     from transformers import AutoTokenizer
 
@@ -568,7 +569,7 @@ def main() -> Optional[int]:
         "bench": "rollout_throughput",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         **git_state(ROOT),
-        "cpu_model": cpu_model(),
+        **describe(),  # cpu_model, cores (this process may use), vector_isa
         "cpus": len(available),
         "model": path,
         "prompt_tokens": [min(map(len, ids)), max(map(len, ids))],
@@ -582,7 +583,8 @@ def main() -> Optional[int]:
     print(f"model={path} requests={args.requests} prompt tokens={result['prompt_tokens'][0]}-"
           f"{result['prompt_tokens'][1]} max_new_tokens={args.max_new_tokens} dtype={args.dtype} "
           f"threads={args.threads} cores={format_cpu_list(args.cores)} of {format_cpu_list(available)} "
-          f"cpu={result['cpu_model']} commit={result['commit'][:10]}{' (dirty)' if result['dirty'] else ''} "
+          f"cpu={result['cpu_model']} ({result['vector_isa']}) "
+          f"commit={result['commit'][:10]}{' (dirty)' if result['dirty'] else ''} "
           f"load average {result['load_average_start']:.1f}", flush=True)  # fmt: skip
     if vllm_note:
         print(vllm_note, flush=True)

@@ -89,7 +89,7 @@ def test_cli_writes_an_areal_yaml(tmp_path):
 
 
 def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
-    """What notebook 07 does with notebook 04's cells, on a small workflow cell: the script imports under AReaL (its
+    """What notebook 08 does with notebook 05's cells, on a small workflow cell: the script imports under AReaL (its
     workflow is an AReaL RolloutWorkflow, its imports rewritten) and AReaL loads the YAML written beside it."""
     from areal_lite.kit.areal_compat import export_areal_experiment
 

@@ -1,4 +1,4 @@
-"""`make areal-run`: notebook 07's export trains under AReaL 1.0.4's own trainer on CPU (kit/areal_run.py).
+"""`make areal-run`: notebook 08's export trains under AReaL 1.0.4's own trainer on CPU (kit/areal_run.py).
 
 The whole run (~5 min) is marked `areal_run` and runs in `make areal-run`, not in `make test`. The parts it stands
 on are checked here against the real AReaL: its loader accepts every CPU override, the Qwen2 layout of a Llama
@@ -75,10 +75,10 @@ def test_step_numbers_are_read_from_areals_own_table():
 
 @pytest.mark.areal_run
 def test_the_export_trains_two_steps_under_areal_and_resumes():
-    """What `make areal-run` runs (needs notebook 07's export in runs/areal_export)."""
+    """What `make areal-run` runs (needs notebook 08's export in runs/areal_export)."""
     from areal_lite.kit.areal_run import main
 
     export = os.path.join(ROOT, "runs", "areal_export")
     if not os.path.exists(os.path.join(export, "search_agent_areal.py")):
-        pytest.fail("no export: run notebook 07 first (make areal-run does)")
+        pytest.fail("no export: run notebook 08 first (make areal-run does)")
     assert main(["--export", export]) == 0

@@ -70,7 +70,7 @@ WRONG = {
             }.items()
         },
     },
-    "05_multiturn_feedback": {
+    "06_multiturn_feedback": {
         "no discount": """
             following = 0.0
             for k in reversed(range(len(rewards))):
@@ -88,7 +88,7 @@ WRONG = {
                 returns[k] = sum(gamma ** j * rewards[j] for j in range(k, len(rewards)))
         """,
     },
-    "08_openai_agent": {
+    "09_openai_agent": {
         "no discount": """
             for i in range(len(rewards)):
                 discounted[i] = sum((r or 0.0) for r in rewards[i:])
@@ -111,19 +111,110 @@ WRONG = {
                 discounted[i] = following
         """,
     },
-    "09_lora": {
+    "10_lora": {
         "scales by alpha": "return x @ weight.T + alpha * (x @ lora_A.T) @ lora_B.T",
         "scales by rank / alpha": "return x @ weight.T + (rank / alpha) * (x @ lora_A.T) @ lora_B.T",
         "no scale": "return x @ weight.T + (x @ lora_A.T) @ lora_B.T",
         "scales by alpha / sqrt(rank) (rsLoRA)": "return x @ weight.T + alpha / rank**0.5 * (x @ lora_A.T) @ lora_B.T",
         "the adapter alone, no frozen layer": "return (alpha / rank) * (x @ lora_A.T) @ lora_B.T",
     },
-    "06_async_vs_sync": {
+    "07_async_vs_sync": {
         "ignores concurrency": "return (eta + version + 1) * batch_size - (accepted + running)",
         "ignores staleness": "return max_concurrent - running",
         "leaves running out of the staleness term": (
             "return min(max_concurrent - running, (eta + version + 1) * batch_size - accepted)"
         ),
+    },
+}
+
+# Right bodies written another way, by notebook: the check must accept them (a check that refuses a right answer
+# teaches a rule that is not there: one way of writing it).
+RIGHT = {
+    "02_rewards_and_tools": {
+        "counts by hand with a dict": """
+            left = {}
+            for token in gold_tokens:
+                left[token] = left.get(token, 0) + 1
+            common = 0
+            for token in pred_tokens:
+                if left.get(token, 0) > 0:
+                    left[token] -= 1
+                    common += 1
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "the smaller count of each shared token": f1_counting(
+            "sum(min(pred_tokens.count(t), gold_tokens.count(t)) for t in set(pred_tokens))"
+        ),
+        "F1 as 2 common / (|pred| + |gold|)": """
+            common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+            return 2 * common / (len(pred_tokens) + len(gold_tokens)) if common else 0.0
+        """,
+    },
+    "06_multiturn_feedback": {
+        "sums the discounted rewards that follow": """
+            for k in range(len(rewards)):
+                returns[k] = sum(gamma ** (j - k) * rewards[j] for j in range(k, len(rewards)))
+        """,
+        "recursion": """
+            def following(k):
+                return 0.0 if k == len(rewards) else rewards[k] + gamma * following(k + 1)
+
+            returns = [following(k) for k in range(len(rewards))]
+        """,
+        "a tensor: a discount matrix times the rewards": """
+            import torch
+
+            k = torch.arange(len(rewards), dtype=torch.float64)
+            power = k.view(1, -1) - k.view(-1, 1)  # j - k
+            discount = torch.where(power >= 0, gamma ** power.clamp(min=0), 0.0)
+            returns = discount @ torch.tensor(rewards, dtype=torch.float64)
+        """,
+    },
+    "09_openai_agent": {
+        "sums the discounted rewards that follow": """
+            for i in range(len(rewards)):
+                discounted[i] = sum(turn_discount ** (j - i) * (rewards[j] or 0.0) for j in range(i, len(rewards)))
+        """,
+        "recursion": """
+            def following(i):
+                return 0.0 if i == len(rewards) else (rewards[i] or 0.0) + turn_discount * following(i + 1)
+
+            discounted = [following(i) for i in range(len(rewards))]
+        """,
+        "a numpy array": """
+            import numpy as np
+
+            discounted = np.zeros(len(rewards))
+            following = 0.0
+            for i in reversed(range(len(rewards))):
+                following = (rewards[i] or 0.0) + turn_discount * following
+                discounted[i] = following
+        """,
+    },
+    "10_lora": {
+        "the merged weight, as the server computes with": "return x @ (weight + (alpha / rank) * lora_B @ lora_A).T",
+        "x (BA)^T": "return x @ weight.T + (alpha / rank) * x @ (lora_B @ lora_A).T",
+        "F.linear, scaled last": """
+            import torch.nn.functional as F
+
+            return F.linear(x, weight) + F.linear(F.linear(x, lora_A), lora_B) * (alpha / rank)
+        """,
+    },
+    "07_async_vs_sync": {
+        "the staleness term first": (
+            "return min((eta + version + 1) * batch_size - accepted - running, max_concurrent - running)"
+        ),
+        "running subtracted once, from the smaller limit": (
+            "return min(max_concurrent, (eta + version + 1) * batch_size - accepted) - running"
+        ),
+        "if / else instead of min": """
+            free = max_concurrent - running
+            headroom = (eta + version + 1) * batch_size - (accepted + running)
+            return free if free < headroom else headroom
+        """,
     },
 }
 
@@ -150,6 +241,18 @@ WRONG_SEARCH_LOOP = {
     "multiset F1": [('data["answer"], mode="set")', 'data["answer"], mode="multiset")')],
     "exact match instead of F1": [('f1_score(answer, data["answer"], mode="set")', 'float(answer in data["answer"])')],
     "reward 1 for any answer": [('f1_score(answer, data["answer"], mode="set")', "1.0")],
+}
+RIGHT_SEARCH_LOOP = {
+    "grows the lists with extend": [
+        ("ids += resp.output_tokens", "ids.extend(resp.output_tokens)"),
+        ("loss_mask += [1] * len(resp.output_tokens)", "loss_mask.extend([1] * len(resp.output_tokens))"),
+        ("logprobs += resp.output_logprobs", "logprobs.extend(resp.output_logprobs)"),
+        ("versions += resp.output_versions", "versions.extend(resp.output_versions)"),
+    ],
+    "new lists for the information block": [
+        ("ids += info", "ids = ids + info"),
+        ("loss_mask += [0] * len(info)", "loss_mask = loss_mask + [0 for _ in info]"),
+    ],
 }
 
 
@@ -212,7 +315,7 @@ def assert_rejected(ns: dict, *sources: str) -> None:
     assert "FAIL" in out.getvalue(), out.getvalue()
 
 
-# ---------------------------------------------------------------------------------------------- 02, 05, 06
+# ---------------------------------------------------------------------------------------------- 02, 06, 07
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))
@@ -227,19 +330,40 @@ def test_check_rejects_a_wrong_solution(name, mistake):
     assert_rejected({}, imports, with_body(solution, WRONG[name][mistake]), check)
 
 
+@pytest.mark.parametrize("name,variant", [(n, v) for n in sorted(RIGHT) for v in RIGHT[n]])
+def test_check_accepts_a_right_variant(name, variant):
+    imports, solution, check = exercise(name)
+    assert_accepted({}, imports, with_body(solution, RIGHT[name][variant]), check)
+
+
 def test_every_exercise_is_tested():
-    """Every exercise of every notebook has wrong solutions in this file (WRONG tries a notebook's first one only)."""
+    """Every exercise of every notebook has wrong solutions to reject and right variants to accept in this file
+    (WRONG and RIGHT try a notebook's first one only). Where one cell holds several solution regions (03's advantages
+    and loss), each region is changed by at least one wrong and one right version."""
     sources = glob.glob(os.path.join(ROOT, "notebooks", "src", "*.nb.md"))
     names = [os.path.basename(p)[: -len(".nb.md")] for p in sources]
     exercises = {n: len([c for c in code_cells(n) if REGION.search(c)]) for n in names}
-    tested = {**{n: 1 for n in WRONG}, AGENT: len(WRONG_AGENT), SEARCH: 1}
-    untested = {n: k for n, k in sorted(exercises.items()) if k and tested.get(n) != k}
-    assert not untested, f"exercises (by notebook) without wrong solutions to reject in this file: {untested}"
+    for kind, tested in [
+        ("wrong solutions to reject", {**{n: 1 for n in WRONG}, AGENT: len(WRONG_AGENT), SEARCH: 1}),
+        ("right variants to accept", {**{n: 1 for n in RIGHT}, AGENT: len(RIGHT_AGENT), SEARCH: 1}),
+    ]:
+        untested = {n: k for n, k in sorted(exercises.items()) if k and tested.get(n) != k}
+        assert not untested, f"exercises (by notebook) without {kind} in this file: {untested}"
+    assert WRONG_SEARCH_LOOP and RIGHT_SEARCH_LOOP
+    for name, wrong, right in [
+        (AGENT, WRONG_AGENT, RIGHT_AGENT),
+        (SEARCH, {0: WRONG_SEARCH_LOOP}, {0: RIGHT_SEARCH_LOOP}),
+    ]:
+        for index in range(exercises[name]):
+            for region in REGION.finditer(exercise(name, index)[1]):
+                for kind, versions in [("wrong", wrong[index]), ("right", right[index])]:
+                    edited = [old for edits in versions.values() for old, _ in edits if old in region.group(0)]
+                    assert edited, f"{name}, exercise {index}: no {kind} version changes {region.group(0)[:80]!r}"
 
 
-# ---------------------------------------------------------------------------------------------- 04: the turn loop
+# ---------------------------------------------------------------------------------------------- 05: the turn loop
 
-SEARCH = "04_search_agent"
+SEARCH = "05_search_agent"
 CORPUS = [
     {"id": "0", "title": "France", "contents": "Paris is the capital of France."},
     {"id": "1", "title": "Peru", "contents": "Lima is the capital of Peru."},
@@ -288,6 +412,12 @@ def test_search_loop_check_rejects_a_wrong_loop(search_ns, mistake):
     assert_rejected(dict(search_ns), with_edits(solution, WRONG_SEARCH_LOOP[mistake]), check)
 
 
+@pytest.mark.parametrize("variant", sorted(RIGHT_SEARCH_LOOP))
+def test_search_loop_check_accepts_a_right_variant(search_ns, variant):
+    _, solution, check = exercise(SEARCH)
+    assert_accepted(dict(search_ns), with_edits(solution, RIGHT_SEARCH_LOOP[variant]), check)
+
+
 # ---------------------------------------------------------------------------------------------- 03: the agent
 # Four exercises in order: RLVR workflow, reflection workflow, grouped wrapper, advantages + loss. Each check compares
 # the learner's code with the package's; here the server is a scripted engine (real ModelResponses, replies in turn,
@@ -310,6 +440,13 @@ WRONG_AGENT = {
         "trains on the reflection turn": [("loss_mask + [0] * len(glue)", "loss_mask + [1] * len(glue)")],
         "forgets the discount": [("reward *= self.turn_discount ** turn", "reward *= 1.0")],
         "sends no gconfig": [("input_ids=list(ids), gconfig=self.gconfig,", "input_ids=list(ids),")],
+        # caught only by the check's scripted answers: the fixture's server answers never end with EOS
+        "always appends the full end of turn": [
+            (
+                "closing = self.end_of_turn[1:] if out and out[-1] == self.end_of_turn[0] else self.end_of_turn",
+                "closing = self.end_of_turn",
+            )
+        ],
     },
     2: {  # MyGroupedWorkflow
         "runs the episodes one after another": [
@@ -334,6 +471,7 @@ WRONG_AGENT = {
         "batch normalisation over every position, padding and prompt included": [
             ("(adv - adv[m].mean()) / (adv[m].std() + eps)", "(adv - adv.mean()) / (adv.std() + eps)")
         ],
+        "a population std in the batch normalisation": [("(adv[m].std() + eps)", "(adv[m].std(unbiased=False) + eps)")],
         "no batch normalisation": [
             ("return torch.where(m, (adv - adv[m].mean()) / (adv[m].std() + eps), 0.0).float()", "return adv.float()")
         ],
@@ -346,13 +484,99 @@ WRONG_AGENT = {
 }
 # Right answers written another way: the check must accept them.
 RIGHT_AGENT = {
-    3: {  # the batch normalisation cancels the factor between the two stds (up to eps: within the tolerance)
-        "a population std instead of the unbiased one": [
+    0: {  # MyRLVRWorkflow
+        "masks and reward from torch.full and torch.cat": [
+            (
+                '"attention_mask": torch.ones(1, n + len(out), dtype=torch.bool),',
+                '"attention_mask": torch.full((1, n + len(out)), True),',
+            ),
+            (
+                '"loss_mask": torch.tensor([[0] * n + [1] * len(out)], dtype=torch.int32),',
+                '"loss_mask": torch.cat([torch.zeros(1, n), torch.ones(1, len(out))], dim=1).int(),',
+            ),
+            (
+                '"rewards": torch.tensor([float(reward)], dtype=torch.float32),',
+                '"rewards": torch.full((1,), reward, dtype=torch.float32),',
+            ),
+        ],
+        "the prompt read back from the response": [
+            ("out, n = resp.output_tokens, len(ids)", "out, n = resp.output_tokens, len(resp.input_tokens)"),
+            ('"input_ids": torch.tensor([ids + out]', '"input_ids": torch.tensor([list(resp.input_tokens) + out]'),
+        ],
+    },
+    1: {  # MyReflectionWorkflow
+        "drops the EOS by slicing": [
+            (
+                "closing = self.end_of_turn[1:] if out and out[-1] == self.end_of_turn[0] else self.end_of_turn",
+                "closing = self.end_of_turn[1 if out[-1:] == self.end_of_turn[:1] else 0 :]",
+            )
+        ],
+        "grows the lists in place": [
+            (
+                "logprobs, versions = logprobs + [0.0] * len(glue), versions + [-1] * len(glue)",
+                "logprobs += [0.0] * len(glue); versions += [-1] * len(glue)",
+            ),
+            (
+                "logprobs, versions = logprobs + resp.output_logprobs, versions + resp.output_versions",
+                "logprobs.extend(resp.output_logprobs); versions.extend(resp.output_versions)",
+            ),
+        ],
+    },
+    2: {  # MyGroupedWorkflow: any way of running the G episodes at once
+        "tasks created first, then awaited in turn": [
+            (
+                "episodes = await asyncio.gather(*(self.workflow.arun_episode(engine, data)"
+                " for _ in range(self.group_size)))",
+                "tasks = [asyncio.create_task(self.workflow.arun_episode(engine, data))"
+                " for _ in range(self.group_size)]"
+                "\n        episodes = [await task for task in tasks]",
+            )
+        ],
+        "asyncio.TaskGroup": [
+            (
+                "episodes = await asyncio.gather(*(self.workflow.arun_episode(engine, data)"
+                " for _ in range(self.group_size)))",
+                "async with asyncio.TaskGroup() as group:"
+                "\n            tasks = [group.create_task(self.workflow.arun_episode(engine, data))"
+                " for _ in range(self.group_size)]"
+                "\n        episodes = [task.result() for task in tasks]",
+            )
+        ],
+    },
+    3: {  # my_grpo_advantages and my_ppo_loss
+        # the batch normalisation cancels the factor between the two stds (up to eps: within the tolerance)
+        "a population std in the group normalisation": [
             ("r.std(1, keepdim=True)", "r.std(1, keepdim=True, unbiased=False)")
+        ],
+        "group statistics from sums": [
+            (
+                "a = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1, 1)",
+                "d = r - r.sum(1, keepdim=True) / group_size"
+                "\n    a = (d / (((d**2).sum(1, keepdim=True) / (group_size - 1)).sqrt() + eps)).view(-1, 1)",
+            )
+        ],
+        "batch statistics from torch.std_mean": [
+            (
+                "(adv - adv[m].mean()) / (adv[m].std() + eps)",
+                "(adv - torch.std_mean(adv[m])[1]) / (torch.std_mean(adv[m])[0] + eps)",
+            )
+        ],
+        "minus the min of the two objectives": [
+            (
+                "surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip))",
+                "surrogate = -torch.minimum(advantages * ratio,"
+                " advantages * torch.clamp(ratio, 1 - eps_clip, 1 + eps_clip))",
+            )
+        ],
+        "the mean over the generated tokens by indexing": [
+            (
+                "return (surrogate * behaviour_weight * loss_mask).sum() / loss_mask.sum()",
+                "return (surrogate * behaviour_weight)[m].mean()",
+            )
         ],
     },
 }
-AGENT = "03_gsm8k_reflection"
+AGENT = "03_gsm8k_agent"
 REPLIES = ["The answer is 7.", "The answer is 5."]  # a wrong first answer, a right second one (gold: 5)
 AGENT_ROWS = [
     {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
@@ -361,7 +585,8 @@ AGENT_ROWS = [
 
 
 class ScriptedReplies:
-    """An engine whose answers are REPLIES in turn, each ended by EOS, as real ModelResponses."""
+    """An engine whose answers are REPLIES in turn, as real ModelResponses, cut off by the token budget (no EOS):
+    so the checks' own scripted answers must catch what only an answer ended by EOS shows (03's reflection)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, 0
@@ -370,7 +595,7 @@ class ScriptedReplies:
         await asyncio.sleep(0.01)  # let concurrent episodes overlap, as on a server
         text = REPLIES[self.calls % len(REPLIES)]
         self.calls += 1
-        out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        out = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ModelResponse(
             input_tokens=list(req.input_ids),
             output_tokens=out,
@@ -480,3 +705,18 @@ def test_check_cases_names_the_case_and_where_it_differs(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "ok    sum" and lines[1].startswith("FAIL  rows")
     assert lines[2] == "FAIL  short: expected [1, 2], got [1] (length: expected 2, got 1)"
+
+
+def test_check_cases_takes_a_right_answer_in_any_array_type(capsys):
+    """A learner may return a numpy array, a numpy scalar or a tensor: right values pass, wrong ones still fail."""
+    import numpy as np
+    import torch
+
+    from areal_lite import check_cases
+
+    check_cases(
+        {"array": ([1.0, 0.5], np.array([1.0, 0.5])), "scalar": (2, np.int64(2)), "tensor": ([[1]], torch.ones(1, 1))}
+    )
+    assert capsys.readouterr().out.splitlines()[-1] == "all 3 cases pass"
+    with pytest.raises(AssertionError, match=r"array: expected \[1.0, 0.5\], got \[1.0, 0.25\]"):
+        check_cases({"array": ([1.0, 0.5], np.array([1.0, 0.25]))})

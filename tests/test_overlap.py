@@ -1,4 +1,4 @@
-"""The overlap report of notebook 06 and bench/async_vs_sync.py: ideal from the sync phases, spreads, the verdict."""
+"""The overlap report of notebook 07 and bench/async_vs_sync.py: ideal from the sync phases, spreads, the verdict."""
 
 from __future__ import annotations
 

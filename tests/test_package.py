@@ -58,6 +58,7 @@ KIT_MODULES = [
     "procs",
     "plot",
     "viewer",
+    "carry",
     "checks",
     "prepare",
     "demo",

@@ -134,3 +134,23 @@ def test_sync_vs_async_legend_is_the_mean_after_warmup_over_runs():
     fig = plot_sync_vs_async([run([9.0, 4.0, 6.0]), run([9.0, 6.0, 8.0])], run([9.0, 3.0, 3.0]))
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["sync: mean 6.0 s (steps 1+, 2 runs)", "async: mean 3.0 s (steps 1+)"]
+
+
+def test_plots_read_as_estimates_with_their_n_on_whole_steps():
+    """Steps are whole numbers, every curve says how many episodes a point averages, a phase that never took time is
+    not in the legend, the first phase can be named for what it is, and lengths and [0, 1] rewards start at 0."""
+    rows = [dict(r, **{"time/logp": 0.0}) for r in fake_stats(3)]
+    fig = plot_rewards(rows, train_n=16, train_label="return G_0")
+    ax = fig.axes[0]
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert "return G_0 (per step, n=16)" in [line.get_label() for line in ax.get_lines()]
+    assert ax.get_ylim()[0] < 0 < 1 < ax.get_ylim()[1]
+    fig = plot_time_breakdown(rows, generate_label="wait for rollouts")
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "logp" not in labels and "wait for rollouts" in labels and "generate" not in labels
+    assert all(float(t).is_integer() for t in fig.axes[0].get_xticks())
+    fig = plot_response_length(rows, n=8)
+    assert fig.axes[0].get_ylim()[0] == 0
+    assert any("n=8" in line.get_label() for line in fig.axes[0].get_lines())
+    fig = plot_sync_vs_async(fake_stats(4), fake_stats(4, async_=True), show_reward=False)
+    assert len(fig.axes) == 1

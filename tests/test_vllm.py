@@ -9,7 +9,7 @@ where vLLM's own weight reload is wrong. What is checked, each against something
   forward pass of the new model, prefix cache included), and updating back restores the first outputs exactly;
 - pause (abort) mid-generation, then resume: the request finishes seamlessly with both versions recorded;
   destroy() aborts in-flight requests by the ids the client knows (they come back with partial output);
-- notebook 06 end to end with `AREAL_LITE_OVERRIDES="backend=vllm"` (servers launched by the notebook's `train`).
+- notebook 07 end to end with `AREAL_LITE_OVERRIDES="backend=vllm"` (servers launched by the notebook's `train`).
 """
 
 from __future__ import annotations
@@ -136,11 +136,11 @@ def vllm_engine(vllm_server):
 # it starts its own servers, so it runs before this module's server exists)
 
 
-def test_notebook_06_runs_on_vllm(tmp_path):
+def test_notebook_07_runs_on_vllm(tmp_path):
     env = dict(os.environ, AREAL_LITE_OVERRIDES="backend=vllm", OMP_NUM_THREADS="1", MPLBACKEND="Agg")
     started = time.time()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-           "--nbval-sanitize-with", "notebooks/sanitize.cfg", "notebooks/en/06_async_vs_sync.ipynb"]  # fmt: skip
+           "--nbval-sanitize-with", "notebooks/sanitize.cfg", "notebooks/en/07_async_vs_sync.ipynb"]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     # every server the kit launches logs to server_log_path()'s folder (the temp folder's, not the run's: 97f46d6)

@@ -430,7 +430,7 @@ def test_multi_turn_feedback_turn_level_returns(tok, engine, rewards, tmp_path):
 
 
 def test_multi_turn_feedback_trains_on_the_returns_fn_it_is_given(tok, engine, rewards, tmp_path):
-    """Notebook 05 passes the learner's returns: whatever they compute is what the tokens carry (here: undiscounted)."""
+    """Notebook 06 passes the learner's returns: whatever they compute is what the tokens carry (here: undiscounted)."""
     seen = []
 
     def undiscounted(turn_rewards, gamma):

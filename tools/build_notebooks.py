@@ -202,6 +202,15 @@ def finalize(nb: nbformat.NotebookNode, executed: bool) -> None:
         cell.metadata = {"tags": tags} if tags else {}
 
 
+def _machine() -> dict:
+    """The CPU a reference run's times belong to (model, cores, vector ISA): times differ 2-3x between CPUs."""
+    sys.path.insert(0, ROOT)
+    from areal_lite.utils.machine import describe
+
+    m = describe()
+    return {"cpu_model": m["cpu_model"], "cpu_count": m["cores"], "vector_isa": m["vector_isa"]}
+
+
 def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat.NotebookNode:
     """Run in a fresh kernel in the notebook's own folder (configs are found by relative path, as for a learner)."""
     from nbclient import NotebookClient
@@ -218,7 +227,7 @@ def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat
     slow = {c.id: round(s, 1) for c in nb.cells if c.cell_type == "code" and (s := _cell_seconds(c) or 0) >= 5}
     nb.metadata["areal_lite"] = {
         "code_sha256": code_fingerprint(nb),
-        "reference_run": {"wall_seconds": round(wall, 1), "cpu_count": os.cpu_count(), "slow_cells_seconds": slow},
+        "reference_run": {"wall_seconds": round(wall, 1), **_machine(), "slow_cells_seconds": slow},
     }
     return nb
 

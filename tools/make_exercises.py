@@ -11,7 +11,8 @@ the indentation. Right after each such cell the exercise gets a check cell that 
 for that cell: the solution notebooks already hold it, as a code cell starting with `# CHECK` right after the cell it
 checks (it runs there too, so the checks themselves are tested). A test fails if the committed exercises differ from
 what this script writes, so they never go stale. The exercises carry no nbval markers (`# NBVAL_CHECK_OUTPUT`): they
-are not run under nbval, and a learner should not see test plumbing in a cell.
+are not run under nbval, and a learner should not see test plumbing in a cell. A notebook that trains what another
+notebook's exercise wrote (it calls `run_cells_defining`) is copied too, so that it reads the learner's notebook.
 
 Usage: python tools/make_exercises.py [--check]
 """
@@ -112,7 +113,11 @@ def outputs() -> dict[str, nbformat.NotebookNode]:
     for lang in LANGS:
         for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", lang, "*.ipynb"))):
             nb = nbformat.read(path, as_version=4)
-            if not any(BEGIN.match(l) for c in nb.cells if c.cell_type == "code" for l in c.source.split("\n")):
+            codes = [c.source for c in nb.cells if c.cell_type == "code"]
+            has_exercise = any(BEGIN.match(line) for source in codes for line in source.split("\n"))
+            # A notebook that trains what an exercise wrote (`run_cells_defining`) goes beside it in the exercise
+            # folder, so that it reads the learner's notebook, not the solution.
+            if not has_exercise and not any("run_cells_defining(" in source for source in codes):
                 continue
             out = os.path.join(ROOT, "notebooks", "exercises", lang, os.path.basename(path))
             result[out] = make_exercise(nb, lang)

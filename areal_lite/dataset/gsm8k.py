@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 from areal_lite.dataset.common import (
     _check_split,
@@ -48,7 +49,11 @@ def _gsm_row(item: dict) -> dict | None:
 
 def generate_gsm_symbolic(split: str = "train", size: int | None = None, seed: int = 0, test_fraction: float = 0.2):
     """GSM8K-format problems from reasoning_gym's GSM-Symbolic templates, as a list of row dicts."""
-    import reasoning_gym
+    with warnings.catch_warnings():
+        # reasoning_gym imports cellpylib, whose source trips SyntaxWarnings the first time Python compiles it:
+        # noise about a third-party file, printed into a learner's notebook
+        warnings.simplefilter("ignore", SyntaxWarning)
+        import reasoning_gym
 
     split = _check_split(split)
     size = DEFAULT_GSM_SIZE[split] if size is None else size

@@ -1,72 +1,23 @@
 """The PPO/GRPO actor: recompute log-probs, compute advantages, take PPO steps, hand weights to the servers.
 
-Method names follow AReaL's `FSDPPPOActor` (`initialize`, `compute_logp`, `compute_advantages`, `ppo_update`,
-`train_batch`, `step_lr_scheduler`, `update_weights`/`upload_weights`, `set_version`, `get_version`, `save`, `load`,
-`destroy`) so a notebook cell reads the same in both projects.
+Method names follow AReaL's `FSDPPPOActor` (`compute_logp`, `compute_advantages`, `ppo_update`, `train_batch`,
+`update_weights`, `save`, `load`, ...), so a notebook cell reads the same in both projects. This module only
+orchestrates; each part states its own design: `utils/functional.py` (the formulas), `fsdp_utils/packing.py` (packed
+micro-batches, shared prompts), `fsdp_utils/embedding_grad.py`, `fsdp_utils/weights.py` (weight versions, NCCL,
+checkpoints), `fsdp_utils/lora.py` (`use_lora`: only the adapter trains, syncs and is saved).
 
-`FSDPPPOActor` orchestrates; the parts it orchestrates live in these modules, each stating its own design decisions:
-- `utils/functional.py`: the formulas (normalisation, KL estimates, the shift from logits to per-token log-probs,
-  the PPO loss, GRPO advantages), pure tensor functions tested against float64 loops;
-- `fsdp_utils/packing.py`: rows packed into one sequence, micro-batch splitting, the packed sdpa attention;
-- `fsdp_utils/embedding_grad.py`: the embedding's gradient added row by row (packing's forward passes use it);
-- `fsdp_utils/weights.py`: publishing weights (disk versions, NCCL broadcast) and actor checkpoints;
-- `fsdp_utils/lora.py`: `use_lora` (peft wrapping, adapter-only weight versions and checkpoints).
-Their names are imported from those modules, not from this one.
-
-Design decisions, and why
-- Batches. Every method takes one right-padded batch (a dict of [B, L] tensors) or AReaL's list of trajectories;
-  a list is joined into one batch first, because normalisation pools the whole batch, and per-trajectory results
-  are split back. The actor never rewrites a key it reads, so calling `compute_advantages` twice gives the same
-  tensors.
-- One update path, with any loss. `train_batch(batch, loss_fn, loss_weight_fn)` is AReaL's: one optimizer step,
-  the loss a callable run on each packed micro-batch. `ppo_update` is `ppo_n_minibatches` of those calls, on
-  contiguous chunks of rows (whole GRPO groups when the sizes divide), with the package's `ppo_loss_fn`; a notebook
-  that hands its own loss to `train_batch` trains through exactly the code `ppo_update` uses.
-- The global mean. Each micro-batch's loss is normalised by its own size, then scaled by its weight (its policy
-  tokens) over the sum of all micro-batches' weights on all ranks, computed *before* any backward, so splitting into
-  micro-batches or ranks gives the same gradient as one big batch.
-- Logits only where the loss needs them: the update runs the LM head only at positions that predict a policy
-  token. The head over the whole vocabulary is a large share of a small model's cost (SmolLM2: 28M of 135M
-  weights), and prompts are most of the tokens.
-- Shared prompts: a GRPO group's samples share their prompt token for token, and packing alone would run the
-  model over it once per sample. Each forward pass (`compute_logp`, the update's) runs every distinct prompt once,
-  the remainder of each sequence attending to that one copy (`packing.share_prompts`, with the `packed_sdpa`
-  attention; flash attention on a GPU runs the plain packed row). The gradient of the shared prompt is the sum of
-  its samples' gradients, exactly as if each had its own copy, so losses and gradients equal the plain row's up to
-  float rounding (`tests/test_shared_prompts.py`). Distinct prompts that begin alike (a chat template's system
-  prompt) also share that start. On the demo's batch (4 prompts of 38 tokens, 27 of them the template's, x 8
-  samples of 16 tokens) the update runs 583 tokens instead of 1,728 (`bench/update_speed.py`).
-- Rows without signal: with the package's loss every token's loss is its advantage times a ratio, so a row whose
-  advantages are all zero (a GRPO group whose samples all scored the same) adds exactly zero to the loss and to
-  every gradient. `ppo_update` runs no forward or backward for such rows; their policy tokens still count in the
-  global mean's denominator, so the step is the same as computing them (`tests/test_actor.py`). On the demo these
-  are the groups all right (late) or all wrong (early). The statistics (approx KL, clip fraction, entropy) then
-  cover the rows that were computed, and `silent_rows` says how many were not. `train_batch` computes every row:
-  it cannot know whether your loss vanishes with the advantage.
-- Several processes (torchrun, WORLD_SIZE > 1): the model is wrapped with FSDP2 (`fully_shard` per decoder layer,
-  then the root) over gloo on CPU or NCCL on CUDA. Every rank receives the same full batch and works on its share of
-  the rows (rank r takes rows r, r + W, ...). FSDP2 averages gradients over ranks, so each rank's loss is multiplied
-  by W to turn the average into the sum the global mean needs. Collectives need the same number of forward and
-  backward calls on every rank, so a rank with fewer micro-batches runs empty ones (a 1-token forward times 0).
-- A step whose gradient norm is not finite is skipped: gradients are zeroed, the optimizer does not step, and the
-  stats say `skipped = 1`. One bad batch must not turn every weight into NaN.
-- LoRA (`use_lora`, `fsdp_utils/lora.py`): the model is wrapped with peft after loading; only the adapter is
-  trainable and in the optimizer, the forward and loss are unchanged. Weight versions and checkpoints then hold the
-  adapter alone (`last_sync_bytes` says how much a sync wrote), and the servers load it with `/load_lora_adapter`.
-- Statistics come from the log-probs, not from the loss: a learner's loss reports the same approx KL, clip
-  fraction and entropy as the package's. A minibatch's statistics are summed in float64 into named fields
-  (`_UpdateStats`) and added up over ranks in one all-reduce; `ppo_update` reports their means over policy tokens,
-  averaged over minibatches.
-- bfloat16 on a CPU is autocast, not bf16 weights. `dtype="bfloat16"` on a CPU keeps the weights and the optimizer
-  state in float32 (master weights: a bf16 weight has an 8-bit mantissa, so an AdamW step below 1/256 of it is
-  rounded away) and runs every forward pass (log-probs, the update, the reference model) under
-  `torch.autocast("cpu", torch.bfloat16)`, the backward following it. Only where the CPU computes bf16 in hardware
-  (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`) and where a linear layer measured faster in bf16 at start
-  (`utils/device.cpu_bf16_speedup`, at least `CPU_BF16_MIN_SPEEDUP`): without the instructions bf16 is emulated and
-  slower than float32 (bench/update_speed.py), and with them it was slower too on one Xeon VM, so elsewhere the
-  actor trains in float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1`
-  forces the autocast (tests reach it on any CPU), `=0` forbids it. On a GPU the weights are bf16, as before;
-  `dtype="float32"` is untouched (the parity tests run it).
+Design decisions
+- One batch: a right-padded dict of [B, L] tensors, or AReaL's list of trajectories joined into one (normalisation
+  pools the whole batch). A key that is read is never rewritten, so calling a method twice gives the same tensors.
+- One update path: `ppo_update` is `ppo_n_minibatches` calls of `train_batch` with `ppo_loss_fn`, so a loss that
+  a notebook hands to `train_batch` trains through exactly the code `ppo_update` uses.
+- The global mean: each micro-batch's loss is weighted by its policy tokens over those of all micro-batches on all
+  ranks, summed before any backward, so any split into micro-batches or ranks gives the one-big-batch gradient.
+- Less compute, same gradient: "Logits only where the loss needs them" (`_logits_for`), "Shared prompts" (a GRPO
+  group's prompt runs once) and "Rows without signal" (`_silent_rows`). bench/update_speed.py measures the update.
+- torchrun: FSDP2 per decoder layer; every rank gets the whole batch and takes rows r, r + W, ...
+- A non-finite gradient norm skips the step (`skipped = 1`); statistics come from the log-probs, not the loss.
+- `dtype="bfloat16"` on a CPU is float32 weights under bf16 autocast, and only where that is faster (`_precision_plan`).
 """
 
 from __future__ import annotations
@@ -143,10 +94,9 @@ _DTYPES = {
 
 # AREAL_LITE_CPU_BF16=1 forces bf16 autocast for dtype="bfloat16" on a CPU whatever the hardware, =0 forbids it.
 CPU_BF16_ENV = "AREAL_LITE_CPU_BF16"
-# A CPU with bf16 instructions autocasts only where bf16 measured at least this much faster
-# (`utils/device.cpu_bf16_speedup`). The machines measured so far were far on either side: the Xeon VM 0.58-0.64x
-# (its whole update 0.61x), the EPYC's update 2.7x; the margin keeps a noisy measurement from choosing a path that is
-# no faster.
+# A CPU with bf16 instructions autocasts only where bf16 measured at least this much faster at start
+# (`utils/device.cpu_bf16_speedup`). CPUs tend to land far on either side of 1; the margin keeps a noisy measurement
+# from choosing a path that is no faster (bench/update_speed.py measures the whole update).
 CPU_BF16_MIN_SPEEDUP = 1.2
 
 Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
@@ -174,7 +124,13 @@ def _dist():
 def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, bool, str]:
     """(the weights' dtype, whether forward passes autocast to bf16, the one line to print or "").
 
-    Only `bfloat16` on a CPU is planned (see the module docstring); any other dtype or device loads as asked.
+    Only `bfloat16` on a CPU is planned; any other dtype or device loads as asked (a GPU gets bf16 weights).
+    On a CPU the weights and optimizer state stay float32 (master weights: a bf16 weight has an 8-bit mantissa, so an
+    AdamW step below 1/256 of it is rounded away) and every forward pass runs under bf16 autocast. Only where the
+    CPU computes bf16 in hardware (`device.cpu_native_bf16`) and a linear layer measured at least
+    `CPU_BF16_MIN_SPEEDUP` times as fast in bf16 (`device.cpu_bf16_speedup`): emulated bf16 is slower than float32,
+    and native bf16 is not faster on every CPU. Elsewhere the actor trains in float32 and prints one line saying why.
+    `AREAL_LITE_CPU_BF16=1` forces the autocast (tests reach it on any CPU), `=0` forbids it.
     """
     if dtype != torch.bfloat16 or device.type != "cpu":
         return dtype, False, ""
@@ -548,8 +504,15 @@ class _TrainEngine:
         """Logits [K, V] that predict the tokens at the K positions `targets` of one packed row (bf16 under
         autocast: every log-softmax downstream computes in at least float32).
 
-        The LM head runs only there ("Logits only where the loss needs them", module docstring). Given the row's
-        policy mask, sequences with the same prompt compute it once ("Shared prompts")."""
+        Logits only where the loss needs them: the LM head runs only at those positions. The head over the whole
+        vocabulary is a large share of a small model's cost (SmolLM2: 28M of 135M weights), and prompts are most of
+        the tokens.
+
+        Shared prompts: given the row's policy mask, sequences with the same prompt (a GRPO group's samples) compute
+        it once, the rest of each sequence attending to that one copy (`packing.share_prompts`; flash attention on
+        a GPU runs the plain packed row). The shared prompt's gradient is the sum of its samples' gradients, as if
+        each had its own copy, so losses and gradients equal the plain row's up to float rounding
+        (`tests/test_shared_prompts.py`)."""
         row = None
         if policy is not None and self.share_prompts and model.config._attn_implementation == PACKED_SDPA:
             row = share_prompts(packed, policy)
@@ -884,8 +847,10 @@ class FSDPPPOActor(_TrainEngine):
 
     def ppo_update(self, batch: Batch) -> Dict[str, float]:
         """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories), each a
-        `train_batch` with the package's PPO loss (`ppo_loss_fn`); returns averaged stats (see module docstring).
-        AReaL's returns None and logs its statistics through `areal.utils.stats_tracker`."""
+        `train_batch` with the package's PPO loss (`ppo_loss_fn`) on a contiguous chunk of rows (whole GRPO groups
+        when the sizes divide). Returns each minibatch's means over policy tokens, averaged over minibatches, with
+        `skipped`, `n_tokens` and `silent_rows` summed. AReaL's returns None and logs its statistics through
+        `areal.utils.stats_tracker`."""
         batch = self._train_ready(batch)
         cfg = self.config
         if "advantages" not in batch:
@@ -972,7 +937,12 @@ class FSDPPPOActor(_TrainEngine):
     @staticmethod
     def _silent_rows(batch: Dict[str, torch.Tensor]) -> set:
         """Rows whose advantages are zero at every policy token: `ppo_loss_fn` is exactly zero on them, with a
-        zero gradient ("Rows without signal")."""
+        zero gradient ("Rows without signal": a GRPO group whose samples all scored the same).
+
+        `ppo_update` runs no forward or backward for them; their policy tokens still count in the global mean's
+        denominator, so the step is the same as computing them (`tests/test_actor.py`). The statistics then cover the
+        computed rows, and `silent_rows` says how many were not. `train_batch` computes every row: it cannot know
+        whether your loss vanishes with the advantage."""
         mask = policy_mask(batch["loss_mask"], batch["attention_mask"])
         signal = (batch["advantages"].to(torch.float64) * mask).ne(0).any(dim=1)
         return {int(i) for i in torch.nonzero(~signal).flatten()}
@@ -981,7 +951,10 @@ class FSDPPPOActor(_TrainEngine):
         self, batch, rows: List[int], loss_fn: LossFn, loss_weight_fn: WeightFn, silent: Collection[int] = ()
     ) -> Dict[str, float]:
         """One optimizer step on `rows`: every micro-batch's backward, then clip and step (or skip). Rows in
-        `silent` have a zero loss and gradient: they count in the loss weights but run no forward pass."""
+        `silent` have a zero loss and gradient: they count in the loss weights but run no forward pass.
+
+        A step whose gradient norm is not finite is skipped: gradients zeroed, no optimizer step, `skipped = 1` in the
+        stats. One bad batch must not turn every weight into NaN."""
         B, L = batch["input_ids"].shape
         mask = policy_mask(batch["loss_mask"], batch["attention_mask"])
         self._check_same_batch(mask[rows])

@@ -5,29 +5,19 @@
 staleness bound allows right now.
 
 Design decisions
-- Three jobs, three modules, one facade. `areal_lite.infra.remote_inf_engine` talks HTTP (retries, rid routing,
-  interrupt/resume, weight-update calls), `areal_lite.infra.workflow_executor` runs episodes under the staleness
-  bound (`WorkflowExecutor`, with `areal_lite.infra.staleness_manager.StalenessManager`), and this module owns what they
-  share -- the background thread and its event loop -- and
-  keeps AReaL 1.0.4's public API in one class, so a notebook cell moves between the two projects unchanged. AReaL
-  keeps its workflow executor and staleness manager apart from the engine the same way.
-- One background thread owns one asyncio event loop, and every episode and every HTTP request runs on it. Notebook
-  cells, scripts and trainers call the synchronous methods (`wait`, `rollout_batch`, `pause`, ...) from their own
-  thread; those hand work to the loop with `run_coroutine_threadsafe` and block on the result. Nothing here ever
-  calls `asyncio.run`, so it all works under Jupyter's already-running loop.
-- `agenerate` is usable from any loop: a call from a foreign loop (e.g. a notebook's top-level `await`) is
-  forwarded to the background loop, where the client's one HTTP session lives, and awaited there with
-  `asyncio.wrap_future`; cancelling the caller cancels the request.
-- Pausing raises two flags before the servers abort their requests: the executor's (no queued episode starts) and
-  the client's (an aborted request waits instead of re-sending). Resuming lowers them after the servers continue.
-- One facade, two wire protocols. The client speaks SGLang's (`SGLangClient`: SGLang and the embedded server) or
-  vLLM's (`areal_lite.engine.vllm_client.VLLMClient`); `RemotevLLMEngine` (AReaL's name) always uses the second, and
-  `RemoteSGLangEngine` asks its servers on `initialize` (`GET /v1/models`, owned by "vllm") and switches to it
-  when they are vLLM, so a notebook written with `RemoteSGLangEngine` runs unchanged on `backend=vllm`. (AReaL's
-  own `RemoteSGLangEngine` would fail against a vLLM server.)
-- `destroy()` never hangs: it asks the servers to abort this engine's requests (they come back with their partial
-  output, `stop_reason="abort"`), cancels the episodes, closes the session and joins the thread, each step with a
-  time limit. The servers themselves are left running and unpaused.
+- Three jobs, three modules, one facade: `infra.remote_inf_engine` talks HTTP, `infra.workflow_executor` runs
+  episodes under the staleness bound, and this module owns what they share (the background thread and its loop)
+  and keeps AReaL 1.0.4's public API in one class, so a notebook cell moves between the two projects unchanged.
+- One background thread owns one asyncio event loop; every episode and HTTP request runs on it. Synchronous methods
+  hand work to it (`run_coroutine_threadsafe`) and block; nothing calls `asyncio.run`, so it works under Jupyter's
+  running loop. `agenerate` also works from a foreign loop (a notebook's top-level `await`): it is forwarded.
+- Pausing raises the executor's and the client's flags before the servers abort their requests; resuming lowers
+  them after the servers continue.
+- One facade, two wire protocols: `initialize` asks the servers (`GET /v1/models`) and switches to
+  `engine.vllm_client.VLLMClient` when they are vLLM, so a notebook written for `RemoteSGLangEngine` runs on
+  `backend=vllm` (AReaL's would fail there). `RemotevLLMEngine` (AReaL's name) always speaks vLLM.
+- `destroy()` never hangs: the servers abort this engine's requests, episodes are cancelled, the session closed and
+  the thread joined, each with a time limit. The servers are left running and unpaused.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The HTTP client of vLLM servers: `SGLangClient`'s method set and behaviour, spoken in vLLM's protocol.
 
-`RemotevLLMEngine` uses it, and so does `RemoteSGLangEngine` when the servers it is given turn out to be vLLM (so a
-notebook runs unchanged with `AREAL_LITE_OVERRIDES="backend=vllm"`). Everything above the wire -- retries, rid
-routing, interrupt and resume, versions, shutdown -- is `areal_lite.infra.remote_inf_engine.SGLangClient`'s; this
-class replaces only the calls that differ. The server is started by `launch_server(..., backend="vllm")` with
-`VLLM_SERVER_DEV_MODE=1`
-(the pause, abort and RPC endpoints) and the kit's worker extension (`areal_lite/kit/vllm_ext`).
+`RemotevLLMEngine` uses it, and so does `RemoteSGLangEngine` when its servers turn out to be vLLM (`is_vllm`), so a
+notebook runs unchanged with `AREAL_LITE_OVERRIDES="backend=vllm"`. Retries, rid routing, interrupt and resume,
+versions and shutdown are `SGLangClient`'s; this class replaces only the calls that differ. The server is started
+by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1` and the kit's worker extension (`kit/vllm_ext`).
 
 | what | SGLang-compatible server | vLLM 0.32 |
 | --- | --- | --- |
@@ -15,27 +13,10 @@ class replaces only the calls that differ. The server is started by `launch_serv
 | disk weight update | `/update_weights_from_disk` | `/collective_rpc` (kit's extension), `/reset_prefix_cache` |
 
 Design decisions
-- Logprobs: the launcher starts vLLM with `--logprobs-mode processed_logprobs` (`vLLMConfig.logprobs_mode`), the
-  log-softmax of the logits after temperature, which is SGLang's default and the embedded server's, and what the
-  trainer recomputes at `actor.temperature`. vLLM's own default, `raw_logprobs`, is taken before temperature (the
-  embedded server's `--return-original-logprob`); the two agree at temperature 1 and for greedy decoding. One
-  difference remains: with top-k or top-p sampling vLLM's processed logprobs are renormalised over the kept tokens,
-  SGLang's are not (the kit's configs sample with neither).
-- Token ids in and out: special tokens are kept, and a matched stop string stays in the output (vLLM, like SGLang
-  with `no_stop_trim`, reports the token ids it sampled; `include_stop_str_in_output` keeps the text consistent).
-  `--generation-config vllm` at launch keeps the model folder's `generation_config.json` from adding sampling
-  defaults (a repetition penalty, say) that the request did not ask for.
-- Abort by id: vLLM keys a completion by `cmpl-<request_id>-<index>`; with the bare id it aborts nothing and still
-  answers 200, so the client always sends the internal form.
-- Weight updates from disk: `POST /collective_rpc` runs `areal_lite_reload_weights` in every worker (vLLM's own
-  `reload_weights` leaves a tied output layer on the old weights: see the extension's docstring), then
-  `POST /reset_prefix_cache` (without it, a cached prompt prefix keeps the old weights' keys and values: a
-  565-token prompt diverged by up to 2.45 in logprob). A reset is refused while requests hold cache blocks, so it
-  is retried for a few seconds. An update outside `pause()` first waits for the running requests
-  (`/pause?mode=wait`, then `/resume`), as SGLang's update does, so no token mixes two versions.
-- Versions: vLLM's completions carry no weight version, so every token gets the engine's version when its chunk
-  was sent (exact, since weights only change while requests are paused or drained).
-- NCCL (GPU) weight updates are not implemented for vLLM: `update_weights` with an NCCL meta raises at once.
+- Logprobs after temperature, as SGLang and the trainer compute them (`VLLMClient`); token ids in and out, special
+  tokens and matched stop strings kept (`completion_body`).
+- A weight update reloads every worker and resets the prefix cache, never mixing two versions (`load_from_disk`).
+- Disk updates of full weights only: NCCL and LoRA weight updates raise at once.
 """
 
 from __future__ import annotations
@@ -58,7 +39,12 @@ _RESET_TRIES, _RESET_PAUSE = 50, 0.1  # /reset_prefix_cache refused while blocks
 
 def completion_body(g: Any, input_ids: List[int], max_new_tokens: int, min_new_tokens: int, rid: str) -> dict:
     """The `/v1/completions` body of one chunk: the same sampling as `config.sampling_params` (SGLang's), in
-    vLLM's flat field names. Stop strings included: AReaL 1.0.4's `RemotevLLMEngine` leaves them out."""
+    vLLM's flat field names. Stop strings included: AReaL 1.0.4's `RemotevLLMEngine` leaves them out.
+
+    Special tokens are kept, and a matched stop string stays in the output: vLLM, like SGLang with `no_stop_trim`,
+    reports the token ids it sampled, and `include_stop_str_in_output` keeps the text consistent with them. (The
+    launcher's `--generation-config vllm` keeps the model folder's `generation_config.json` from adding sampling
+    defaults, a repetition penalty say, that the request did not ask for.)"""
     p = sampling_params(g, max_new_tokens=max_new_tokens)
     body = {
         "prompt": [int(t) for t in input_ids],
@@ -103,7 +89,15 @@ def parse_completion(result: Any, addr: str) -> tuple:
 
 
 class VLLMClient(SGLangClient):
-    """`SGLangClient` for vLLM servers (see the module docstring); the same methods, flags and threading rules."""
+    """`SGLangClient` for vLLM servers (see the module docstring); the same methods, flags and threading rules.
+
+    Logprobs: the launcher starts vLLM with `--logprobs-mode processed_logprobs` (`vLLMConfig.logprobs_mode`), the
+    log-softmax of the logits after temperature: SGLang's default, the embedded server's, and what the trainer
+    recomputes at `actor.temperature`. vLLM's own default, `raw_logprobs`, is taken before temperature (the embedded
+    server's `--return-original-logprob`); the two agree at temperature 1 and for greedy decoding. One difference
+    remains: with top-k or top-p vLLM's processed logprobs are renormalised over the kept tokens, SGLang's are not.
+    Versions: vLLM's completions carry no weight version, so every token gets the engine's version when its chunk
+    was sent (exact, since weights only change while requests are paused or drained)."""
 
     @classmethod
     def take_over(cls, other: SGLangClient) -> "VLLMClient":
@@ -146,6 +140,11 @@ class VLLMClient(SGLangClient):
         return super().weight_update(meta, version, timeout)
 
     async def load_from_disk(self, path: str, version: int) -> None:
+        """`POST /collective_rpc` runs `areal_lite_reload_weights` in every worker (vLLM's own `reload_weights`
+        leaves a tied output layer on the old weights: see the extension's docstring), then `/reset_prefix_cache`:
+        without it, a cached prompt prefix keeps the old weights' keys and values. Outside `pause()` the running
+        requests finish first (`/pause?mode=wait`, then `/resume`), as SGLang's update does, so no token mixes two
+        versions."""
         drain = not self.paused  # outside pause(): let running requests finish on the old weights first
         if drain:
             await self.post_all("/pause?mode=wait", {})
@@ -160,6 +159,7 @@ class VLLMClient(SGLangClient):
                 await self.post_all("/resume", {})
 
     async def _reset_prefix_cache(self, addr: str) -> None:
+        """A reset is refused while requests hold cache blocks: retried for a few seconds."""
         for _ in range(_RESET_TRIES):
             ans = await self.request("POST", addr, "/reset_prefix_cache", {})
             if not isinstance(ans, dict) or ans.get("success", True):

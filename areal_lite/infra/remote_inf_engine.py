@@ -1,44 +1,22 @@
 """The HTTP client of SGLang-compatible servers: requests, rid routing, interrupt/resume, weight-update calls.
 
 `SGLangClient` is what `RemoteSGLangEngine.agenerate`, `pause`, `resume` and `update_weights` use underneath. It
-knows servers, requests and versions; it knows nothing about workflows, episodes or the staleness bound (that is
-`areal_lite.infra.workflow_executor`). Every coroutine here runs on the engine's one background event loop.
+knows servers, requests and versions, nothing of workflows or the staleness bound (`infra.workflow_executor`).
+Every coroutine here runs on the engine's one background event loop.
 
 Design decisions
-- One aiohttp session and one connection pool, made on the background loop and closed by `close()`. aiohttp
-  sessions are bound to the loop that made them, so the engine forwards calls from other loops here instead of
-  opening a session per caller loop (which could not be closed cleanly when that loop is blocked or gone).
-- Retries: connection errors and HTTP 5xx are retried with exponential backoff, at most `request_retries` times and
-  within `request_timeout` seconds per HTTP call (each resumed chunk gets a fresh budget; time spent paused is not
-  counted). HTTP 4xx means the request is wrong: `EngineError` with the server's message, at once -- retrying a
-  wrong request only delays the message the learner needs to read.
-- Interrupt and resume: the engine sets `paused` and then calls `abort_all()`, which asks every server to abort its
-  running requests. An aborted request waits (polling `pause_poll_interval`) until `paused` is cleared, then is
-  re-sent as prompt + tokens so far with the remaining `max_new_tokens` (and `min_new_tokens`) budget; tokens,
-  logprobs and versions accumulate, so a weight update in the middle of a generation loses nothing. The flag goes up
-  *before* the abort, so an aborted request always sees it and waits instead of re-sending to the old weights.
-  An abort nobody asked for (not paused) is resumed the same way; if it keeps coming back with no new token, that
-  is a server fault and raises after `request_retries` tries with backoff. Known limit: a stop string split across
-  the interruption point is not detected (the server only sees the new text).
-- Versions: each output token carries the server's `meta_info.weight_version` when it is an integer, otherwise the
-  engine's version *when the chunk was sent* (`current_version()`). Weights only change while requests are
-  paused/aborted (or the server waits for running requests before loading), so the send-time version is exact; the
-  return-time version would race with the trainer's `set_version()` that follows `pause()`.
-- `ttft` is approximate: requests are not streamed, so it is the time until the first response that carried at
-  least one token. `latency` is wall time including pauses.
-- rid affinity: requests with the same `rid` go to the same server (its prefix cache holds the conversation); new
-  rids are spread round-robin, and the oldest of `_RID_CACHE` rids is forgotten first. If a rid is already in flight
-  (a group of samples sharing one request object), the wire rid gets a unique suffix so the server never sees
-  duplicates.
-- LoRA (`rollout.use_lora`), AReaL's wire shapes: every /generate carries `lora_path = <gconfig.lora_name>-v<k>`,
-  k the version when the chunk is sent (a chunk resumed after a weight update names the new adapter); a disk update
-  with `meta.use_lora` POSTs /load_lora_adapter {lora_name: <meta.lora_name>-v<k>, lora_path: the version folder}
-  instead of /update_weights_from_disk, then, best effort, /unload_lora_adapter for version k -
-  `meta.lora_keep_versions` (when that is positive), as AReaL's client does.
-- Shutting down: `closing` makes an aborted request return its partial output marked `stop_reason="abort"` (the only
-  way to get that stop reason) instead of resuming; `abort_inflight()` asks the servers to abort this client's
-  requests with one short attempt each, since a server may be the reason for shutting down. The servers themselves
-  are left running and unpaused.
+- One aiohttp session, made on the background loop and closed by `close()`: a session is bound to the loop that
+  made it, so the engine forwards calls from other loops here rather than open one per caller loop.
+- Retries: connection errors and 5xx are retried with backoff (`request`); a 4xx is an `EngineError` at once, with
+  the server's message: retrying a wrong request only delays the message the learner needs to read.
+- Interrupt and resume (`_generate_chunks`): `paused` goes up before `abort_all()`; an aborted request waits, then
+  is re-sent as prompt + tokens so far with the remaining budget, so a weight update mid-generation loses nothing.
+- Versions: each token carries the server's `weight_version`, else the engine's version when its chunk was sent
+  (exact: weights change only while requests are paused or drained; the version at return would race).
+- rid affinity (`choose_server`): the same rid goes to the same server, whose prefix cache holds the conversation.
+- LoRA (`rollout.use_lora`) uses AReaL's wire shapes: `lora_path = <lora_name>-v<k>` (`lora_path`, `load_lora`).
+- Shutting down (`closing`, `abort_inflight`): aborted requests return their partial output, `stop_reason="abort"`;
+  the servers are left running and unpaused.
 """
 
 from __future__ import annotations
@@ -297,7 +275,10 @@ class SGLangClient:
     # -------------------------------------------------------------------------------------------- HTTP
 
     async def request(self, method: str, addr: str, endpoint: str, body: Optional[dict] = None) -> Any:
-        """One HTTP call with retries on connection errors and 5xx; 4xx raises EngineError at once."""
+        """One HTTP call with retries on connection errors and 5xx; 4xx raises EngineError at once.
+
+        At most `request_retries` retries, with exponential backoff, within `request_timeout` seconds for the call
+        (each resumed chunk of a generation is its own call; time spent paused is not counted)."""
         budget, retries = self.config.request_timeout, max(0, self.config.request_retries)
         deadline = time.monotonic() + budget
         delay, last, attempts = _BACKOFF_START, "no attempt made", 0
@@ -360,7 +341,11 @@ class SGLangClient:
     # -------------------------------------------------------------------------------------------- generation
 
     async def generate(self, req: ModelRequest) -> ModelResponse:
-        """Generate for one checked request (`check_request`), resuming across aborts until stop or length."""
+        """Generate for one checked request (`check_request`), resuming across aborts until stop or length.
+
+        A rid already in flight (a group of samples sharing one request object) gets a unique suffix on the wire, so
+        the server never sees duplicates. `ttft` is approximate: requests are not streamed, so it is the time until
+        the first response that carried a token. `latency` is wall time, pauses included."""
         addr = self.choose_server(req.rid)
         wire_rid = req.rid if req.rid not in self._inflight else f"{req.rid}-{uuid.uuid4().hex[:8]}"
         self._inflight[wire_rid] = addr
@@ -420,7 +405,15 @@ class SGLangClient:
         return not self.closing
 
     async def _generate_chunks(self, req: ModelRequest, addr: str, wire_rid: str, out: _Generation) -> None:
-        """Send the request, then re-send the rest after every abort; sets `out.stop_reason` when it ends."""
+        """Send the request, then re-send the rest after every abort; sets `out.stop_reason` when it ends.
+
+        An aborted request waits (polling `pause_poll_interval`) until `paused` is cleared, then is re-sent as
+        prompt + tokens so far with the remaining `max_new_tokens` (and `min_new_tokens`) budget; tokens, logprobs
+        and versions accumulate. The engine raises `paused` *before* the abort, so an aborted request always sees it
+        and waits instead of re-sending to the old weights. An abort nobody asked for is resumed the same way; one
+        that keeps coming back with no new token is a server fault and raises after `request_retries` tries.
+        Known limit: a stop string split across the interruption point is not detected (the server sees only the new
+        text)."""
         g = req.gconfig
         prompt = [int(t) for t in req.input_ids]
         # AReaL's rule: max_tokens bounds prompt + output, so a request generates at most what is left of it.

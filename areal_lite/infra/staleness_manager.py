@@ -1,9 +1,19 @@
 """The staleness bound: `StalenessManager` holds the rollout counters and the one rule that says how many episodes
-may start now (AReaL 1.0.4's `areal.infra.staleness_manager`).
+may start now (AReaL 1.0.4's `areal.infra.staleness_manager`). New asynchronous episodes start while
+
+    capacity = min(max_concurrent_rollouts - running, (eta + v - v0 + 1) * B - (accepted + running)) > 0
+
+v = current version, B = consumer_batch_size, eta = max_head_offpolicyness; `accepted` counts every accepted
+asynchronous episode so far, consumed or not; `running` counts every running episode in the first term and the
+asynchronous ones in the second (`rollout_batch` episodes are outside the bound). `max_concurrent_rollouts=None`
+means B, as in AReaL. `queue_size`, when set, also stops new starts once unconsumed results + running episodes
+reach it (backpressure). v0 is the version at which the first episode started: 0 in a fresh run, so the rule is
+AReaL's exactly; a run resumed at version k would otherwise start (k + 1) * B episodes at once, all k versions stale
+by the time they are consumed.
 
 Pure methods (`bound`, `headroom`, `capacity`) and `explain()`, which says in words what the bound is and why, so
-a notebook can print it and a test can check it with hand-built numbers and no server. The rule itself, and how the
-executor uses it, is described in `areal_lite.infra.workflow_executor`'s docstring.
+a notebook can print it and a test can check it with hand-built numbers and no server. The executor
+(`areal_lite.infra.workflow_executor`) reads and updates the counters under its lock.
 """
 
 from __future__ import annotations

@@ -2,40 +2,20 @@
 
 `WorkflowExecutor` runs workflows (`await workflow.arun_episode(engine, data)`) on the engine's background event
 loop and owns what `submit`/`wait`/`rollout_batch`/`prepare_batch` do; `StalenessManager` holds the counters and
-the one rule that says how many episodes may start now. Neither talks HTTP: a workflow reaches the servers through
-the engine it is handed.
+the rule (`areal_lite.infra.staleness_manager`). Neither talks HTTP: a workflow reaches the servers via the engine.
 
 Design decisions
-- The staleness rule lives in one small class, `StalenessManager`, with pure methods (`bound`, `headroom`,
-  `capacity`) and `explain()`, which says in words what the bound is and why -- so a notebook can print it, and a
-  test can check it with hand-built numbers and no server. New episodes start while
-      capacity = min(max_concurrent_rollouts - running, (eta + v + 1) * B - (accepted + running)) > 0
-  (v = current version, B = consumer_batch_size, eta = max_head_offpolicyness; `accepted` counts every accepted
-  asynchronous episode so far, consumed or not; `running` counts every running episode in the first term and the
-  asynchronous ones in the second, see the next point). Versions count from v0, the version at which the first
-  episode started: 0 in a fresh run, so the rule is AReaL's exactly; a run resumed at version k would otherwise
-  start (k + 1) * B episodes at once, all k versions stale by the time they are consumed.
-  `max_concurrent_rollouts=None` means B, as in AReaL. `queue_size`, when set, also stops new starts while
-  finished-but-unconsumed results + running episodes reach it (backpressure).
-- Episodes of a `rollout_batch` are synchronous: they are generated with the current weights and consumed at once,
-  so their staleness is 0 by construction; only the concurrency limit applies to them, and they count neither as
-  `accepted` nor as `running` in the bound (AReaL runs them through the bound too, so an evaluation larger than
-  (eta + 1) * B can never start).
+- Episodes of a `rollout_batch` are synchronous: generated with the current weights and consumed at once, so their
+  staleness is 0; only the concurrency limit applies to them. (AReaL runs them through the bound too, so an
+  evaluation larger than (eta + 1) * B can never start.)
 - Event-driven, not polled: `submit`, a finished episode, `set_version`, `set_paused(False)` and consuming results
-  each schedule a "pump" on the loop, which starts queued episodes while the capacity allows. Callers block on one
-  `threading.Condition` that guards all the executor's state (the StalenessManager's counters included) and that
-  every state change notifies.
-- Results are returned in submission order: `wait(n)` takes the n earliest-submitted accepted episodes, and waits
-  for an earlier episode still running rather than pass it. That is what makes the bound a guarantee: an episode
-  that started at version v had fewer than (eta + v + 1) * B episodes accepted or running ahead of it, so it is
-  consumed by step v + eta at the latest. Taking whatever finished first (AReaL sorts the finished ones by creation
-  time, then shuffles) lets a slow episode be passed over step after step and arrive more than eta versions stale.
-  `rollout_batch` returns its own episodes in input order, without rejected ones, and never takes results of
-  `submit`/`prepare_batch`.
-- Fail loudly instead of hanging. A workflow exception is re-raised (same object, so its traceback) in the thread
-  that calls `wait`/`rollout_batch`/`prepare_batch`. When nothing can make progress -- nothing running, and the
-  queue is empty, or blocked by the staleness bound, or paused -- waiting raises with the reason (typically: call
-  `set_version()` after each training step) instead of sleeping forever.
+  each schedule a "pump" that starts queued episodes while the capacity allows. All state sits under one
+  `threading.Condition`, notified on every change.
+- Results come in submission order (`wait`): an episode still running is waited for, never passed, which makes the
+  bound a guarantee (`_take_locked`). AReaL takes whatever finished first, so a slow episode can be passed over step
+  after step. `rollout_batch` returns its own episodes in input order, without rejected ones.
+- Fail loudly instead of hanging: a workflow's exception is re-raised (same object) in the waiting thread; when
+  nothing can make progress, waiting raises with the reason (`_raise_if_stuck_locked`) instead of sleeping forever.
 """
 
 from __future__ import annotations
@@ -414,7 +394,12 @@ class WorkflowExecutor(_EpisodeRunner):
         return results
 
     def _take_locked(self, count: int) -> Optional[List[dict]]:
-        """The `count` oldest accepted results, or None while fewer are ready or an older episode still runs."""
+        """The `count` oldest accepted results, or None while fewer are ready or an older episode still runs.
+
+        Why not whatever finished first: an episode that started at version v had fewer than (eta + v - v0 + 1) * B
+        episodes accepted or running ahead of it, so taken in submission order it is consumed by step v + eta at the
+        latest. Taking the finished ones first (AReaL sorts them by creation time, then shuffles) lets a slow episode
+        be passed over step after step and arrive more than eta versions stale."""
         if self._errors:
             self._errors.sort(key=lambda item: item[0])
             _, exc = self._errors.pop(0)
@@ -435,7 +420,9 @@ class WorkflowExecutor(_EpisodeRunner):
         return any(ep.batch is None and seq < last_seq for seq, ep in self._running.items())
 
     def _raise_if_stuck_locked(self, count: int, who: str) -> None:
-        """Raise if no event can ever produce the missing results (only another thread could unblock us)."""
+        """Raise if no event can ever produce the missing results (only another thread could unblock us): nothing
+        running, and the queue empty, or blocked by the staleness bound (typically: call `set_version()` after each
+        training step), or paused."""
         if self.paused and len(self._ready) >= count:
             raise RuntimeError(
                 f"{who}({count}) cannot finish: the engine is paused: call engine.resume() (earlier episodes still "

@@ -2,25 +2,15 @@
 
 A notebook cell's imports convert to AReaL 1.0.4 by one rule: the package is laid out as AReaL's, so
 `from areal_lite.<path> import <name>` becomes `from areal.<path> import <name>`, except for the kit-only names
-listed here. The rule rewrites imports and nothing else; the few calls AReaL takes differently (a config file to
-convert, `WeightUpdateMeta.from_disk`'s arguments, `rollout_batch` at a fixed version) are named at their cells in
-notebook 07, which executes the converted cells it can. This module is the one place that says which names are
-which:
-
-- `AREAL_NAMES`: every kit name that has an AReaL 1.0.4 twin with the same name, signature, defaults and return
-  type, and its AReaL module, which is the kit's module with the prefix swapped. `tests/test_areal_api.py` checks
-  each against the installed AReaL (the parameters AReaL declares come first, in its order, with its defaults; kit
-  extras are keyword-only) and `tests/test_package.py` checks the paths.
-- `KIT_ONLY`: the kit's conveniences that AReaL does not have (launching a server in a notebook, packaged data,
-  plots, viewers, the CPU trainer), each with what an AReaL experiment uses instead. A cell that uses one keeps
-  importing it from `areal_lite` (`pip install areal-lite` beside `areal`) or swaps it for the AReaL way.
-- `to_areal_cell(source)`: that rule applied to a cell's import statements (kit-only names stay imported from the
-  kit). Notebook 07 prints cells side by side with it and runs the AReaL version.
-- `register_with_areal()`: AReaL's engine accepts only instances of `areal.api.RolloutWorkflow`. The kit's
-  workflows derive from the kit's own base (the package never imports `areal`: importing it pulls in ray and its
-  schedulers), so this registers that base as a virtual subclass of AReaL's (an ABC). Call it once in a process
-  that runs kit workflows under AReaL's engine; a workflow a learner writes against `areal.api.RolloutWorkflow`
-  needs nothing.
+listed here. The rule rewrites imports and nothing else; the few calls AReaL takes differently are named at their
+cells in the to-AReaL notebook (08_to_areal), which runs the converted cells it can. This module says which is which:
+- `AREAL_NAMES`: every kit name with an AReaL 1.0.4 twin (same name, signature, defaults, return type) and its AReaL
+  module; `tests/test_areal_api.py` checks each against the installed AReaL, `tests/test_package.py` the paths.
+- `KIT_ONLY`: the kit's conveniences AReaL does not have, each with what an AReaL experiment uses instead.
+- `to_areal_cell(source)`: the rule applied to a cell's imports (kit-only names stay imported from the kit).
+- `register_with_areal()`: AReaL's engine accepts only `areal.api.RolloutWorkflow` instances, and the kit never
+  imports `areal` (it pulls in ray), so this registers the kit's workflow base as a virtual subclass of AReaL's.
+- `export_areal_experiment`: notebook cells as a runnable AReaL script, config and data (`kit.areal_run` trains it).
 
 Where AReaL 1.0.4 itself behaves badly, the kit keeps its fix and the notebook says so at that cell:
 `rollout_batch` at a fixed version returns (AReaL's blocks forever once the staleness bound is reached), and a
@@ -105,7 +95,7 @@ KIT_ONLY: Dict[str, str] = {
     "ConfigError": "AReaL raises hydra/omegaconf errors",
     "GroupedWorkflow": "pass `group_size=` to rollout_batch/prepare_batch (the kit accepts that too)",
     "ReflectionWorkflow": "closest: `areal.workflow.multi_turn.MultiTurnWorkflow`",
-    "SearchAgentWorkflow": "write it against `areal.api.RolloutWorkflow` (notebook 04 does)",
+    "SearchAgentWorkflow": "write it against `areal.api.RolloutWorkflow` (notebook 05 does)",
     "MultiTurnFeedbackWorkflow": "AReaL's MultiTurnWorkflow gives one discounted reward per row (no per-turn returns)",
     "discounted_returns": "a three-line loop",
     "TrainConfig": "`areal.api.cli_args.GRPOConfig`",
@@ -137,6 +127,8 @@ KIT_ONLY: Dict[str, str] = {
     "`get_capacity()` is the same rule, with no `explain()`)",
     "check_cases": "a notebook exercise check; in tests, plain `assert` or pytest.approx",
     "request_sampling": "a notebook exercise check; in tests, read `request.gconfig`",
+    "run_cells_defining": "put the code you wrote in a module and import it (AReaL runs scripts, not notebooks)",
+    "describe_line": "`lscpu` (or `/proc/cpuinfo`): AReaL logs no CPU description",
 }
 
 
@@ -200,7 +192,10 @@ def to_areal_cell(source: str) -> str:
 
 
 def register_with_areal() -> None:
-    """Make AReaL 1.0.4's engine accept the kit's workflows (`isinstance(wf, areal.api.RolloutWorkflow)`)."""
+    """Make AReaL 1.0.4's engine accept the kit's workflows (`isinstance(wf, areal.api.RolloutWorkflow)`).
+
+    Call it once in a process that runs kit workflows under AReaL's engine; a workflow a learner writes against
+    `areal.api.RolloutWorkflow` needs nothing."""
     from areal.api import RolloutWorkflow as AReaLRolloutWorkflow
 
     from areal_lite.api.workflow_api import RolloutWorkflow
@@ -209,7 +204,7 @@ def register_with_areal() -> None:
         AReaLRolloutWorkflow.register(RolloutWorkflow)
 
 
-_SCRIPT = '''"""{name}: an AReaL {version} experiment exported by areal-lite (notebook 07).
+_SCRIPT = '''"""{name}: an AReaL {version} experiment exported by areal-lite (notebook 08).
 
 The cells below are the notebook's, with their imports rewritten for AReaL; kit-only helpers they use are still
 imported from `areal_lite` (install it beside AReaL). Run where the servers can start (a GPU machine or cluster):

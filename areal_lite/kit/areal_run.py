@@ -1,25 +1,18 @@
-"""Train notebook 07's exported experiment with AReaL 1.0.4's own trainer on this CPU: `make areal-run`.
+"""Train notebook 08_to_areal's exported experiment with AReaL 1.0.4's own trainer on this CPU: `make areal-run`.
 
     python -m areal_lite.kit.areal_run [--export runs/areal_export] [--steps 2] [--no-resume]
 
 Design decisions
-- What runs is the export, unchanged: `search_agent_areal.py` (notebook 04's agent cell with AReaL imports, and a
-  `main` that calls AReaL's `PPOTrainer`) with `search_agent_cpu.yaml` (the kit's CPU profile, converted by
-  `to_areal_config`). AReaL's code is not patched; every CPU difference is a command-line override listed in
-  `cpu_overrides`, each with its reason.
+- What runs is the export, unchanged: `search_agent_areal.py` (notebook 05_search_agent's agent cells with AReaL
+  imports, and a `main` that calls AReaL's `PPOTrainer`) with `search_agent_cpu.yaml` (the kit's CPU profile,
+  converted by `to_areal_config`). AReaL's code is not patched; every CPU difference is a command-line override,
+  each with its reason (`cpu_overrides`).
 - AReaL is started the way its own local launcher starts a trainer next to servers that are already up: `torchrun`
   with `AREAL_SPMD_MODE=1` and `AREAL_LLM_SERVER_ADDRS`. `scheduler.type=local` would have AReaL launch SGLang
   itself, which needs CUDA; here the kit's embedded server stands in for SGLang (AReaL's `RemoteSGLangEngine` talks
   to it over SGLang's HTTP API), and the RAG server answers the agent's searches.
-- The seams found on the way (each is a documented override, not a patch):
-  1. AReaL's FSDP actor hands the model a per-layer-type attention-mask dict, which Qwen-family models take and
-     Llama models (SmolLM2) reject: the run uses SmolLM2's weights in Qwen2's layout (`as_qwen2_layout`, same
-     logits).
-  2. flash-attention is CUDA-only: `attn_impl=sdpa`. 3. NCCL is GPU-only: `weight_update_mode=disk`.
-  4. On CPU, AReaL packs a micro-batch's rows into one sequence and sdpa lets later rows attend to earlier ones
-     (tests/test_areal_maths.py): `mb_spec.n_mbs` = rows per step puts each row in a micro-batch of its own.
-  5. The exported workflow must ask for one sample per request (`gconfig.new(n_samples=1)`): AReaL's trainer
-     groups the n samples itself and its engine refuses `n_samples > 1` in `agenerate`.
+- The exported workflow asks for one sample per request (`gconfig.new(n_samples=1)`): AReaL's trainer groups the n
+  samples itself and its engine refuses `n_samples > 1` in `agenerate`.
 - Recovery is AReaL's own: `recover.mode=on` with a checkpoint every step; the second run asks for one more step
   and must start where the first stopped.
 - Statistics are read from AReaL's printed per-step table (the one thing it prints for every step).
@@ -46,7 +39,15 @@ SHOWN = {"reward": "ppo_actor/task_reward/avg", "loss": "ppo_actor/update/actor_
 
 
 def cpu_overrides(model_path: str, rows_per_step: int, fileroot: str, steps: int) -> List[str]:
-    """AReaL command-line overrides for this CPU, each with its reason (see the module docstring)."""
+    """AReaL command-line overrides for this CPU, each with its reason. The seams:
+    1. AReaL's FSDP actor hands the model a per-layer-type attention-mask dict, which Qwen-family models take and
+       Llama models (SmolLM2) reject: the run uses SmolLM2's weights in Qwen2's layout (`as_qwen2_layout`, same
+       logits).
+    2. flash-attention is CUDA-only: `attn_impl=sdpa`.
+    3. NCCL is GPU-only: `weight_update_mode=disk`.
+    4. On CPU, AReaL packs a micro-batch's rows into one sequence and sdpa lets later rows attend to earlier ones
+       (tests/test_areal_maths.py): `mb_spec.n_mbs` = rows per step puts each row in a micro-batch of its own.
+    """
     return [
         f"++actor.path={model_path}",  # seam 1: Qwen2 layout
         f"++tokenizer_path={model_path}",
@@ -114,13 +115,13 @@ def _tail(log: str, n: int = 40) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--export", default="runs/areal_export", help="folder notebook 07 exported to")
+    ap.add_argument("--export", default="runs/areal_export", help="folder notebook 08 exported to")
     ap.add_argument("--steps", type=int, default=2, help="training steps of the first run")
     ap.add_argument("--no-resume", action="store_true", help="skip the second run that resumes from the checkpoint")
     args = ap.parse_args(argv)
     export = os.path.abspath(args.export)
     if not os.path.exists(os.path.join(export, "search_agent_areal.py")):
-        print(f"areal-run: no export in {export}: run notebook 07 first (make areal-run does)")
+        print(f"areal-run: no export in {export}: run notebook 08 first (make areal-run does)")
         return 2
     from areal_lite.api.cli_args import EmbeddedServerConfig
     from areal_lite.dataset.factbook import build_factbook_corpus

@@ -21,6 +21,7 @@ def check_cases(cases: Mapping[str, Tuple[Any, Any]], tol: float = 1e-9) -> None
     """Compare each case's `(expected, got)`, print a line per case, raise `AssertionError` naming the first miss."""
     failures = []
     for name, (expected, got) in cases.items():
+        expected, got = _plain(expected), _plain(got)
         if _close(expected, got, tol):
             print(f"ok    {name}")
         else:
@@ -42,6 +43,15 @@ def request_sampling(requests: Iterable[Any]) -> List[Tuple[Any, ...]]:
         (g.n_samples, g.max_new_tokens, g.temperature, g.greedy, sorted(g.stop or []))
         for g in (r.gconfig for r in requests)
     ]
+
+
+def _plain(x: Any) -> Any:
+    """numpy arrays and scalars, tensors: the lists and numbers they hold (a right answer passes in any of them)."""
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x] if isinstance(x, list) else tuple(_plain(v) for v in x)
+    if not isinstance(x, (str, bytes)) and callable(getattr(x, "tolist", None)):
+        return x.tolist()
+    return x
 
 
 def _close(expected: Any, got: Any, tol: float) -> bool:

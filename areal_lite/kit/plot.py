@@ -120,15 +120,37 @@ def _axes(ax, figsize=(6, 3.5)):
     return fig, ax
 
 
-def _curve(ax, rows, keys: Sequence[str], what: str, smoothing: float, legend: bool = True) -> None:
-    """One statistic per step: faint points and their smoothed line (the per-step values of RL are noisy)."""
+def _curve(
+    ax,
+    rows,
+    keys: Sequence[str],
+    what: str,
+    smoothing: float,
+    legend: bool = True,
+    n: Optional[int] = None,
+    name: Optional[str] = None,
+) -> list:
+    """One statistic per step: faint points and their smoothed line (the per-step values of RL are noisy).
+    `n`: how many episodes each point averages, written into the label (an estimate is read with its n); `name`:
+    what the legend calls the statistic (default: its key)."""
     key = _key(rows, keys, what)
     xs, ys = _series(rows, key)
-    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=f"{key} (per step)" if legend else None)
-    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{key} (smoothed)" if legend else None)
+    name = name or key
+    per_step = f"{name} (per step, n={n})" if n else f"{name} (per step)"
+    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=per_step if legend else None)
+    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{name} (smoothed)" if legend else None)
+    return ys
+
+
+def _integer_steps(ax) -> None:
+    """Steps are whole numbers: no tick at 0.5 on a three-step run."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _finish(fig, ax, ylabel: str, title: str, legend: bool = True):
+    _integer_steps(ax)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -149,6 +171,8 @@ def plot_rewards(
     eval_n: Optional[int] = None,
     ylabel: str = "training reward",
     eval_axis: Optional[str] = None,
+    train_n: Optional[int] = None,
+    train_label: Optional[str] = None,
 ):
     """Mean rollout reward per step (points + smoothed line), and held-out evaluations as separate markers.
 
@@ -158,10 +182,14 @@ def plot_rewards(
     to them, never joined by a line, and `eval_n` (the number of held-out problems) goes into their label.
     `eval_axis`: a y-axis label for the evaluations puts them on their own axis on the right, for when they measure
     something else than the training reward (an accuracy in [0, 1] next to a return in [-1.75, 1]).
+    `train_n`: episodes per training step, written into the curve's label; `train_label`: the curve's name there.
+    Rewards in [0, 1] get the whole [0, 1] axis, so that a rise from 0.1 to 0.3 does not look like one from 0 to 1.
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    _curve(ax, rows, REWARD_KEYS, "reward", smoothing)
+    ys = _curve(ax, rows, REWARD_KEYS, "reward", smoothing, n=train_n, name=train_label)
+    if ys and 0 <= min(ys) and max(ys) <= 1 and not eval_axis:
+        ax.set_ylim(-0.05, 1.1)
     points, label = list(evals or []), eval_label
     acc = _key(rows, ACCURACY_KEYS, "accuracy", required=False)
     if not points and acc:
@@ -186,21 +214,31 @@ def plot_rewards(
             target.set_ylim(-0.05, 1.1)
             handles = ax.get_legend_handles_labels()[0] + target.get_legend_handles_labels()[0]
             fig = _finish(fig, ax, ylabel, title, legend=False)
-            ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left", framealpha=0.8)
+            # below the axes: inside, it would hide points of one curve or the other
+            ax.legend(
+                handles, [h.get_label() for h in handles], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2)
+            )
+            fig.tight_layout()
             return fig
     return _finish(fig, ax, ylabel, title)
 
 
-def plot_response_length(stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Response length"):
-    """Mean generated tokens per response, per step."""
+def plot_response_length(
+    stats: Stats, ax=None, smoothing: float = 0.6, title: str = "Response length", n: Optional[int] = None
+):
+    """Mean generated tokens per response, per step (`n`: episodes per step), on an axis from 0: a change of two
+    tokens in forty is drawn as the small change it is."""
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    _curve(ax, rows, LENGTH_KEYS, "response length", smoothing, legend=False)
-    return _finish(fig, ax, "tokens", title, legend=False)
+    _curve(ax, rows, LENGTH_KEYS, "response length", smoothing, n=n)
+    ax.set_ylim(bottom=0)
+    return _finish(fig, ax, "generated tokens per episode", title)
 
 
-def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
-    """Stacked bars per step: generate / logp / update / weight sync (seconds); phases absent everywhere are skipped.
+def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step", generate_label: str = "generate"):
+    """Stacked bars per step: generate / logp / update / weight sync (seconds); phases absent or zero everywhere are
+    left out of the bars and the legend. `generate_label` names the first phase: in an asynchronous run it is the
+    time the trainer waited for rollouts, not the time generation took.
 
     When the stats carry the step's wall time, it is drawn as a line: in asynchronous training generation overlaps
     training, so the bars can add up to more than the step took.
@@ -215,7 +253,9 @@ def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
         if key is None:
             continue
         vals = [float(r.get(key) or 0.0) for r in rows]
-        ax.bar(steps, vals, bottom=bottom, label=label, width=0.8)
+        if not any(vals):
+            continue
+        ax.bar(steps, vals, bottom=bottom, label=generate_label if label == "generate" else label, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
         drawn += 1
     if not drawn:
@@ -223,6 +263,7 @@ def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
     wall = _key(rows, STEP_TIME_KEYS, "step time", required=False)
     if wall:
         ax.plot(*_series(rows, wall), "k.-", label="step wall time")
+    _integer_steps(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.set_title(title)
@@ -232,15 +273,22 @@ def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step"):
     return fig
 
 
-def plot_sync_vs_async(sync_stats, async_stats, title: str = "Synchronous vs asynchronous", skip: int = 1):
-    """Two panels: step wall time per step for both modes, and reward against cumulative wall time.
+def plot_sync_vs_async(
+    sync_stats, async_stats, title: str = "Synchronous vs asynchronous", skip: int = 1, show_reward: bool = True
+):
+    """Two panels: step wall time per step for both modes, and reward against cumulative wall time (`show_reward`;
+    without it, the step times alone).
 
     Each side is one run's stats or a list of runs (several runs are drawn as thin lines of one colour). The legend's
     mean is over every run's steps after the first `skip` (warm-up): the number `kit.overlap.compare_runs` reports,
     so a legend and a printed line never disagree.
     """
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    if show_reward:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    else:
+        fig, ax1 = plt.subplots(figsize=(6, 3.5))
+        ax2 = None
     for colour, (name, stats) in zip(("C0", "C1"), (("sync", sync_stats), ("async", async_stats))):
         runs = _as_runs(stats)
         means = []
@@ -250,7 +298,7 @@ def plot_sync_vs_async(sync_stats, async_stats, title: str = "Synchronous vs asy
             measured = ys[skip:] or ys
             means.append(sum(measured) / len(measured))
             ax1.plot(xs, ys, "o-", color=colour, lw=1.5 if len(runs) == 1 else 1, alpha=1 if len(runs) == 1 else 0.6)
-            rkey = _key(rows, REWARD_KEYS, f"reward ({name})", required=False)
+            rkey = ax2 is not None and _key(rows, REWARD_KEYS, f"reward ({name})", required=False)
             if rkey:
                 elapsed = [sum(ys[: k + 1]) for k in range(len(ys))]
                 rewards = [float(r[rkey]) for r in rows if r.get(wall) is not None]
@@ -259,17 +307,19 @@ def plot_sync_vs_async(sync_stats, async_stats, title: str = "Synchronous vs asy
         ax1.plot(
             [], [], "o-", color=colour, label=f"{name}: mean {sum(means) / len(means):.1f} s (steps {skip}+{runs_text})"
         )
+    _integer_steps(ax1)
     ax1.set_xlabel("step")
     ax1.set_ylabel("seconds per step")
     ax1.set_title("step time")
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
-    ax2.set_xlabel("wall time (s)")
-    ax2.set_ylabel("training reward (smoothed)")
-    ax2.set_title("reward vs time")
-    ax2.grid(alpha=0.3)
-    if ax2.lines:
-        ax2.legend(fontsize=8)
+    if ax2 is not None:
+        ax2.set_xlabel("wall time (s)")
+        ax2.set_ylabel("training reward (smoothed)")
+        ax2.set_title("reward vs time")
+        ax2.grid(alpha=0.3)
+        if ax2.lines:
+            ax2.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     return fig

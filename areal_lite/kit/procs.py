@@ -1,37 +1,22 @@
 """Child server processes: free ports, starting a child that dies with its parent, and a handle to wait for it,
-read its log and stop it. The inference servers (`launch.ServerHandle`) and the retrieval server
-(`rag.RAGServerHandle`) are both built on this module.
+read its log and stop it. The inference servers (`launch.ServerHandle`) and the RAG server (`rag.RAGServerHandle`)
+are both built on this module.
 
     port = find_free_port()
     proc = spawn([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], "/tmp/files.log")
     with ServerProcess(proc, "127.0.0.1", port, "/tmp/files.log", label="file server", health_path="/") as srv:
         srv.wait_ready(timeout=30)       # polls GET http://127.0.0.1:PORT/; on failure the error quotes the log
-        ...                              # leaving the block stops the process
 
 Design decisions
-- A server is a plain child process started from an argv list (never a shell string), with stdout and stderr
-  appended to one log file. Errors quote the last lines of that file, so a failed start explains itself in the
-  notebook instead of saying only "connection refused".
-- No orphans, in layers, because a notebook kernel can be restarted or crash at any time:
-  (1) Linux: the child asks the kernel for SIGTERM when its parent dies (`prctl(PR_SET_PDEATHSIG)`), which covers
-  a SIGKILLed or crashed parent, where no Python code runs. The kernel sends that signal when the *thread* that
-  forked the child exits, so forks requested from other threads are done by one long-lived spawner thread (a
-  server started from a short-lived worker thread would otherwise die with that thread).
-  (2) `atexit` stops every server still running at interpreter exit. (3) A weakref finalizer stops a server
-  whose handle is garbage-collected. (4) A child server can call `exit_with_parent(pid)` to poll for its parent
-  itself: the fallback where prctl does not exist.
-- Each child leads its own session (process group). `stop()` signals the whole group, so it also reaches the
-  child's own children (SGLang runs scheduler processes), and Ctrl-C or a notebook interrupt sent to the parent's
-  group does not kill the server. `stop()` is idempotent: SIGTERM, wait, then SIGKILL.
-- `wait_ready()` polls a health URL until it answers 200. If the child exits first it raises `ServerLaunchError`;
-  if time runs out it stops the child (a server that never got ready only holds its port) and raises
-  `ServerTimeoutError`, which is both a `ServerLaunchError` and a `TimeoutError`.
-- Ports for our own servers are never chosen and then released: `listening_socket()` binds port 0 and listens,
-  and the child serves on that very socket (`spawn(..., listener=...)`). A port picked by binding and closing
-  (`find_free_port`, for servers that must bind it themselves: SGLang, vLLM) is free when chosen, but any process
-  that binds port 0 in the second before the child does can take it; the child then exits with "address already
-  in use" in its log. The same race, in jupyter_client's choice of a kernel's ports, killed a notebook kernel once
-  under two test workers (`notebooks/conftest.py`); our servers no longer pick ports that way.
+- A plain child from an argv list (never a shell string), its output appended to one log whose tail errors quote.
+- No orphans, in layers (a notebook kernel can crash at any time): (1) on Linux the child gets SIGTERM when its
+  parent dies, SIGKILL included (`_Spawner` says why it forks on one thread); (2) `atexit`; (3) a weakref finalizer
+  on the handle; (4) `exit_with_parent(pid)`, the child's own poll, where prctl does not exist.
+- Each child leads its own process group: `stop()` reaches the child's children (SGLang's schedulers), and a Ctrl-C
+  or notebook interrupt sent to the parent's group does not kill the server.
+- `wait_ready()` raises `ServerLaunchError` (with the log's tail) if the child exits; a timeout also stops it.
+- Our own servers serve on a `listening_socket()`, never on a port chosen and released (`find_free_port`, for
+  servers that bind it themselves: SGLang, vLLM).
 """
 
 from __future__ import annotations
@@ -82,7 +67,9 @@ class ServerTimeoutError(ServerLaunchError, TimeoutError):
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
+    """A TCP port that was free a moment ago on `host` (the OS picks it), for servers that must bind it themselves
+    (SGLang, vLLM). Any process that binds port 0 before the child does can take it; the child then exits with
+    "address already in use" in its log. Servers of our own use `listening_socket()` instead."""
     return find_free_ports(1, host)[0]
 
 
@@ -135,8 +122,10 @@ def _parent_death_preexec() -> Optional[Callable[[], None]]:
 
 
 class _Spawner:
-    """Runs Popen on one long-lived thread when called from any thread but the main one (see the module
-    docstring: the parent-death signal is tied to the forking thread)."""
+    """Runs Popen on one long-lived thread when called from any thread but the main one.
+
+    Linux sends the parent-death signal (`prctl(PR_SET_PDEATHSIG)`) when the *thread* that forked the child exits,
+    not the process: a server started from a short-lived worker thread would die with that thread."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

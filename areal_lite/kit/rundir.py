@@ -6,21 +6,18 @@ two runs mixed in it.
     run.close()                                                   # at the end of the run (unlocks the folder)
 
 Design decisions
-- Identity: a fresh run writes `run.json` (a random `run_id`, the names, the start time) into its folder, and every
-  checkpoint records that `run_id` (`trainer_state.pt`). Resuming refuses a checkpoint of another run, so a
-  folder's checkpoints can never silently continue someone else's training.
-- When to continue (AReaL 1.0.4's `recover.mode`, decided as `areal.utils.recover.check_if_recover` does):
-  'on' and 'auto' continue when the folder holds this run's recover info (`run.json`) and its work (checkpoints or
-  statistics), and otherwise start fresh; 'off' and 'disabled' never continue. `--resume` (`resume=True`) is
-  recover 'on'. A continued run without a checkpoint yet starts its own steps again from 0.
-- Never a mix: a start that does not continue, on a folder that already holds a run's work (a non-empty
-  `stats.jsonl` or a checkpoint), either refuses with a message naming `--resume` and how to start fresh
-  (`existing="refuse"`, the command line), or moves to the next free trial folder `<trial>-2`, `-3`, ... and says
-  so (`existing="new_trial"`, `train()` called from a notebook or the demo, where running a cell again means
-  "run it again"). The old run's files are never deleted or rewritten. A folder with `run.json` but no work (a run
-  that died while starting) is simply reused.
-- One live run per folder: the run holds a lock on its folder (`utils.flock`) until `close()` or its death, so a
-  second start on a folder in use refuses (or, with `new_trial`, moves on) instead of interleaving two logs.
+- Identity: a fresh run writes `run.json` (a random `run_id`, the names, the start time), and every checkpoint
+  records that `run_id` (`trainer_state.pt`). Resuming refuses a checkpoint of another run, and work without a
+  `run.json` (nothing says whose run it is).
+- When to continue (AReaL 1.0.4's `recover.mode`, decided as `areal.utils.recover.check_if_recover` does): 'on' and
+  'auto' continue when the folder holds this run's `run.json` and its work (checkpoints or statistics); 'off' and
+  'disabled' never do. `--resume` (`resume=True`) is 'on'. A continued run without a checkpoint restarts at step 0.
+- Never a mix: a fresh start on a folder holding a run's work refuses with a message naming `--resume`
+  (`existing="refuse"`, the command line), or moves to the next free trial folder `<trial>-2`, ... and says so
+  (`existing="new_trial"`, `train()` from a notebook, where running a cell again means "run it again"). Old runs'
+  files are never deleted or rewritten; a folder with `run.json` but no work is simply reused.
+- One live run per folder: the run holds a lock on it (`utils.flock`) until `close()` or its death, so a second
+  start on a folder in use refuses (or, with `new_trial`, moves on) instead of interleaving two logs.
 """
 
 from __future__ import annotations

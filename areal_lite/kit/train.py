@@ -1,57 +1,23 @@
 """The GRPO training loop as one script: `python -m areal_lite.kit.train --config FILE [key=value ...] [--resume]`.
 
-The notebooks spell out the same loop cell by cell; `train(config)` runs it in-process (tests, the demo) and returns
-the per-step statistics. One step:
+The notebooks spell out the same loop cell by cell; `train(config)` runs it in-process. One step (`grpo_step`):
 
-    batch = engine.rollout_batch(data, workflow)       # sync;  async: engine.prepare_batch(dataloader, workflow)
-    batch["prox_logp"] = actor.compute_logp(batch)     # only with several minibatches (else ppo_update's forward)
-    actor.compute_advantages(batch)
-    stats = actor.ppo_update(batch); actor.step_lr_scheduler()
+    batch = engine.rollout_batch(data, workflow)       # async: engine.prepare_batch(dataloader, workflow)
+    actor.compute_advantages(batch); stats = actor.ppo_update(batch); actor.step_lr_scheduler()
     engine.pause(); fut = engine.update_weights(meta); actor.update_weights(meta); fut.result()
     actor.set_version(step + 1); engine.set_version(step + 1); engine.resume()
 
 Design decisions
-- `TrainConfig` extends `GRPOConfig` with the few choices a script needs beyond the notebooks (which workflow,
-  which reward); any GRPOConfig YAML loads as a TrainConfig unchanged.
-- The server is a separate process (`launch_server`); trainer and server each get one torch thread on a 2-core CPU
-  (a process with more threads than cores slows the other down badly). `server_addrs=` reuses running servers.
-- Weight updates go through disk: version k is written to `<weights>/weight_update_v<k>` (temp folder + rename,
-  old versions pruned, all removed by `actor.destroy()` at the end) and loaded by every server; trainer and engine
-  versions are bumped together *before* `resume()`, so every rollout started afterwards is tagged with the new
-  version. `<weights>` is `weight_update_dir`, which the config loader sets to
-  `/dev/shm/areal-lite-<user>/<experiment>/<trial>/weights` (RAM), a folder owned by the run while it lives
-  (`utils.weight_dirs`): any later run removes what a killed run left there. A run refuses to start, in one line,
-  when that folder's file system lacks room for the versions it holds at its peak: `keep_last` + the one being
-  written, each the parameter count x the dtype's size.
-- No orphans: the server dies with the trainer (`kit.procs`), and so do the reward workers, their forkserver and
-  resource tracker (`api.reward_api`), SIGKILL included.
-- LoRA (`actor.use_lora=true`, with `rollout.use_lora=true`): each sync writes the adapter alone and the servers
-  load it with `/load_lora_adapter` as `<gconfig.lora_name>-v<k>` (AReaL's trainer: the meta keeps the last
-  eta + 2 versions). A fresh run syncs version 0 first, since the servers start without the adapter; checkpoints
-  hold the adapter, so a resume pushes it back. Servers the run did not start first get the base model (they may
-  hold another run's weights, and an adapter merges onto what they hold). `weight_sync_bytes` in the stats is what
-  each sync wrote.
-- Asynchronous mode (`async_training=true`) uses `prepare_batch` with the staleness bound
-  eta = `rollout.max_head_offpolicyness`; the decoupled loss corrects for the lag. Its "generate" time is only the
-  time the trainer waited for data (generation otherwise overlaps training).
-- Evaluation is greedy (`eval_gconfig`) on `evaluator.size` rows of `valid_dataset`, at the start, every
-  `evaluator.freq_steps` steps and at the end. It runs through its own short-lived engine client so its episodes do
-  not count against the training staleness bound.
-- Checkpoints (`saver.freq_steps`) hold the actor (weights, optimizer, schedule, version, RNG), the dataloader's
-  position, the step and the run's id, written to a temp folder and renamed. `--resume` (AReaL's `recover.mode=on`;
-  `auto` is the same) continues from the newest one at the same step and data position; `stats.jsonl` is cut back
-  to that step. In async mode the saved data position is the loader's, which runs ahead of the consumed batches
-  by the rollouts in flight; those prompts are skipped.
-- A run folder is never silently reused (`kit.rundir`): a fresh run writes `run.json` (its id) and locks the
-  folder while it lives; `--resume` refuses checkpoints of another run; the same command without `--resume` (and
-  `recover.mode` off/disabled, the default) on a folder holding a run's statistics or checkpoints refuses with a
-  message naming `--resume` and how to start fresh (exit status 2). `train()` called from Python (notebooks, the
-  demo) moves to the next free trial folder `<trial>-2`, ... instead, and says so.
-- Statistics: one JSON line per step in `<fileroot>/<experiment>/<trial>/stats.jsonl` (reward, accuracy,
-  response length, clip fraction, KL, grad norm, entropy, staleness, and the time of each phase: generate / logp /
-  update / weight_sync), optionally TensorBoard and Weights & Biases; a reward-curve PNG at the end.
-- Single trainer process: the actor supports FSDP2 under torchrun, but this loop does not shard rollouts across
-  trainer ranks.
+- `TrainConfig` is a `GRPOConfig` plus the choices a script needs (workflow, reward): any GRPOConfig YAML loads.
+- The server is a child process (`launch_server`) that dies with the trainer; `server_addrs=` reuses running ones.
+- Weights go through disk, to a RAM folder the run owns (`utils.weight_dirs`); both sides' versions are bumped
+  before `resume()`, so every later rollout is tagged with the new one (`_sync_weights`).
+- Async (`async_training=true`): `prepare_batch` under eta = `rollout.max_head_offpolicyness`; the decoupled loss
+  corrects for the lag.
+- Evaluation is greedy, through its own engine client (`evaluate`): it never counts against the staleness bound.
+- A run folder is never silently reused (`kit.rundir`); `--resume` continues from the newest checkpoint at the same
+  step and data position. LoRA (`actor.use_lora`): each sync writes the adapter alone (`_start_weights`).
+- Statistics: one JSON line per step in `stats.jsonl` (`StatsLogger`), optionally TensorBoard and W&B.
 """
 
 from __future__ import annotations
@@ -104,6 +70,13 @@ class TrainConfig(GRPOConfig):
     max_turns: int = field(default=3, metadata={"help": "turns of the reflection / multiturn workflows"})
     turn_discount: float = field(default=0.9, metadata={"help": "per-turn discount of the multi-turn workflows"})
     system_prompt: Optional[str] = field(default=None, metadata={"help": "system message put before each question"})
+    skip_silent_rows: bool = field(
+        default=True,
+        metadata={
+            "help": "the update skips rows whose advantages are all zero (the same step for less work); false "
+            "computes every row, so that timed runs do equal work whatever the rewards (notebook 07)"
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------------------ building blocks
@@ -209,7 +182,8 @@ def _fingerprint(rows: Sequence[dict]) -> str:
 
 
 class StatsLogger:
-    """stats.jsonl (always), TensorBoard and wandb when configured and installed."""
+    """stats.jsonl (always), TensorBoard and wandb when configured and installed. A resumed run cuts stats.jsonl
+    back to the steps before the checkpoint it continues from; a fresh run starts a fresh file."""
 
     def __init__(self, config: Any, run_dir: str, resume_step: int):
         self.path = os.path.join(run_dir, "stats.jsonl")
@@ -270,7 +244,8 @@ class StatsLogger:
 
 def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int, run_id: Optional[str] = None) -> str:
     """actor + dataloader position + step + the run's id, in folder step_<step>, written whole or not at all
-    (`atomic_dir`)."""
+    (`atomic_dir`). In async mode the saved data position is the loader's, which runs ahead of the consumed batches
+    by the rollouts in flight: a resumed run skips those prompts."""
 
     def fill(tmp: str) -> None:
         actor.save(os.path.join(tmp, "actor"))
@@ -286,7 +261,9 @@ def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int
 
 
 def _sync_weights(actor, engine, meta: WeightUpdateMeta, version: int) -> None:
-    """Write version `version` and make the servers load it; both sides end at `version`."""
+    """Write version `version` and make the servers load it; both sides end at `version`.
+
+    The versions are bumped *before* `resume()`, so every rollout started afterwards is tagged with the new one."""
     engine.pause()
     try:
         future = engine.update_weights(meta)  # waits for the folder ...
@@ -345,7 +322,11 @@ def _load_run_data(config: Any) -> _RunData:
 
 
 def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloader, meta) -> int:
-    """Restore checkpoint `ckpt` (when continuing a run) or adopt running servers; returns the first step to run."""
+    """Restore checkpoint `ckpt` (when continuing a run) or adopt running servers; returns the first step to run.
+
+    With LoRA the servers load each version's adapter as `<gconfig.lora_name>-v<k>`. A fresh run syncs version 0
+    first, since the servers start without the adapter; checkpoints hold the adapter, so a resume pushes it back;
+    servers the run did not start first get the base model (`_load_base_model`)."""
     if not launched and actor.config.use_lora:
         _load_base_model(actor, engine)
     if ckpt is not None:
@@ -386,8 +367,9 @@ def _load_base_model(actor, engine) -> None:
 def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dataloader, data_iter, workflow):
     """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync; each phase timed.
 
-    The loop notebook 06 times, shown there as it is: the same five phases as notebooks 03-05, one `perf_counter`
-    around each. Returns the step's stats and its start time.
+    The loop notebook 07_async_vs_sync times, shown there as it is: the same five phases as the training notebooks,
+    one `perf_counter` around each. Returns the step's stats and its start time. In async mode "generate" is only
+    the time the trainer waited for data (generation otherwise overlaps training).
     """
     t_step = time.perf_counter()
     if config.async_training:
@@ -440,6 +422,9 @@ def train(
     `on_step(step, stats)` is called after each step (raise in it to stop). `resume=True` (recover mode 'on')
     continues this run from its newest checkpoint; a fresh start on a folder that holds another run moves to the
     next free trial folder (`existing="new_trial"`) or refuses (`"refuse"`, the command line's choice): `rundir`.
+    Greedy evaluation (`eval_gconfig`, `evaluator.size` rows of `valid_dataset`) runs at the start, every
+    `evaluator.freq_steps` steps and at the end; a reward-curve PNG is saved at the end.
+    One trainer process: the actor supports FSDP2 under torchrun, but this loop does not shard rollouts across ranks.
     """
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
@@ -468,6 +453,7 @@ def train(
         server_addrs = list(server_addrs)
         engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
         actor = FSDPPPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
+        actor.skip_silent_rows = getattr(config, "skip_silent_rows", True)
         start = _start_weights(run.checkpoint, handle is not None, actor, engine, data.dataloader, meta)
         logger = StatsLogger(config, run.path, start)
 

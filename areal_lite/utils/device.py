@@ -136,13 +136,12 @@ def cpu_native_bf16() -> str:
 def cpu_bf16_speedup(rows: int = 512, width: int = 1024, repeats: int = 3) -> float:
     """How many times as fast a linear layer's forward and backward run under bf16 autocast as in float32, on this
     CPU with this thread's torch threads: a [rows, width] input through a [2 * width, width] weight, the median of
-    `repeats` runs of each, taken in turns after one warm-up each (about 0.3 s in all on 2 cores). Measured once per
+    `repeats` runs of each, taken in turns after one warm-up each (a fraction of a second). Measured once per
     process and thread count, so that the actors of one process (an actor and its reference model) agree.
 
-    Why measure rather than trust the instructions: on a 2-core Xeon VM with AVX-512 BF16 (no AMX), oneDNN's bf16
-    kernels ran a whole PPO update of SmolLM2-135M 1.65x slower than float32 (bench/update_speed.py: 4.90 against
-    2.97 s); on the 2-core AMD EPYC with AVX-512 BF16 this kit was first measured on, a forward, backward and AdamW
-    step of SmolLM2-135M on 8 x 128 tokens ran 2.7x faster in bf16 (2.3 against 6.2 s).
+    Why measure rather than trust the instructions: having AVX-512 BF16 does not make bf16 fast. On some CPUs
+    oneDNN's bf16 kernels run a PPO update much slower than float32, on others much faster
+    (bench/update_speed.py measures the whole update both ways).
     """
     return _bf16_speedup(rows, width, repeats, torch.get_num_threads())
 

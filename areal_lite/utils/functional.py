@@ -1,37 +1,22 @@
 """The PPO/GRPO formulas as pure tensor functions: no model, no optimizer, no process group.
 
-These are the lines a notebook shows and a learner copies into their own trainer, so each is a function of tensors
-and plain numbers only, and each is tested on its own against float64 loops (`tests/test_functional.py`,
-`tests/test_actor.py`) and, where AReaL has the same formula, against AReaL 1.0.4 (`tests/test_areal_maths.py`).
-`FSDPPPOActor` (`actor.py`) only gathers the tensors and calls them. AReaL keeps its formulas in
-`areal.utils.functional`, hence the module's name.
+These are the lines a notebook shows and a learner copies into their own trainer, so each takes tensors and plain
+numbers only, and each is tested on its own against float64 loops (`tests/test_functional.py`, `tests/test_actor.py`)
+and, where AReaL has the same formula, against AReaL 1.0.4 (`tests/test_areal_maths.py`). The actor
+(`engine/fsdp_engine.py`) only gathers the tensors and calls them; AReaL keeps its formulas in `areal.utils.functional`.
 
 Conventions the formulas leave open, and why
-- Alignment. A batch is never shifted: position t of `logprobs`, `loss_mask`, `prox_logp`, `ref_logp`,
-  `advantages` and `token_returns` all describe token t itself. The one place that deals with "the logit at
-  position t predicts token t+1" is `next_token_logp`, which turns logits into a per-token log-prob aligned the same
-  way (0 at the first token of every sequence). Nothing is rolled in place, so the actor's methods are idempotent.
-  A policy token at the very first position of a row has no logit predicting it, so `policy_mask` drops it.
-- Advantages (GRPO: value = 0, gamma = lambda = 1). Per row, R~ = clip((R + bias) * scale, -clip, clip)
-  (`shape_rewards`), then `reward_norm` gives R^. Per policy token k, the KL reward is KL_k = -kl_ctl *
-  est(l_old,k - l_ref,k) (`kl_rewards`), 0 off policy tokens. A_t = R^ + sum_{k >= t, policy} KL_k on policy
-  tokens, 0 elsewhere (`grpo_advantages`); then `adv_norm` (token level, over policy tokens). The KL sum runs over
-  all later policy tokens of the row, across turns: a turn's choices shape every later turn of the episode.
-- Multi-turn returns (`normalize_turn_returns`). A *turn* is a maximal run of consecutive policy tokens (turns are
-  separated by feedback tokens); its return G_k must be constant on the run. Each turn return goes through the same
-  shaping, then the normalisation treats every (row, turn) pair as one sample: group statistics pool all turns of
-  the G rows of a group, each turn counted once whatever its length (a long answer must not outweigh a short one),
-  leave-one-out leaving out that one turn.
-- Normalisation (`normalize`). x^ = (x - mu) / (sigma + eps). Groups are contiguous blocks of `group_size` rows.
-  mean_level none -> mu = 0; std_level none -> sigma = 1. Leave-one-out: mu_i = (sum x - x_i) / (N - 1) (0 when
-  N = 1). sigma is the (unbiased if `std_unbiased`) spread around the mean actually subtracted (0 when the pool has
-  fewer than 2 samples, so a constant group gives x^ = 0 rather than noise divided by eps).
-- Loss (`ppo_token_loss`). rho = exp(l_theta - l_prox); L = max(-A rho, -A clip(rho, 1 - eps, 1 + eps_high));
-  with dual clip c > 1, L = min(L, c |A|) where A < 0; w = exp(l_prox - l_behav) without gradient, 0 where
-  w > cap; without the decoupled loss l_prox = l_behav (so w = 1). The function returns the per-token m w L; the
-  caller divides the sum by the token count of the whole minibatch, so micro-batches and ranks add up exactly.
-- Statistics are computed in float64 where they pool many samples (a float32 sum over a batch drifts), and the
-  result is cast back to the input dtype.
+- Alignment: a batch is never shifted. Position t of `logprobs`, `loss_mask`, `prox_logp`, `ref_logp`, `advantages`
+  and `token_returns` describes token t itself; `next_token_logp` is the one place that deals with "logit t predicts
+  token t+1". Nothing is rolled in place, so the actor's methods are idempotent.
+- Advantages (GRPO: value 0, gamma = lambda = 1): the KL term sums over all later policy tokens of the row, across
+  turns: a turn's choices shape every later turn of the episode (`grpo_advantages`).
+- Multi-turn returns: each (row, turn) pair is one sample, counted once whatever its length, so a long answer does
+  not outweigh a short one (`normalize_turn_returns`).
+- A constant group normalises to 0, not to noise divided by eps (`normalize`).
+- The loss is per token; the caller divides the sum by the whole minibatch's token count, so micro-batches and
+  ranks add up exactly (`ppo_token_loss`).
+- Statistics that pool many samples are computed in float64 (a float32 sum drifts), then cast back.
 """
 
 from __future__ import annotations
@@ -66,8 +51,11 @@ KL_CLAMP = 10.0  # AReaL 1.0.4 clamps every estimate to [-10, 10]: one token far
 def normalize(x: torch.Tensor, mask: torch.Tensor, cfg: Optional[NormConfig]) -> torch.Tensor:
     """x^ = (x - mu) / (sigma + eps) over the masked entries of x ([B] or [B, L]); 0 where mask is False.
 
-    Pools are the whole batch (`batch`) or contiguous blocks of `cfg.group_size` rows (`group`). sigma is the spread
-    around mu, the mean subtracted (AReaL 1.0.4's `Normalization`; `tests/test_areal_maths.py` compares the two).
+    Pools are the whole batch (`batch`) or contiguous blocks of `cfg.group_size` rows (`group`). mean_level none ->
+    mu = 0; std_level none -> sigma = 1. Leave-one-out: mu_i = (sum x - x_i) / (N - 1) (0 when N = 1). sigma is the
+    (unbiased if `std_unbiased`) spread around mu, the mean subtracted, and 0 when the pool has fewer than 2 samples,
+    so a constant group gives x^ = 0 rather than noise divided by eps (AReaL 1.0.4's `Normalization`;
+    `tests/test_areal_maths.py` compares the two).
     """
     if cfg is None:
         return torch.where(mask.bool(), x, torch.zeros_like(x))
@@ -183,8 +171,8 @@ class _LogpEntropy(torch.autograd.Function):
     Why rows at a time on a CPU: the whole [K, vocabulary] tensor (the demo's update: 512 x 49k floats, 100 MB)
     would be streamed from memory by each of its dozen passes (temperature, log-softmax, gather, entropy; the
     gradient's scatter, log-softmax backward and temperature); a few rows stay in the core's cache through all of
-    them. Measured on the demo's update, two cores: 240 -> 100 ms. A GPU streams the whole tensor fast, and rows at
-    a time would only add kernel launches. The same operations on any slicing give the same numbers bit for bit
+    them (bench/update_speed.py measures the update). A GPU streams the whole tensor fast, and rows at a time
+    would only add kernel launches. The same operations on any slicing give the same numbers bit for bit
     as the formula written on the whole tensor with autograd (tests/test_functional.py, on a CPU and on CUDA)."""
 
     CPU_ROWS = 16
@@ -244,6 +232,10 @@ def ppo_token_loss(
 ) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Per-token decoupled PPO loss m * w * L (to be summed and divided by the global token count) and masks.
 
+    rho = exp(l_theta - l_prox); L = max(-A rho, -A clip(rho, 1 - eps, 1 + eps_high)); with dual clip c > 1,
+    L = min(L, c |A|) where A < 0; w = exp(l_prox - l_behav) without gradient, 0 where w > cap; without the
+    decoupled loss l_prox = l_behav (so w = 1).
+
     Equal to AReaL 1.0.4's `ppo_actor_loss_fn` (loss and gradient; clip-higher, dual clip, and the cap as AReaL's
     token-level `rejection_sampling`), with one difference: without a cap AReaL applies no behaviour weight
     w = exp(prox - behav); the kit applies it whenever the loss is decoupled (tests/test_areal_maths.py).
@@ -283,7 +275,10 @@ def ppo_token_loss(
 
 
 def grpo_advantages(reward_per_token: torch.Tensor, kl_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A_t = r_t + sum_{k >= t} KL_k over policy tokens (value 0, gamma = lambda = 1); 0 off policy tokens."""
+    """A_t = r_t + sum_{k >= t} KL_k over policy tokens (value 0, gamma = lambda = 1); 0 off policy tokens.
+
+    r_t is the normalised reward R^ (or turn return) and KL_k = -kl_ctl * est(l_old,k - l_ref,k) (`kl_rewards`). The
+    KL sum runs over all later policy tokens of the row, across turns: a turn's choices shape every later turn."""
     m = mask.to(kl_rewards.dtype)
     kl = kl_rewards * m
     future_kl = kl.flip(-1).cumsum(-1).flip(-1)
@@ -328,6 +323,11 @@ def normalize_turn_returns(
     `token_returns` [B, L] holds each turn's return on that turn's tokens; `mask` [B, L] marks the policy tokens.
     Returns float32 [B, L], 0 off policy tokens. A return that is not constant on its turn is a ValueError (the
     workflow wrote it wrong, and any one value picked from it would silently be arbitrary).
+
+    A turn is a maximal run of consecutive policy tokens (turns are separated by feedback tokens). Normalisation
+    treats every (row, turn) pair as one sample: group statistics pool all turns of the G rows of a group, each
+    turn counted once whatever its length (a long answer must not outweigh a short one), leave-one-out leaving
+    out that one turn.
     """
     tr = token_returns.float()
     B, L = tr.shape

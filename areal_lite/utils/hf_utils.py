@@ -3,17 +3,17 @@
 - `chat_prompt_ids`: the chat template with the generation prompt as `list[int]` (transformers 5 returns a
   BatchEncoding from `apply_chat_template(..., tokenize=True)`).
 - `chat_turn_fragments`: the tokens between two turns, pre-tokenized once from the chat template as two fragments,
-  the end-of-turn tokens that close an assistant message (ChatML: `<|im_end|>\n`) and the user message plus the
+  the end-of-turn tokens that close an assistant message (ChatML: `<|im_end|>\\n`) and the user message plus the
   next assistant header. A workflow appends only the part of the end-of-turn fragment an output did not already
-  produce (an output that stopped on EOS ends with `<|im_end|>` and needs only `\n`), so the decoded trajectory
+  produce (an output that stopped on EOS ends with `<|im_end|>` and needs only `\\n`), so the decoded trajectory
   equals the chat template of the whole conversation.
 - `count_tokens`: how many tokens a text has, without building the Python list of their ids. A server refusing a
   10 MB prompt as too long needs only the count; the list (millions of ints, plus transformers' attention mask)
-  is built holding the GIL for ~0.3 s, while the server's event loop waits. A fast tokenizer counts in Rust, with
+  is built holding the GIL, while the server's event loop waits. A fast tokenizer counts in Rust, with
   the GIL released (`encode_batch`; `encode` keeps it).
 - `token_lower_bound`: a count a text's tokens cannot be below, from its length alone: no token covers more
   characters than the longest vocabulary entry, with a factor 4 of margin for normalizers that merge characters
-  (NFC). A 10 MB prompt is refused on that bound in microseconds instead of ~20 s of tokenizing.
+  (NFC). A 10 MB prompt is refused on that bound in microseconds instead of after seconds of tokenizing.
 """
 
 from __future__ import annotations

@@ -4,30 +4,18 @@ Every server promises the same thing to a client that sends bad input: a 4xx ans
 `{"error": "<what was wrong and what to send instead>"}`, and a server that stays up. This module is that promise,
 written once:
 - `BadRequest` is raised by body parsers with a message meant for the client; the middleware turns it into a 400.
-- aiohttp's own errors (404 unknown route, 405 wrong method, 413 body too large, 503 from a handler) become JSON
-  with the same shape; 404/405 list the server's routes so the client can see what exists.
-- Any other exception is a bug in the server: it is logged with its traceback and answered with a 500, and the
-  server keeps serving the next request.
-- A server with its own error body (the chat endpoint answers in OpenAI's shape) passes a renderer and a translation
-  of its own exceptions; the rules above stay the same.
+- aiohttp's own errors (404, 405, 413, 503) become JSON of the same shape; 404/405 list the server's routes.
+- Any other exception is a bug: logged with its traceback, answered with a 500, and the next request is served.
+- A server with its own error body (the chat endpoint: OpenAI's) passes a renderer (`json_errors_middleware`).
 aiohttp is imported inside the functions, so importing this module (and the packages that do) stays light.
 
-Bounded input, judged before it is parsed (a trusted server's rules: SGLang and vLLM answer 4xx to any of these)
-- Size: each server sets aiohttp's `client_max_size`. A body that declares a larger Content-Length is refused with
-  413 before a byte of it is read (in the middleware, so before any other check); a chunked one when it crosses the
-  limit.
-- Nesting: at most `MAX_JSON_DEPTH` levels. Python's json module recurses once per level, so '[' * 100000 raised
-  RecursionError (a 500), and a depth just under the interpreter's limit passed the reader only to exhaust the stack
-  of whatever walked the value next (a template renderer, a validator). The depth is measured on the raw bytes
-  (strings removed, brackets counted with numpy), which costs nothing for the usual body with fewer brackets than
-  the limit; RecursionError is caught as well, as a second line.
-- Text: UTF-8, and no lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not text: a tokenizer or a stemmer fails
-  on it later, as a 500). Pydantic's and orjson's readers refuse it the same way.
-- CPU time: the event loop answers /health, pause and abort, so work that can take more than a few ms runs on a
-  worker thread (`off_loop`): parsing a body over `OFF_LOOP_BYTES`, tokenizing long text (the servers decide
-  what is long). Below the thresholds the work runs inline, where a thread hop would cost more than the work. (The
-  json module holds the GIL while it parses; what keeps that pause short is the size limit, and the thread keeps
-  the loop running before and after it.)
+Bounded input, judged before it is parsed (SGLang and vLLM answer 4xx to any of these; `parse_json_bytes`):
+- Size: each server sets `client_max_size`; a larger declared Content-Length is a 413 before a byte is read.
+- Nesting: at most `MAX_JSON_DEPTH` levels, measured on the raw bytes: Python's json module recurses once per level,
+  and a deep value would exhaust the stack of whatever walks it next (a template renderer, a validator).
+- Text: UTF-8, and no lone UTF-16 surrogate (valid JSON, but not text: a tokenizer fails on it later, as a 500).
+- CPU time: work that can take more than a few ms (a body over `OFF_LOOP_BYTES`, long text) runs on a worker
+  thread (`off_loop`), so the event loop keeps answering /health, pause and abort.
 """
 
 from __future__ import annotations
@@ -80,7 +68,8 @@ def json_error(status: int, error: str, headers: Optional[dict] = None, **extra:
 
 async def off_loop(big: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`fn(*args, **kwargs)`, on a worker thread when `big` (CPU work of more than a few ms must not hold up the
-    event loop), inline otherwise (a thread hop costs more than small work)."""
+    event loop), inline otherwise (a thread hop costs more than small work). The json module holds the GIL while
+    it parses: what keeps that pause short is the size limit, and the thread keeps the loop running around it."""
     if big:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
@@ -119,7 +108,11 @@ def _too_deep(depth: Optional[int] = None) -> BadRequest:
 
 
 def parse_json_bytes(raw: bytes) -> Any:
-    """A request body parsed as JSON under the rules of the module docstring (None for an empty body)."""
+    """A request body parsed as JSON under the rules of the module docstring (None for an empty body).
+
+    The depth is measured on the raw bytes (strings removed, brackets counted with numpy), which costs nothing for
+    the usual body with fewer brackets than the limit; RecursionError is caught as well, as a second line. Lone
+    surrogates are refused as Pydantic's and orjson's readers refuse them."""
     if not raw.strip():
         return None
     try:

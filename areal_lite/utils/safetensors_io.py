@@ -4,8 +4,7 @@ Design decisions
 - Why not `safetensors.torch.save_file`: it copies every tensor into a Python `bytes` and truncates the file it
   writes to. Here each tensor's memory goes to the file in one `write`, and a file already at the path is
   overwritten in place and cut to length, so the file system keeps its pages. That is what makes a recycled weight
-  file cheap (`engine/fsdp_utils/weights.py`, "Recycled pages"): measured on the 2-core VM (540 MB, /dev/shm, a
-  write every 4 s), 0.21-0.28 s to a fresh file and 0.12 s over an old one.
+  file cheap (`engine/fsdp_utils/weights.py`, "Recycled pages"; bench/vs_trl.py reports the weight_sync phase).
 - The format is safetensors' own: an 8-byte little-endian header size, a JSON header (dtype, shape and byte offsets
   of each tensor, `__metadata__`) padded with spaces to 8 bytes, then the tensors' bytes back to back, the widest
   dtypes first so that each tensor starts aligned to its element size (as safetensors orders them). Reading stays

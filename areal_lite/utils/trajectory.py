@@ -1,29 +1,23 @@
 """The tensor contract of one episode, the builder that keeps it and the checker that proves it.
 
-The contract (what every workflow returns and the actor consumes):
-- A batch is a plain `dict[str, torch.Tensor]` with AReaL 1.0.4's keys and dtypes (so a batch moves between the
-  two unchanged). Per-token keys are `[B, L]`, right-padded:
+The contract (what every workflow returns and the actor consumes): a plain `dict[str, torch.Tensor]` with AReaL
+1.0.4's keys and dtypes (so a batch moves between the two unchanged). Per-token keys are `[B, L]`, right-padded:
     `input_ids`      int32  the whole trajectory: prompt, then generated tokens and observations in order
     `attention_mask` bool   True on real tokens; a prefix of ones in every row (padding only on the right)
     `loss_mask`      int32  1 exactly on tokens the policy generated; 0 on prompt, tool/feedback tokens, padding
     `logprobs`       float32 behaviour log-prob of each generated token (<= 0), 0.0 elsewhere
     `versions`       int32  policy version that produced each generated token (>= 0), -1 on prompt and
                             observations; padding holds `pad_value` (0), as AReaL pads every key
-  Per-row keys are `[B]`: `rewards` (float32) always. Extra per-token keys are allowed, e.g. `token_returns`.
-- Not shifted: position t holds token t's own logprob/version. The actor shifts once, in one place.
-- A group of G samples of one prompt is G contiguous rows.
+Per-row keys are `[B]`: `rewards` (float32) always. Extra per-token keys are allowed, e.g. `token_returns`. Not
+shifted: position t holds token t's own logprob and version. A group of G samples of one prompt is G contiguous rows.
 
 Design decisions:
-- `TrajectoryBuilder` is the only place a workflow appends tokens. Every append extends all per-token lists
-  together, so `input_ids` can never outgrow `logprobs`/`loss_mask`. It also refuses a response generated from a
-  context other than the one it holds.
-- Padding carries no meaning: every consumer looks only where `attention_mask` is True. `check_trajectory` accepts
-  int32 or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.
-- `check_trajectory` raises `TrajectoryError`, a subclass of AssertionError, with messages naming the key, row and
-  position of the first violation. Wherever `loss_mask` is 0, `logprobs` must be exactly 0.0 and `versions` -1;
-  wherever it is 1, `versions` >= 0 and `logprobs` finite and <= 0. A row with no generated token is an error
-  unless `allow_all_prompt=True`: it would train on nothing and usually means a broken workflow.
-- The viewer is the kit's own (`areal_lite.kit.viewer`).
+- `TrajectoryBuilder` is the only place a workflow appends tokens: every append extends all per-token lists
+  together, and a response generated from another context than the one it holds is refused.
+- Padding carries no meaning: consumers look only where `attention_mask` is True. `check_trajectory` accepts int32
+  or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.
+- `check_trajectory` raises `TrajectoryError` (an AssertionError) naming the key, row and position of the first
+  violation; a row with no generated token fails unless `allow_all_prompt=True` (it means a broken workflow).
 """
 
 from __future__ import annotations

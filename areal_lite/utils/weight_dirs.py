@@ -7,19 +7,15 @@ dead, and checked for room before a run starts.
 Design decisions
 - Every step writes a full copy of the weights, usually to RAM (/dev/shm), and a killed run cannot remove its
   copies. So a folder is named by the run (`<exp>/<trial>/weights`) and *claimed*: its owner holds an exclusive
-  `flock` on the folder itself (`utils.flock`) for as long as it lives. The kernel drops the lock when the owner
-  dies, SIGKILL included, so "the lock can be taken" means "nobody live uses this folder". A folder whose lock is
-  held is never touched.
+  `flock` on it (`utils.flock`) while it lives. The kernel drops the lock when the owner dies, SIGKILL included, so
+  "the lock can be taken" means "nobody live uses this folder". A folder whose lock is held is never touched.
 - Two live runs with the same names (the English and the Chinese notebook side by side) must not prune each
   other's versions: the second claims the next slot, `weights.1`, `weights.2`, ...
-- A claim sweeps first: every slot under `sweep_root` (`<root>/<exp>/<trial>/weights*`) whose lock can be taken is
-  a dead run's and is removed, so a resumed or restarted run, or any later run of this user, frees what crashed
-  runs left. Folders of the former scheme, `weights-<pid>`, are removed once that pid is gone.
-- Sweeping and claiming in a folder happen under a lock on that folder (`utils.flock`), so two starting runs
-  never take the same slot or delete one being claimed; an empty folder is removed only while locked.
-- A claimed slot stays (empty) while its owner lives: a run that writes to it again later finds it still locked.
-  At exit the owner removes it and the parents left empty, up to `sweep_root`. A forked child does not release
-  its parent's claims.
+- A claim sweeps first (`sweep_stale`): every slot under `sweep_root` whose lock can be taken is a dead run's and is
+  removed, so any later run of this user frees what crashed runs left. Sweeping and claiming happen under a lock on
+  the parent folder, so two starting runs never take the same slot or delete one being claimed.
+- A claimed slot stays (empty) while its owner lives; at exit the owner removes it and the parents left empty, up
+  to `sweep_root`. A forked child does not release its parent's claims.
 """
 
 from __future__ import annotations
@@ -62,7 +58,8 @@ _GUARD = threading.Lock()
 
 
 def _remove_if_dead(path: str) -> bool:
-    """Remove slot `path` if no live process owns it (its lock is free, or its legacy pid is gone)."""
+    """Remove slot `path` if no live process owns it (its lock is free, or its legacy pid is gone: folders of the
+    older `weights-<pid>` naming are removed once that pid is gone)."""
     legacy = _LEGACY.match(os.path.basename(path))
     if legacy:
         if pid_alive(int(legacy.group(1))):
@@ -158,7 +155,8 @@ def claim_weight_dir(base: str, sweep_root: Optional[str] = None) -> str:
 
 
 def is_claimed(path: str) -> bool:
-    """True if `path` is a slot this process holds (it stays while we live; see the module docstring)."""
+    """True if `path` is a slot this process holds (it stays, empty and locked, while we live, so a run that writes
+    to it again later finds it still claimed)."""
     path = os.path.abspath(path)
     return any(c.path == path and c.owner == os.getpid() for c in _CLAIMS.values())
 

@@ -6,7 +6,7 @@ tensor contract of `areal_lite.utils.trajectory` (one row). None means "rejected
 
 - `rlvr`: `RLVRWorkflow` (AReaL's name, path and constructor): one generation, one verifiable reward;
 - `reflection`: the answer, then a request to check it and answer again (notebook 03);
-- `search_agent`: think / search / answer against a retrieval server (notebook 04);
-- `multi_turn_feedback`: feedback after each wrong answer, discounted per-turn returns (notebook 05);
+- `search_agent`: think / search / answer against a retrieval server (notebook 05);
+- `multi_turn_feedback`: feedback after each wrong answer, discounted per-turn returns (notebook 06);
 - `grouped`: G samples of one prompt as G contiguous rows; `token_range`: a toy task for tests and benchmarks.
 """

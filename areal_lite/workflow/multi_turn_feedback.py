@@ -1,4 +1,4 @@
-"""`MultiTurnFeedbackWorkflow`: after a wrong answer the model reads feedback and tries again (notebook 05).
+"""`MultiTurnFeedbackWorkflow`: after a wrong answer the model reads feedback and tries again (notebook 06).
 
 Each turn's tokens carry its own discounted return (`token_returns`, from `utils.functional.discounted_returns`), so
 a turn is credited for what followed it; AReaL's `MultiTurnWorkflow` gives one discounted reward per row instead.
@@ -56,7 +56,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
     (1-based), reward r_k and return G_k. So what each policy version answered can be read back after training.
     Lines are written once the episode ends (its returns are known then), under a process-wide lock.
 
-    `returns_fn(turn_rewards, turn_discount) -> returns` computes the G_k (default `discounted_returns`): notebook 05
+    `returns_fn(turn_rewards, turn_discount) -> returns` computes the G_k (default `discounted_returns`): notebook 06
     passes the learner's own, so that what trains is the function the learner wrote.
 
     How per-turn returns reach the loss (the convention `areal_lite.engine.fsdp_engine` implements): when a batch has

@@ -1,4 +1,4 @@
-"""`SearchAgentWorkflow`: think, `<search>` a retrieval server, read `<information>`, `<answer>` (notebook 04).
+"""`SearchAgentWorkflow`: think, `<search>` a retrieval server, read `<information>`, `<answer>` (notebook 05).
 
 Design decision: a failing or slow search server becomes an `<information>search failed: ...</information>`
 observation the model can read, not an exception: one flaky tool call must not kill a batch. Observation tokens

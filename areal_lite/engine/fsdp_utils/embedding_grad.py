@@ -3,8 +3,8 @@
 Design decisions, and why
 - Why: autograd gives an embedding lookup a dense [vocab, hidden] gradient, zeros with the looked-up rows added,
   and where the LM head shares the matrix (tied weights: SmolLM2, Qwen2.5 up to 3B) it then adds that whole matrix
-  to the LM head's gradient. For SmolLM2 that is two passes over 113 MB to add a few hundred rows: about 40 ms of
-  the demo's 2.2 s update on a 2-core CPU.
+  to the LM head's gradient. For SmolLM2 that is two passes over 113 MB to add a few hundred rows, a noticeable
+  share of a small model's update (bench/update_speed.py measures the update).
 - How (`embedding_inputs`): the trainer's forward passes `inputs_embeds`, looked up from the detached matrix into
   a leaf tensor; a hook on that leaf sums its gradient per distinct token, in the order the lookup's own backward
   sums them, and adds each sum to the matrix's gradient once. With one backward per optimizer step the result is

@@ -1,34 +1,22 @@
 """Packing rows into one sequence, splitting a batch into micro-batches, and the attention that makes packing pay.
 
 Design decisions, and why
-- Micro-batches are packed: the rows of a micro-batch are unpadded and concatenated into one row whose
-  `position_ids` restart at 0 for each sequence (`pack_rows`), and the sequence boundaries are passed to the model
-  as `cu_seq_lens_q/k` (the flash-attention varlen arguments, `packed_forward`). RL batches are ragged (most
-  responses short, a few at the length cap), so padding would spend much of the compute on pad tokens
-  (`bench/packing.py` measures the difference).
-- With flash attention (GPU) transformers uses the boundaries directly. Plain sdpa would turn the restarting
-  position ids into a dense block-diagonal [T, T] mask, which on CPU means the slow masked kernel and attention work
-  quadratic in the whole packed row; so sdpa models are switched to the `packed_sdpa` attention registered here
-  (`register_packed_sdpa`): per sequence of the packed row it calls sdpa with `is_causal=True` (the fused kernel, no
-  mask, work = sum of squared sequence lengths). Calls without `cu_seq_lens_q` (a padded batch) fall through to
-  transformers' own sdpa with its usual mask. `tests/test_actor.py` checks packed log-probs equal per-sequence ones.
-- Shared prompts (`share_prompts`): sequences whose prompts (the tokens before the first policy token) are equal
-  keep one copy of it in the packed row; each remainder attends to the whole copy and to itself causally, so a
-  GRPO group of n samples runs its prompt once instead of n times. Position ids are kept, so every token is
-  computed as in the plain row. The attention gathers the prompts into one padded batch and the remainders into
-  another (explicit masks, the one place masks are built), two sdpa calls per layer instead of one per sequence:
-  per-sequence slices cost a zero-filled gradient buffer each in the backward. The layout travels to the attention
-  as a model keyword (`shared_prefix_row`), which transformers passes through to every attention call.
-  Micro-batches then keep a group together (`prompt_groups`), and the token budget counts a shared prompt once:
-  it measures the packed row that runs.
-- Rows go into micro-batches by first-fit-decreasing under `mb_spec.max_tokens_per_mb`, with at least
-  `mb_spec.n_mbs` micro-batches (`split_into_microbatches`): longest rows first fill the bins evenly. A row longer
-  than the budget gets a micro-batch of its own; it is never split, since a cut sequence would lose the context its
-  later tokens are conditioned on.
-- AReaL hands the trainer a list of trajectories, each padded to its own length. `join_trajectories` makes them one
-  right-padded batch (normalisation and packing must see the whole batch at once) and `split_trajectories` cuts a
-  result back to each trajectory's rows and length. Index-like keys become int64 (`cast_long`): AReaL's batches
-  hold int32, while embedding, gather and masks want long.
+- Micro-batches are packed: a micro-batch's rows are unpadded and concatenated into one row whose `position_ids`
+  restart at 0 for each sequence (`pack_rows`); the boundaries reach the model as `cu_seq_lens_q/k` (flash
+  attention's varlen arguments, `packed_forward`). RL batches are ragged, so padding would spend much of the compute
+  on pad tokens (`bench/packing.py` measures the difference).
+- With flash attention (GPU) transformers uses the boundaries directly. Plain sdpa would build a dense block-diagonal
+  [T, T] mask (on CPU the slow masked kernel, work quadratic in the packed row), so sdpa models get the `packed_sdpa`
+  attention registered here (`packed_sdpa_attention`). `tests/test_actor.py` checks packed log-probs equal
+  per-sequence ones.
+- Shared prompts (`share_prompts`): sequences with equal prompts keep one copy of it in the packed row, so a GRPO
+  group of n samples runs its prompt once, not n times; position ids are kept, so every token is computed as in the
+  plain row. Micro-batches keep a group together (`prompt_groups`), and the token budget counts its prompt once.
+- Rows go into micro-batches first-fit-decreasing under `max_tokens_per_mb`, at least `n_mbs` of them
+  (`split_into_microbatches`). A row over the budget gets a micro-batch of its own and is never split: a cut
+  sequence would lose the context its later tokens are conditioned on.
+- AReaL hands the trainer a list of trajectories: `join_trajectories` makes them one right-padded batch and
+  `split_trajectories` cuts results back. Index-like keys become int64 (`cast_long`): AReaL's hold int32.
 """
 
 from __future__ import annotations
@@ -75,7 +63,12 @@ INT_KEYS = ("input_ids", "loss_mask", "versions")
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function: causal sdpa per sequence of a packed row (see the module docstring)."""
+    """transformers attention function: causal sdpa per sequence of a packed row.
+
+    Per sequence of the packed row (`cu_seq_lens_q`) it calls sdpa with `is_causal=True`: the fused kernel, no mask,
+    work = the sum of squared sequence lengths. A `SharedPrefixRow` layout (the `shared_prefix_row` keyword, which
+    transformers passes through to every attention call) goes to `_shared_prefix_attention`. Calls without
+    `cu_seq_lens_q` (a padded batch) fall through to transformers' own sdpa with its usual mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     shared = kwargs.pop(SHARED_PREFIX_KW, None)
@@ -106,7 +99,10 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
 
 
 def _shared_prefix_attention(module, query, key, value, layout, dropout, scaling, **kwargs) -> torch.Tensor:
-    """Attention of a `SharedPrefixRow`: one sdpa call per bucket of segments, gathered into a padded batch."""
+    """Attention of a `SharedPrefixRow`: one sdpa call per bucket of segments, gathered into a padded batch.
+
+    The buckets have explicit masks, the one place masks are built: a few sdpa calls per layer instead of one per
+    sequence, since per-sequence slices cost a zero-filled gradient buffer each in the backward."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -316,8 +312,8 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
 
     A sequence's last token is left out of the new row: nothing reads its output (no later token of its sequence
     attends to it, and its logits would predict the next sequence's first token), so running it through every
-    layer, forward and backward, is work for nothing. One token per sequence: 6-11% of the demo's update (answers
-    of 16 and of 10 tokens).
+    layer, forward and backward, is work for nothing: one token per sequence, a noticeable share of an update whose
+    answers are short.
     """
     ids = packed["input_ids"]
     T = ids.shape[0]

@@ -1,36 +1,23 @@
 """Weight publishing and actor checkpoints: how new weights leave the trainer, and how a run is saved and restored.
 
 Design decisions, and why
-- Disk route. Version k = get_version() + 1 is written to `meta.dir_for(k)` as a complete Hugging Face folder
-  (safetensors + config + generation config + tokenizer files, `write_hf_folder`): a server loads it with
-  `from_pretrained` and nothing else. It is built with `atomic.atomic_dir` (a temporary sibling swapped into place),
-  so a server polling for the folder never loads half of it, and rewriting a version (after a resume) never loses
-  the previous copy. Then version folders older than `meta.keep_last` are removed (`prune_versions`): each holds a
-  full copy of the weights, often in RAM under /dev/shm.
-- Recycled pages. A full version is written with `utils.safetensors_io.save_tensors` into the model file of the
-  oldest version it replaces, moved into the new folder first and overwritten in place: the file system then keeps
-  the same pages rather than freeing 540 MB (SmolLM2-135M, float32) and allocating 540 MB again each step. On the
-  2-core VM the kit is measured on, a fresh file in /dev/shm took 0.2-2.1 s to write (system time, varying step to
-  step) and a recycled one about 0.12 s. A version this replaces is one `keep_last` says is no longer read.
-- Version folders are transport, not checkpoints: `WeightPublisher` remembers the folders it wrote and removes them,
-  and their parent folder if that is left empty (never anything else in it), on `close()` or at interpreter exit.
-  A run's default folder (`cli_args.default_weight_update_dir`) is claimed by the process (`utils.weight_dirs`) and
-  stays, empty and locked, until it exits; a later run removes what a killed one left.
-- Tied weights (an LM head sharing the embedding matrix) are written once, under the embedding's name: transformers
-  re-ties them on load, and safetensors refuses two names for one storage (leftover aliases are cloned).
-- NCCL route (GPU + SGLang). Trainer rank 0 joins a process group with the servers, which lie outside the trainer's
-  own world (`init_custom_process_group`, built as SGLang and AReaL build it), and broadcasts every parameter in
-  `named_parameters()` order (`broadcast_params`); the names, dtypes and shapes put on the meta (`fill_nccl_meta`)
-  tell the servers what to receive. Under FSDP every rank takes part in gathering each full parameter and only rank 0
-  sends. Without CUDA `require_cuda` raises an error that names the disk route. The tests exercise the group and the
-  broadcast with gloo in place of NCCL.
-- Checkpoints (`save_checkpoint`, `load_checkpoint`): `<path>/model` (a loadable folder, as above; for a LoRA
-  actor the adapter folder, `fsdp_utils/lora.py`, so the base weights are never copied into a checkpoint) and
-  `<path>/actor_state.pt` (optimizer, LR schedule, version, RNG states), swapped into place as one folder. The RNG
-  states are saved so that a resumed run continues exactly as the uninterrupted one would have.
-- Ranks. Gathering a full state is a collective every rank must call (`full_state_dict`, `full_optimizer_state`);
-  writing files is rank 0's job. The functions here do one or the other and never synchronise: the caller
-  (`FSDPPPOActor`) calls them in that order and adds the barriers.
+- Disk route: version k is a complete Hugging Face folder (`write_hf_folder`), so a server loads it with
+  `from_pretrained` and nothing else. It is built aside and swapped into place (`atomic.atomic_dir`): a server
+  polling for the folder never loads half of it. Versions older than `meta.keep_last` are pruned: each is a full
+  copy of the weights, often in RAM under /dev/shm.
+- Recycled pages: a new version overwrites the model file of the oldest version it replaces, in place
+  (`WeightPublisher.write_version`), so the file system keeps its pages rather than free and allocate them each step.
+- Version folders are transport, not checkpoints: `WeightPublisher` removes the ones it wrote on `close()` or at
+  exit. A run's default folder is claimed by the process (`utils.weight_dirs`); a later run removes what a killed
+  one left.
+- Tied weights (an LM head sharing the embedding) are written once, under the embedding's name: transformers
+  re-ties them on load, and safetensors refuses two names for one storage.
+- NCCL route (GPU + SGLang): trainer rank 0 joins a group with the servers (`init_custom_process_group`, as SGLang
+  and AReaL build it) and broadcasts every parameter in order (`broadcast_params`); the meta says what to receive.
+- Checkpoints: `<path>/model` (loadable; a LoRA actor's adapter alone) and `<path>/actor_state.pt` (optimizer, LR
+  schedule, version, RNG states, so a resumed run continues exactly), swapped into place as one folder.
+- Ranks: gathering a full state is a collective every rank calls; writing files is rank 0's. Nothing here
+  synchronises: the caller (`FSDPPPOActor`) adds the barriers.
 """
 
 from __future__ import annotations
@@ -184,7 +171,8 @@ def fill_nccl_meta(meta: WeightUpdateMeta, specs: List[Dict[str, Any]], n_server
 
 
 def require_cuda(device: torch.device) -> None:
-    """The NCCL route needs the model on a CUDA GPU; say which route works instead."""
+    """The NCCL route needs the model on a CUDA GPU; say which route works instead. (The tests exercise the group
+    and the broadcast with gloo in place of NCCL.)"""
     if not torch.cuda.is_available() or device.type != "cuda":
         raise NotImplementedError(
             "NCCL weight updates need CUDA GPUs and SGLang servers; on this machine use "
@@ -222,7 +210,11 @@ class WeightPublisher:
         beside it older than the last `keep_last`. Returns the folder's absolute path.
 
         `reuse` names a file that `fill` overwrites in place when it finds it (`MODEL_FILE`: `write_hf_folder`): the
-        oldest version this call removes gives its copy to the new folder first ("Recycled pages", module docstring).
+        oldest version this call removes gives its copy to the new folder first ("Recycled pages", module docstring):
+        moved into the new folder and overwritten in place, the file keeps the same pages instead of freeing a full
+        copy of the weights and allocating one again each step (a fresh file in /dev/shm is slow to write, and the
+        time varies step to step; bench/vs_trl.py reports the weight_sync phase). A version this replaces is one
+        `keep_last` says is no longer read, and rewriting a version (after a resume) never loses the previous copy.
         """
         final = os.path.abspath(final)
         keep_from = version - max(1, int(keep_last)) + 1

@@ -1,29 +1,21 @@
 """OpenAI conversations to prompt token ids, token-exact across turns: `ChatTemplate`.
 
 An agent sends its whole conversation on every turn, the assistant's earlier answers included as text. Rendering
-that text again through the chat template gives the model a prompt, but not necessarily the tokens it generated:
-a decode/encode round trip can pick other ids, templates trim or rewrite assistant text, and a tool call comes back
-as re-serialised JSON. Training on such a prompt would score tokens the model never sampled.
+that text again gives the model a prompt, but not necessarily the tokens it generated: a decode/encode round trip
+can pick other ids, templates trim or rewrite assistant text, and a tool call comes back as re-serialised JSON.
+Training on such a prompt would score tokens the model never sampled.
 
 Design decisions
-- A turn that continues an earlier completion of the same session (its messages start with that completion's
-  messages and answer: `InteractionCache.find_parent`) is built from ids, never from text: the earlier prompt ids,
-  then the generated ids exactly as sampled, then the end-of-turn tokens the output did not already produce, then
-  the ids the template renders for the new messages. The new part is located in the full re-rendered conversation
-  by counting end-of-turn tokens (the "anchor", ChatML's `<|im_end|>`), the rule AReaL 1.0.4's concat mode uses
-  with the EOS token; the anchor is taken from the template itself, so a model whose EOS differs from its
-  end-of-turn token still aligns.
-- Drift is detected, not assumed: when the re-rendered conversation starts with exactly those ids nothing drifted
-  and it is used as is; otherwise `Continuation.drift` is True and the generated ids are kept. When the anchors
-  cannot be matched (a template that drops or merges messages) there is no safe continuation: `continue_from`
-  returns None and the caller renders the conversation afresh and counts a template mismatch.
-- Tools: a template that renders `tools` (Qwen2.5, Llama 3.1, Hermes) gets them natively. One that ignores them
-  (SmolLM2's plain ChatML; detected by rendering a probe with and without a tool) gets the conversation rewritten
-  by `tool_call_parser.hermes_messages`: the tool list in the system prompt in Hermes format, tool calls and
-  tool results as text. Either way the model is asked for `<tool_call>` blocks, which `parse_tool_calls` reads.
-  `tool_syntax="compact"` asks such a template's model for `<name>argument</name>` instead (`compact_messages`,
-  `parse_compact_tool_calls`), which a 135M model picks up from a worked example; a template with tool support
-  keeps its own format whatever `tool_syntax` says, since that is the format its model was tuned on.
+- A turn that continues an earlier completion of the session (`InteractionCache.find_parent`) is built from ids,
+  never from text: the earlier prompt and generated ids exactly as sampled, the end-of-turn tokens the output did not
+  produce, then the ids the template renders for the new messages (`continue_from`).
+- Drift is detected, not assumed: a re-rendered conversation that starts with exactly those ids is used as is;
+  otherwise `Continuation.drift` is True and the sampled ids are kept. When the two cannot be aligned,
+  `continue_from` returns None and the caller renders afresh and counts a template mismatch.
+- Tools: a template that renders `tools` (Qwen2.5, Llama 3.1, Hermes) gets them natively; one that ignores them
+  (SmolLM2's ChatML, detected with a probe) gets the conversation rewritten to Hermes blocks or, with
+  `tool_syntax="compact"`, to `<name>argument</name>` (`tool_call_parser`). A template with tool support keeps its
+  own format whatever `tool_syntax` says: that is the format its model was tuned on.
 - Stop tokens are the tokenizer's EOS and pad and the template's end-of-turn token, so a completion ends where an
   assistant message ends, whatever the model's generation config says.
 """
@@ -171,7 +163,12 @@ class ChatTemplate:
         self, parent_input_ids: Sequence[int], parent_output_ids: Sequence[int], full_ids: Sequence[int]
     ) -> Optional[Continuation]:
         """The prompt of a turn after the completion (`parent_input_ids` -> `parent_output_ids`), given the ids of
-        the whole new conversation rendered afresh (`render(...)`); None when the two cannot be aligned."""
+        the whole new conversation rendered afresh (`render(...)`); None when the two cannot be aligned.
+
+        The new part is located in the re-rendered conversation by counting end-of-turn tokens (the "anchor",
+        ChatML's `<|im_end|>`), the rule AReaL 1.0.4's concat mode uses with the EOS token. The anchor is taken from
+        the template itself, so a model whose EOS differs from its end-of-turn token still aligns. A template that
+        drops or merges messages leaves no safe continuation: None."""
         base = list(parent_input_ids) + list(parent_output_ids) + self.closing_tokens(parent_output_ids)
         full = list(full_ids)
         if len(full) > len(base) and full[: len(base)] == base:

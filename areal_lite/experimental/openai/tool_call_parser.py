@@ -7,29 +7,17 @@ The model writes a call as a block of JSON between tags, one block per call:
     </tool_call>
 
 Design decisions
-- One format, the one Qwen2.5's chat template teaches (it is Hermes 2 Pro's): the kit's GPU model uses it natively,
-  and SmolLM2's plain ChatML template, which knows nothing about tools, is taught it by `hermes_messages` (below).
-- Parsing is all-or-nothing: when any block is malformed (bad JSON, no `name`, arguments that are not an object,
-  a block left open by a length cut, a function the request did not offer) the whole completion is a plain text
-  answer and `ToolCallParse.error` says why. A partial list of calls would run some of what the model asked for
-  and silently drop the rest; a text answer lets the agent (and the reward) see the malformed output as it is.
-  The caller counts these failures; nothing here raises on model output.
-- `arguments` leave as a JSON string (OpenAI's shape: `function.arguments` is a string), serialised with
-  `ensure_ascii=False`, so a client that `json.loads` them gets exactly the object the model wrote.
-- `hermes_messages` rewrites an OpenAI conversation for a template without tool support: the tool list goes into
-  the system prompt (appended to the conversation's own system message, or as a new first message, which replaces
-  a template's default system prompt such as SmolLM2's), an assistant message's `tool_calls` become `<tool_call>`
-  blocks after its text, and consecutive `role="tool"` messages become one user message of `<tool_response>`
-  blocks -- the text Qwen2.5's template renders for the same conversation. Templates that render `tools`
-  themselves get the conversation unchanged (apart from arguments parsed back to objects, which those templates
-  expect).
-- A compact syntax for small models (`tool_syntax="compact"`). SmolLM2-135M with two worked examples, 24 tokens
-  per answer (`bench/tool_exploration.py`): Hermes 0 calls in 64 episodes (its call is 34 tokens; at 40 tokens,
-  11), compact `<calculator>12 * 34</calculator>` (14 tokens) 42. A call is the tool's name as a tag around its
-  argument: the bare value for a tool with one parameter, a JSON object for several, nothing for none; results
-  come back as `<result>` blocks in a user turn.
-  The agent still sends and receives standard OpenAI `tool_calls` and `role="tool"` messages: only the text the
-  model reads and writes changes. Parsing keeps the all-or-nothing rule (a tag left open is a counted failure).
+- One format, the one Qwen2.5's chat template teaches (Hermes 2 Pro's): the kit's GPU model uses it natively, and
+  SmolLM2's plain ChatML template, which knows nothing about tools, is taught it by `hermes_messages`.
+- Parsing is all-or-nothing: when any block is malformed (bad JSON, no `name`, arguments not an object, a block left
+  open by a length cut, a function the request did not offer) the whole completion is a plain text answer and
+  `ToolCallParse.error` says why. A partial list would run some of what the model asked for and silently drop the
+  rest. The caller counts these failures; nothing here raises on model output.
+- `arguments` leave as a JSON string (OpenAI's shape), serialised with `ensure_ascii=False`, so a client that
+  `json.loads` them gets exactly the object the model wrote.
+- A compact syntax for small models (`tool_syntax="compact"`): the tool's name as a tag around its argument,
+  `<calculator>12 * 34</calculator>`, far shorter than a Hermes block, so a 135M model writes calls it otherwise
+  does not (bench/tool_exploration.py). The agent still sees standard OpenAI `tool_calls` either way.
 """
 
 from __future__ import annotations
@@ -87,7 +75,8 @@ def new_tool_call_id() -> str:
 
 
 def _openai_call(name: str, args: Dict[str, Any]) -> Dict[str, Any]:
-    """An OpenAI tool call; `arguments` as the JSON string OpenAI sends (see the module docstring)."""
+    """An OpenAI tool call; `arguments` as the JSON string OpenAI sends (`ensure_ascii=False`: a client that
+    `json.loads` it gets exactly the object the model wrote)."""
     return {
         "id": new_tool_call_id(),
         "type": "function",
@@ -198,7 +187,12 @@ def _rewrite(messages, tools, call_text, result_text, tools_prompt) -> List[dict
 
 
 def hermes_messages(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]) -> List[dict]:
-    """The conversation rewritten for a template without tool support (see the module docstring)."""
+    """The conversation rewritten for a template without tool support: the tool list goes into the system prompt
+    (appended to the conversation's own system message, or as a new first message, which replaces a template's
+    default system prompt such as SmolLM2's), an assistant message's `tool_calls` become `<tool_call>` blocks after
+    its text, and consecutive `role="tool"` messages become one user message of `<tool_response>` blocks -- the
+    text Qwen2.5's template renders for the same conversation. Templates that render `tools` themselves get
+    `native_tool_messages` instead."""
     return _rewrite(
         messages,
         tools,
@@ -279,7 +273,10 @@ def render_compact_tool_calls(
 
 
 def compact_messages(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping]]) -> List[dict]:
-    """`hermes_messages` in the compact syntax: calls as tags, results as `<result>` blocks in a user turn."""
+    """`hermes_messages` in the compact syntax: calls as tags, results as `<result>` blocks in a user turn.
+
+    A call is the tool's name as a tag around its argument: the bare value for a tool with one parameter, a JSON
+    object for several, nothing for none. Parsing keeps the all-or-nothing rule (a tag left open is a failure)."""
     return _rewrite(
         messages,
         tools,

@@ -2,24 +2,22 @@
 
     python -m areal_lite.kit.serve --model-path PATH_OR_ALIAS [--host 127.0.0.1] [--port 30000] [--threads 1]
 
-It speaks the subset of SGLang's native HTTP API that RL rollout needs (`/generate`, `/health`, `/model_info`,
-`/pause_generation`, `/continue_generation`, `/abort_request`, `/update_weights_from_disk`, `/flush_cache`), with
-SGLang 0.5.23's request and response shapes, so the same client code (`RemoteSGLangEngine`) talks to either server.
+It speaks the subset of SGLang 0.5.23's native HTTP API that RL rollout needs, with its request and response shapes
+(`/generate`, `/health`, `/model_info`, `/server_info`, `/pause_generation`, `/continue_generation`, `/abort_request`,
+`/update_weights_from_disk`, `/load_lora_adapter`, `/unload_lora_adapter`, `/flush_cache`: `app.ROUTES`), so the
+same client code (`RemoteSGLangEngine`) talks to either server. No prefix cache across requests: `cached_tokens` is
+always 0 and `/flush_cache` has nothing to drop.
 
 The package, from the wire inwards:
 - `app`: the aiohttp routes. Thin handlers on the event loop: read, validate, hand to the scheduler, answer.
-- `protocol`: SGLang's bodies as pure functions (strict validation, SGLang's defaults, the response dict).
-- `scheduler`: the `Scheduler`, one thread that owns the model and runs continuous batching; pause, abort and
-  weight updates are commands it handles between model steps, so model state needs no locks.
-- `batch`: `GenerationState` (one row being generated), `RunningBatch` (the rows decoding together over one
-  KV cache) and the runner that computes them with the model's own forward (`HFRunner`).
-- `fastpath`: `FastRunner`, the runner for Llama/Qwen2-family models: a functional forward with fused projections
-  over a preallocated, in-place KV cache (`StaticKV`); the same numbers, with no per-step copy of the cache.
+- `protocol`: SGLang's bodies as pure functions (strict validation, SGLang's defaults, the response dict), and
+  `GenerationState`, one row being generated.
+- `scheduler`: the `Scheduler`, one thread that owns the model and runs continuous batching.
+- `batch`: `RunningBatch` (the rows decoding together over one KV cache) and `HFRunner` (the model's own forward).
+- `fastpath`: `FastRunner`, a functional forward for Llama/Qwen2-family models over an in-place KV cache.
 - `sampling`: next-token sampling, logprobs and finish rules, matching SGLang's numbers.
-- `weights`: loading the model at startup and from a safetensors folder on update.
+- `lora`: one LoRA adapter at a time, merged into the weights. `weights`: loading the model and updates from disk.
 - `cli`: the process: a command line built from `EmbeddedServerConfig`, bind, load, serve until SIGTERM.
-
-No prefix cache: `cached_tokens` is always 0 and `/flush_cache` has nothing to drop.
 """
 
 from areal_lite.kit.serve.app import ServerState, build_app

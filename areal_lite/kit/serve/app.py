@@ -1,26 +1,23 @@
-"""The HTTP side of the server: aiohttp routes with SGLang's paths, request and response shapes.
+"""The HTTP side of the server: aiohttp routes with SGLang's paths, request and response shapes (`ROUTES`).
 
 Design decisions
-- Handlers are thin: read the body (`areal_lite.utils.jsonhttp`), validate it (`protocol`), hand the work to the
-  `Scheduler` and wait on its future, render the answer (`protocol`). They run on the event loop and never touch
-  the model, so a long decode never blocks a health check or a pause.
-- Nor does long text: a /generate body whose text prompts total more than `OFF_LOOP_CHARS` characters is
-  validated and tokenized on a worker thread (a 10 MB prompt took ~10 s of tokenization on the loop, and /health,
-  pause and abort waited for it), and answers of more than `OFF_LOOP_TOKENS` tokens are decoded and serialized
-  there. Smaller ones are handled inline: they take well under a millisecond. The tokenizer is only read, never
-  reconfigured, so threads may share it.
-- One error contract for every route, shared with the kit's other server (`jsonhttp.json_errors_middleware`): a bad
+- Handlers are thin: read the body (`utils.jsonhttp`), validate it (`protocol`), hand the work to the `Scheduler`
+  and wait on its future, render the answer (`protocol`). They run on the event loop and never touch the model, so
+  a long decode never blocks a health check or a pause.
+- Nor does long text: a /generate whose text prompts total more than `OFF_LOOP_CHARS` characters is validated and
+  tokenized on a worker thread, and answers of more than `OFF_LOOP_TOKENS` tokens are decoded and serialized there;
+  smaller ones are handled inline. The tokenizer is only read, never reconfigured, so threads may share it.
+- One error contract for every route, shared with the kit's other servers (`jsonhttp.json_errors_middleware`): a bad
   body gets 400 `{"error": "..."}`, an unknown route 404 and a wrong method 405 (both listing the routes), a route
   hit while the model is still loading 503, and a bug 500; the server keeps serving in every case.
 - The server binds before the model loads (`/health` answers 503 until it is ready), so a launcher can tell
   "still loading" from "crashed". `ServerState.scheduler` is None until then.
-- A client that disconnects cancels its handler (aiohttp's `handler_cancellation`), which aborts its rows: no
-  decode steps are spent on an answer nobody will read.
-- rids in flight are unique: a second request reusing one is refused with 400 instead of making `/abort_request`
-  ambiguous.
+- A client that disconnects cancels its handler (`handler_cancellation`, set in `cli`), which aborts its rows.
+- rids in flight are unique: a request reusing one gets a 400 rather than make `/abort_request` ambiguous.
 - LoRA (`lora.py`): `/load_lora_adapter` and `/unload_lora_adapter` take SGLang's bodies and answer SGLang's
-  `{"success", "error_message", "loaded_adapters"}`, with 400 (and the kit's "error") when they fail; a /generate
-  whose `lora_path` names an adapter that is not loaded is refused with 400 before anything is queued.
+  `{"success", "error_message", "loaded_adapters"}`; a /generate whose `lora_path` names an adapter that is not
+  loaded is refused with 400 before anything is queued.
+- NCCL weight updates are not served: their routes answer 400, pointing to `/update_weights_from_disk`.
 """
 
 from __future__ import annotations
@@ -185,7 +182,7 @@ def _text_chars(body: Any) -> int:
 
 def _tokenize(tok: Any, context_length: int) -> Any:
     """Text -> prompt ids for `parse_generate_body`. A long text that cannot fit comes back as `range(n)`, n its
-    token count: the parser reads only its length before refusing it (see the module docstring)."""
+    token count: the parser reads only its length before refusing it (`hf_utils.count_tokens` says why)."""
 
     def tokenize(text: str):
         if len(text) > OFF_LOOP_CHARS:
@@ -277,6 +274,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 
 
 async def _lora_update(request: web.Request, update: Any) -> web.Response:
+    """A LoRA load or unload through the scheduler; a failure answers 400 with SGLang's fields and the kit's "error"."""
     result = await asyncio.wrap_future(_scheduler_or_503(request).update_weights(update))
     if not result["success"]:
         return json_error(400, result["error_message"], **result)

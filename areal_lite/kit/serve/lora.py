@@ -2,24 +2,20 @@
 
 Design decisions
 - One active adapter at a time, merged into the weights: loading adapter `name` sets every adapted matrix to
-  W = W_base + (alpha / r) * B @ A (alpha / sqrt(r) for rsLoRA) and leaves every other weight as it was; loading
-  another adapter replaces it (the matrices only the old one adapted go back to W_base). Decoding then costs exactly
-  what the base model costs, and the fused fast path (`fastpath.py`) serves it unchanged: the merge `copy_`s into the
-  parameters, which are views of the runner's fused matrices, and the runner re-packs after it (`refresh`). SGLang
-  serves many adapters side by side in one batch; a trainer needs one at a time, since the client pauses, loads
-  version k and sends every later request with `lora_path = <lora_name>-v<k>` (AReaL's naming).
-- W_base is kept as a copy of each adapted matrix, taken the first time an adapter touches it, so a merge never
-  accumulates rounding from the previous adapter (subtracting the old B @ A would). The price is one extra copy of
-  the adapted weights (with "all-linear" targets, most of a small model's non-embedding weights).
-- A request's `lora_path` must name the active adapter: any other name is a 400 that names the loaded one. A request
-  without `lora_path` is served with the active adapter (it is merged), unlike SGLang, where it gets the base model.
+  W = W_base + scale * B @ A and leaves every other weight as it was; loading another replaces it. Decoding then
+  costs exactly what the base model costs, and the fused fast path (`fastpath.py`) serves it unchanged: the merge
+  `copy_`s into the parameters, which are views of the runner's fused matrices, and the runner re-packs after it.
+  SGLang serves many adapters side by side in one batch; a trainer needs one at a time, since the client pauses,
+  loads version k and sends every later request with `lora_path = <lora_name>-v<k>` (AReaL's naming).
+- W_base is kept as a copy of each adapted matrix, so a merge never accumulates the previous adapter's rounding
+  (subtracting the old B @ A would). The price is one extra copy of the adapted weights.
+- A request's `lora_path` must name the active adapter (any other name is a 400 naming the loaded one); a request
+  without one is served with the active adapter, unlike SGLang, where it gets the base model.
   `meta_info.weight_version` of a response is the adapter's name while one is loaded.
-- Everything is checked before anything changes (config, tensor names, shapes, ranks): a bad adapter answers 400
-  and the model keeps serving what it served. Adapters that would need more than a merged A/B pair (DoRA,
-  `modules_to_save`, per-module rank or alpha patterns, Conv1D `fan_in_fan_out`, embedding LoRA) are refused.
-- A full weight update (`/update_weights_from_disk`) replaces the base: the adapter is dropped with it.
-- Loads and unloads are weight updates for the scheduler: they wait, as `/update_weights_from_disk` does, until
-  the running batch drained or the server is paused, and run on the scheduler thread (`Scheduler._maybe_apply_update`).
+- Everything is checked before anything changes (`read_adapter`): a bad adapter answers 400 and the model keeps
+  serving what it served. A full weight update (`/update_weights_from_disk`) replaces the base and drops the adapter.
+- Loads and unloads are weight updates for the scheduler: they wait until the running batch drained or the server
+  is paused, and run on the scheduler thread (`Scheduler._maybe_apply_update`).
 """
 
 from __future__ import annotations
@@ -64,7 +60,10 @@ def _read_config(path: str) -> float:
 
 
 def read_adapter(model: Any, path: str) -> dict[str, tuple[float, torch.Tensor, torch.Tensor]]:
-    """The update of every adapted matrix, {parameter name: (scale, B, A)} in float32; raises on any mismatch."""
+    """The update of every adapted matrix, {parameter name: (scale, B, A)} in float32; raises on any mismatch.
+
+    Adapters that would need more than a merged A/B pair (DoRA, `modules_to_save`, per-module rank or alpha patterns,
+    Conv1D `fan_in_fan_out`, embedding LoRA) are refused, all before anything changes."""
     from safetensors.torch import load_file
 
     if not os.path.isdir(path):
@@ -127,7 +126,9 @@ class LoraAdapters:
 
     @torch.no_grad()
     def load(self, name: str, path: str) -> None:
-        """Merge adapter `name` from folder `path`, replacing the active one (see the module docstring)."""
+        """Merge adapter `name` from folder `path`, replacing the active one (see the module docstring): the
+        matrices only the old one adapted go back to W_base, whose copies are taken the first time an adapter
+        touches a matrix."""
         t0 = time.perf_counter()
         deltas = read_adapter(self.model, path)  # raises before anything changes
         params = dict(self.model.named_parameters())

@@ -2,28 +2,19 @@
 
 Design decisions
 - Logprobs follow SGLang (python/sglang/srt/layers/sampler.py): `output_token_logprobs` is
-  `log_softmax(logits / temperature)` at the sampled token: temperature applied, top-p/top-k truncation *not*
-  applied; greedy rows (temperature < 1e-6) get `log_softmax(logits)`. With `original_logprob` (SGLang's
+  `log_softmax(logits / temperature)` at the sampled token, temperature applied, top-p/top-k truncation *not*;
+  greedy rows (temperature < 1e-6) get `log_softmax(logits)`. With `original_logprob` (SGLang's
   `SGLANG_RETURN_ORIGINAL_LOGPROB=1`) it is `log_softmax(logits)` always. A trainer recomputing logprobs must get
   the same numbers from either server, so these rules are SGLang's, not the textbook's.
-- Logit masks that change what can be sampled (EOS suppressed until `min_new_tokens`) and the frequency and presence
+- Masks that change what can be sampled (EOS suppressed until `min_new_tokens`) and the frequency and presence
   penalties are applied before temperature and logprobs, as SGLang's penalizers are (`apply_penalties`).
-- One batched draw per step: rows with different temperatures, top-k and top-p share one softmax and one
-  inverse-CDF draw (`draw`); greedy rows skip the draw. Each row brings its own uniform number, from its own
-  random stream (`GenerationState.rng`), so what a row samples does not depend on which other rows share its batch.
-- Reproducible by default (`RowSeeds`). A row's stream is seeded from the request's `sampling_seed` (SGLang's field)
-  and its sample index when the client sends one; otherwise from the server's `--random-seed`, the request's content
-  (prompt and sampling parameters) and how many identical requests came before it. Identical requests are
-  interchangeable, so which of them gets which stream changes nothing; and the fast path's logits do not depend on
-  the batch either (`fastpath.py`, batch-invariant on CPU). Given the same weights, the rollouts of a synchronous
-  run are then the same from run to run on the same machine, whatever the arrival order and batching of concurrent
-  requests; the CPU trainer's update is deterministic too (`fsdp_utils/packing.py`), so the weights stay the same
-  and so does the whole run. (SGLang samples from one shared generator unless deterministic inference is on; a
-  learner comparing two runs step by step needs the same samples, and a test of learning must not depend on how
-  requests happened to be batched.)
-- When logprobs are taken after temperature, a sampled row's draw probabilities are the exp of its logprobs (no
-  second softmax over the vocabulary), whatever rows share its batch; temperature 1 divides nothing. On a CPU a
-  batch is sampled a few rows at a time (`CPU_SAMPLE_ROWS`), so that each pass's logits stay in cache.
+- One batched draw per step (`draw`): rows with different temperatures, top-k and top-p share one softmax and one
+  inverse-CDF draw; greedy rows skip it. Each row brings its own uniform number from its own random stream
+  (`GenerationState.rng`), so what a row samples does not depend on which rows share its batch.
+- Reproducible by default (`RowSeeds`): with the fast path's batch-invariant logits (`fastpath.py`), the rollouts of
+  a synchronous run repeat from run to run on the same machine, whatever the arrival order and batching. SGLang
+  samples from one shared generator unless deterministic inference is on; a learner comparing two runs step by
+  step needs the same samples, and a test of learning must not depend on how requests happened to be batched.
 - Finish rules in SGLang's order: stop string, then stop token / EOS, then length.
 """
 
@@ -42,6 +33,11 @@ from areal_lite.kit.serve.protocol import GenerationState
 
 class RowSeeds:
     """Gives each arriving row its random stream (see the module docstring); runs on the scheduler thread.
+
+    A row's stream is seeded from the request's `sampling_seed` (SGLang's field) and its sample index when the client
+    sends one; otherwise from the server's `--random-seed`, the request's content (prompt and sampling parameters)
+    and how many identical requests came before it. Identical requests are interchangeable, so which of them gets
+    which stream changes nothing.
 
     Identical requests are counted by a digest of their prompt and sampling parameters; the count is remembered for
     the `remember` most recent distinct requests (a long run's unique multi-turn prompts must not grow it forever;
@@ -70,8 +66,8 @@ def _digest(*parts: Any) -> bytes:
 
 
 # Rows per pass on a CPU: a pass's logits (4 x 49k floats for SmolLM2, 0.8 MB) stay in the core's cache through its
-# half-dozen steps over the vocabulary instead of the whole batch's streaming from memory at each. Measured for
-# 32 x 49k logits: 9 -> 3.5 ms on two cores (bit for bit the same: every step works row by row).
+# half-dozen steps over the vocabulary instead of the whole batch's streaming from memory at each (bit for bit the
+# same: every step works row by row).
 CPU_SAMPLE_ROWS = 4
 
 

@@ -1,43 +1,21 @@
 """The scheduler: one thread that owns the model and runs continuous batching.
 
 Design decisions
-- Two threads, one owner. The asyncio event loop (the HTTP side) parses and validates requests and writes
-  responses; it never touches the model. The scheduler thread owns the model, the KV cache and the sampling state.
-  The two talk through a single ordered event queue: requests and control commands go in; results come back
-  through each row's `on_done` callback and through `concurrent.futures.Future`s. Because the scheduler is the
-  only writer of model state, pause, abort and weight updates need no locks: they are events handled *between*
-  model steps. A thread (rather than `run_in_executor` per step) keeps the decode loop free of event-loop round
-  trips; torch releases the GIL inside its kernels, so the HTTP side stays responsive while the model computes.
-- One thread computes. The scheduler thread also builds the runner (`start` waits for it), so it is the only thread
-  of the process that runs torch's parallel regions: a second thread with an OpenMP team slows every step
-  (`_run` says why and by how much).
-- Commands are explicit: each thread-safe method (`pause`, `continue_generation`, `abort`, `flush_cache`,
-  `update_weights`, `submit`, `stop`) enqueues the bound method that handles it on the scheduler thread
-  (`_on_pause`, ...), so every path from an HTTP route to the state it changes can be followed by name.
-- The arithmetic is the runner's (`fastpath.make_runner`: the fused fast path for Llama/Qwen2 models, the model's own
-  forward otherwise): the scheduler only decides who is prefilled, who decodes and who leaves.
-- Continuous batching. Each loop iteration (1) handles pending events, (2) admits waiting requests up to
-  `max_running_requests`, prefilling all newcomers together (in groups of at most `max_prefill_tokens` padded
-  tokens), (3) runs one decode step for the whole batch. Finished rows leave after the step in which they finish;
-  new rows join between steps. A request never waits for a fixed batch to fill or to drain.
-- An idle server's first prefill waits for the rest of a burst: a GRPO client sends a batch as one request per
-  sample (the demo: 32 within about 10 ms), and when the first was prefilled alone, the others needed a second
-  prefill, with their prompt computed again, and started a decode step later (measured on the demo's rollouts:
-  about 0.1 s more prefill and one more decode step, in half of them). So with nothing running, newcomers are
-  gathered until no request has arrived for `admit_quiet` seconds (at most `admit_max`). A command arriving in that
-  window (an abort, a pause) ends it and is handled after the prefill, as it would have been without the wait. A
-  running batch never waits: a request arriving then joins it at the next step. Sampling is batch-invariant, so
-  the tokens are the same either way.
-- Pause (SGLang semantics, mode "abort"): requests in flight return at once with `finish_reason` abort and the
-  tokens made so far; requests that arrive while paused are held and start after `continue_generation`. Modes
-  "in_place" and "retract" keep the running batch frozen (its KV cache kept) and resume it on continue.
-- Weight updates, as in SGLang: immediate while paused; otherwise they wait for the running batch to finish (new
-  requests are held meanwhile), or abort it first when `abort_all_requests` is set. So a response comes from one
-  weight version, reported as `meta_info.weight_version`; the only exception, as in SGLang, is a batch frozen by
-  an "in_place"/"retract" pause, which resumes under the new weights. LoRA loads and unloads (`lora.py`) are weight
-  updates in this sense and take the same path.
-- A failure inside a step (a bug, out of memory) fails the rows of that batch with an abort and the loop goes on:
-  one bad step must not take the server down.
+- Two threads, one owner. The asyncio event loop (HTTP) parses, validates and answers; it never touches the model.
+  The scheduler thread owns the model, the KV cache and the sampling state, and builds the runner, so it alone runs
+  torch's parallel regions (`_run`). Requests and commands reach it through one ordered event queue: no locks.
+- Commands are explicit: each thread-safe method (`pause`, `abort`, `update_weights`, `submit`, ...) enqueues the
+  handler that runs it on the scheduler thread (`_on_pause`, ...), so every path can be followed by name.
+- Continuous batching: each iteration handles events, admits waiting requests up to `max_running_requests`
+  (prefilled together, in groups of at most `max_prefill_tokens`), then runs one decode step. Rows join and leave
+  between steps. The runner computes (`fastpath.make_runner`); the scheduler only decides who runs.
+- An idle server gathers a burst before its first prefill (`_gather_burst`): a GRPO client sends one request per
+  sample, all at once. A running batch never waits.
+- Pause (SGLang's semantics): mode "abort" returns in-flight requests at once with their tokens so far; "in_place"
+  and "retract" freeze the running batch. Requests arriving while paused are held until `continue_generation`.
+- Weight updates, LoRA loads included, as in SGLang: at once while paused, else once the running batch drained
+  (`_maybe_apply_update`), so a response comes from one weight version.
+- A failing step (a bug, out of memory) aborts that batch's rows and the loop goes on: the server stays up.
 """
 
 from __future__ import annotations
@@ -73,7 +51,7 @@ COUNTERS = (
     "aborted_requests", "weight_updates",
 )  # fmt: skip
 _DEFERRED = object()  # a command handler's result meaning "its future is resolved later by the scheduler"
-ADMIT_QUIET = 0.003  # seconds without a new request that end an idle server's burst (module docstring)
+ADMIT_QUIET = 0.003  # seconds without a new request that end an idle server's burst (`_gather_burst`)
 ADMIT_MAX = 0.02  # the longest an idle server holds a burst's first request back
 
 
@@ -257,7 +235,12 @@ class Scheduler:
 
     def _gather_burst(self) -> None:
         """With nothing running, handle events until none came for `admit_quiet` s (at most `admit_max` s), so a
-        burst of requests is prefilled together (module docstring)."""
+        burst of requests is prefilled together.
+
+        A GRPO client sends a batch as one request per sample, within milliseconds. Had the first been prefilled
+        alone, the others would need a second prefill, their prompt computed again, and start a decode step later.
+        A command arriving in the window (an abort, a pause) ends it and is handled after the prefill, as it would
+        have been without the wait. Sampling is batch-invariant, so the tokens are the same either way."""
         deadline = time.monotonic() + self.admit_max
         while len(self.waiting) < self.max_running:
             left = deadline - time.monotonic()
@@ -332,6 +315,10 @@ class Scheduler:
         return _DEFERRED
 
     def _maybe_apply_update(self) -> None:
+        """Apply the pending weight update if it may run now: while paused, or once the running batch drained (new
+        requests wait meanwhile; `abort_all_requests` aborts the batch first). So a response comes from one weight
+        version, its `meta_info.weight_version`; the exception, as in SGLang, is a batch frozen by an "in_place" or
+        "retract" pause, which resumes under the new weights."""
         if self.pending_update is None or (len(self.batch) > 0 and not self.paused):
             return
         request, fut = self.pending_update

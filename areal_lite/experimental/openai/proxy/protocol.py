@@ -1,32 +1,22 @@
 """OpenAI's chat-completions wire format, pure: request bodies in, response bodies and stream chunks out.
 
 Design decisions
-- Pure functions and dataclasses, no HTTP and no model (like `areal_lite.kit.serve.protocol`), so every rule is tested
-  without a server and the handler in `areal_lite.experimental.openai.proxy.server` stays thin.
+- Pure functions and dataclasses, no HTTP and no model (like `kit.serve.protocol`), so every rule is tested without a
+  server and the handler in `proxy.server` stays thin.
 - A bad body raises `ChatRequestError`, which carries OpenAI's error fields (`message`, `param`, `code`, HTTP
-  status); the server answers `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`. Messages
-  say what was wrong and what to send instead.
-- Unknown top-level fields are refused (OpenAI answers "Unrecognized request argument"), which catches typos such
-  as `max_token`. Fields that only change bookkeeping are accepted and ignored (`user`, `metadata`, `seed`,
-  `service_tier`, ...). Fields that would change the answer in a way the kit cannot honour
-  are refused when set to anything but their neutral value (`presence_penalty`, `logit_bias`, `top_logprobs > 0`,
-  a `response_format` other than text, images): silently ignoring them would hand an agent an answer to another
-  question. The legacy `functions` / `function_call` fields are refused with a pointer to `tools`.
-- `parallel_tool_calls=false` is honoured as vLLM honours it: a reply keeps only its first tool call (the server
-  records the whole sample and counts what it dropped). LangChain sends it (`with_structured_output`, `bind_tools(
-  parallel_tool_calls=False)`); ignoring it would hand such an agent several calls after it asked for at most one.
-- `model` is any string: the server serves one model (it reports its own name in responses and `/v1/models`).
-- Extras under `extra_body` (vLLM's and SGLang's names): `chat_template_kwargs` (passed to the template),
-  `return_token_ids` (adds `prompt_token_ids` and each choice's `token_ids`), `top_k`.
-- `chat_template_kwargs` are variables of the template (`enable_thinking`, ...). The arguments the endpoint passes
-  itself (`add_generation_prompt`, `tools`, `tokenize`, every other named argument of `apply_chat_template`, and the
-  `messages` the template reads) are refused with a 400 naming the key: passed twice they were a TypeError (500),
-  and one that changes what comes back (`tokenize`, `return_dict`) would break the prompt silently.
-- Every accepted field is checked for its type and range here, so what reaches the engine is something it serves:
-  the engine's own 4xx is the exception, and the server passes it on as a 4xx.
-- Streaming is answered as server-sent events built from the finished completion (one content chunk, one chunk of
-  tool calls, one with the finish reason, optionally usage, then `[DONE]`): generation is not streamed token by
-  token, but clients and agent frameworks that ask for `stream=true` work and record the same interaction.
+  status); messages say what was wrong and what to send instead.
+- Unknown top-level fields are refused (OpenAI's "Unrecognized request argument"), which catches typos such as
+  `max_token`. Bookkeeping fields are accepted and ignored (`user`, `metadata`, `seed`, ...). Fields that would change
+  the answer in a way the kit cannot honour are refused unless neutral (`presence_penalty`, `logit_bias`,
+  `top_logprobs > 0`, a non-text `response_format`, images): ignoring them would answer another question.
+- `parallel_tool_calls=false` is honoured as vLLM honours it (the reply keeps its first tool call): LangChain sends it.
+- `model` is any string: the server serves one model. vLLM's and SGLang's extras (`extra_body`) are accepted:
+  `chat_template_kwargs`, `return_token_ids`, `top_k`.
+- `chat_template_kwargs` are the template's own variables (`enable_thinking`, ...); the arguments the endpoint passes
+  itself are refused with a 400 naming the key (`RESERVED_TEMPLATE_KWARGS`).
+- Every accepted field is checked for type and range here, so the engine's own 4xx is the exception.
+- `stream=true` is answered as server-sent events built from the finished completion (`stream_events`): generation
+  is not streamed token by token, but clients that ask for a stream work and record the same interaction.
 """
 
 from __future__ import annotations
@@ -58,7 +48,8 @@ _SUPPORTED = {
     "parallel_tool_calls",
 }  # fmt: skip
 # The arguments of transformers' apply_chat_template and of the template renderer (tests check the list against the
-# installed transformers): the endpoint sets them, so chat_template_kwargs must not.
+# installed transformers): the endpoint sets them, so chat_template_kwargs must not. Passed twice they would be
+# a TypeError (a 500), and one that changes what comes back (`tokenize`, `return_dict`) would break the prompt silently.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
@@ -396,7 +387,8 @@ def completion_body(
 
 
 def stream_events(body: Dict[str, Any], req: ChatRequest) -> List[str]:
-    """The server-sent events (`data: {...}\\n\\n`) that stream a finished `completion_body`."""
+    """The server-sent events (`data: {...}\\n\\n`) that stream a finished `completion_body`: per choice one
+    content chunk, one of tool calls (if any), one with the finish reason; then optionally usage, then `[DONE]`."""
     base = {k: body[k] for k in ("id", "created", "model", "system_fingerprint")}
     base["object"] = "chat.completion.chunk"
     chunks = []

@@ -1,58 +1,23 @@
 """An OpenAI-compatible chat endpoint in front of the rollout engine, recording every completion token-exactly.
 
-```
-server = ChatServer(engine, tokenizer, gconfig).start()           # http://127.0.0.1:<free port>/v1
-session = server.open_session()                                   # one per episode; its api_key names it
-client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.api_key)
-reply = await client.chat.completions.create(model="areal-lite", messages=[...], tools=[...])
-session.cache                                                     # InteractionCache: rewards, export, batch
-server.close_session(session.api_key); server.stop()
-```
+    server = ChatServer(engine, tokenizer, gconfig).start()       # http://127.0.0.1:<free port>/v1
+    session = server.open_session()                               # one per episode; its api_key names it
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.api_key)
+    reply = await client.chat.completions.create(model="areal-lite", messages=[...], tools=[...])
+    cache = server.close_session(session.api_key).cache; server.stop()   # InteractionCache: rewards, export, batch
 
 Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
 
 Design decisions
-- Every completion goes through `engine.agenerate(ModelRequest(...))`, one request per choice (`n` fans out), so
-  weight versions, pause/resume and the staleness bound apply to agent traffic as to any workflow's; the engine can
-  be the kit's `RemoteSGLangEngine` or anything with that coroutine (AReaL's engine included).
-- The server runs on its own thread and event loop, bound to 127.0.0.1 on a port the OS picks (a socket bound
-  before aiohttp starts: no race with another process). Not on the engine's loop: that loop is the engine's
-  private attribute, and `destroy()` cancels every task on it; `agenerate` already accepts callers from a foreign
-  loop. `start()`/`stop()` block only on this server's own loop, never call `asyncio.run`, and so work from a
-  Jupyter cell, a script, or a workflow running on the engine's loop.
-- Sessions are named by the Bearer token (`api_key`) the client sends, as in AReaL's proxy: a workflow opens one
-  per episode and hands its key to the agent, so concurrent episodes never mix. A request with an unknown key is
-  refused (401): an unrecorded completion could not be trained on, and the refusal says how to open a session.
-- Recording and prompts: `experimental.openai.chat_template` builds a turn that continues an earlier completion of the
-  session from its ids (no re-tokenization drift) and `areal_lite.experimental.openai.cache` stores each choice with its
-  `ModelResponse`. `store=false` serves a request without recording it (AReaL's switch).
-- Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: bad bodies 400 (`chat_protocol`),
-  unknown key 401, unknown route 404, wrong method 405, a body over `MAX_BODY_BYTES` 413, a prompt too long for
-  `gconfig.max_tokens` 400 `context_length_exceeded`, an engine that refuses a request (its 4xx) that 4xx with the
-  engine's message, an engine failure 502, a bug 500 (logged). The server keeps serving in every case.
-- The context length is judged here, as OpenAI and vLLM do, not left to the engine (whose refusal would reach the
-  client as an engine error): prompt + `max_tokens` over the model's context is a 400 `context_length_exceeded`
-  stating the limit, and a request without `max_tokens` generates at most what the context leaves. The limit is
-  `context_length`, by default the model's `max_position_embeddings` (the embedded server's default too), read
-  from the tokenizer's folder.
-- Nothing slow on the event loop: rendering and tokenizing a conversation of more than `OFF_LOOP_CHARS` characters
-  runs on a worker thread (a 10 MB message took ~9 s, during which /health did not answer), and such a
-  conversation is counted before its ids are built, so one that cannot fit is refused without them; bodies are
-  read under `jsonhttp`'s rules (size, nesting, big ones parsed off the loop).
-- Tool syntax: the model reads and writes its template's tool format; a template without one gets Hermes blocks,
-  or `tool_syntax="compact"` (`<name>argument</name>`, for small models: `experimental.openai.tool_call_parser`).
-  The client sees OpenAI `tool_calls` either way.
-- Malformed tool calls in model output are not errors: the completion is a text answer and the failure is counted
-  (`stats()["tool_parse_failures"]`, also per session).
-- `tool_choice`: "none" turns tool parsing off (the tools stay in the prompt, as OpenAI keeps them in context);
-  "auto" is the default. "required" and a named function are not forced by constrained decoding (the embedded
-  server has no grammar engine, and a forced token would not be the policy's sample): the reply is what the model
-  wrote, and a reply without the required call is counted (`stats()["tool_choice_unmet"]`).
-- `parallel_tool_calls=false`: a reply with several calls hands the agent only the first (vLLM's rule), so an agent
-  that asked for at most one gets at most one. The interaction records the whole sample (its ids are what the
-  policy wrote) with the message the agent got, so the agent's next turn, which sends that message back, still
-  continues it (the re-rendered call drifts from the ids, which are kept); the dropped calls are counted
-  (`stats()["tool_calls_dropped"]`). `stats()["tool_calls"]` counts the calls the model wrote.
+- Each choice is one `engine.agenerate(ModelRequest(...))` (`n` fans out): weight versions, pause/resume and the
+  staleness bound apply to agent traffic as to any workflow's.
+- Own thread and event loop, never `asyncio.run` (`start`): works from a Jupyter cell, a script or a workflow.
+- Sessions are named by the Bearer token (AReaL's proxy), one per episode; an unknown key is a 401: not recordable.
+- A turn continues an earlier completion from its ids (`chat_template`); choices go to `cache` unless `store=false`.
+- Errors have OpenAI's shape: a bad body 400 (`protocol`), an unknown key 401, a prompt too long 400
+  `context_length_exceeded` (`ChatCompleter._gconfig`), an engine's 4xx passed on, an engine failure 502, a bug 500.
+- Tool calls are written in the template's format, Hermes blocks or `tool_syntax="compact"` (`tool_call_parser`);
+  the client sees OpenAI `tool_calls`. Malformed or dropped calls are counted in `stats()`, never errors (`_choice`).
 """
 
 from __future__ import annotations
@@ -187,7 +152,8 @@ class ChatCompleter:
         self.context_length = context_length
 
     def _render(self, req: ChatRequest, long: bool) -> List[int]:
-        """The prompt ids of the whole conversation. A long one is counted first, and refused when it cannot fit
+        """The prompt ids of the whole conversation. A long one (over `OFF_LOOP_CHARS` characters, rendered on a
+        worker thread by `prompt` so that /health keeps answering) is counted first, and refused when it cannot fit
         without building its ids (`hf_utils.count_tokens` says why)."""
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
@@ -226,6 +192,14 @@ class ChatCompleter:
         session.stats[key] += k
 
     def _choice(self, session: ChatSession, req: ChatRequest, resp: ModelResponse) -> ChoiceResult:
+        """One generated sample as the choice the agent gets, its tool calls parsed (unless `tool_choice="none"`).
+
+        A malformed tool call is not an error: the choice is a text answer, and `tool_parse_failures` counts it.
+        "required" and a named `tool_choice` are not forced by constrained decoding (a forced token would not be the
+        policy's sample): a reply without the call is counted (`tool_choice_unmet`). `parallel_tool_calls=false`
+        hands the agent only the first call (vLLM's rule) and counts the rest (`tool_calls_dropped`); the interaction
+        still records the whole sample, whose ids the next turn continues.
+        """
         text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         finish = _FINISH.get(resp.stop_reason, "stop")
         for s in req.stop or []:  # OpenAI leaves the stop string out of the content (the ids keep it)
@@ -252,7 +226,11 @@ class ChatCompleter:
         return ChoiceResult(message, finish, list(resp.output_tokens), list(resp.output_logprobs), texts)
 
     def _gconfig(self, session: ChatSession, req: ChatRequest, prompt: int):
-        """The request's sampling settings, after checking that it fits the model's context and the session's."""
+        """The request's sampling settings, after checking that it fits the model's context and the session's.
+
+        The context is judged here, as OpenAI and vLLM do, not left to the engine (whose refusal would reach the
+        client as an engine error): prompt + `max_tokens` over `context_length` is a 400 `context_length_exceeded`
+        stating the limit, and a request without `max_tokens` generates at most what the context leaves."""
         g = _request_gconfig(session.gconfig, req, self.template.stop_token_ids)
         limit = self.context_length
         if limit is not None:
@@ -295,7 +273,9 @@ class ChatCompleter:
 
 
 class ChatServer:
-    """The endpoint (see the module docstring). `start()` returns self; `base_url` ends with `/v1`."""
+    """The endpoint (see the module docstring). `start()` returns self; `base_url` ends with `/v1`.
+
+    `engine` is anything with `agenerate(ModelRequest)`: the kit's `RemoteSGLangEngine`, or AReaL's engine."""
 
     def __init__(
         self,
@@ -337,7 +317,13 @@ class ChatServer:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, timeout: float = 30.0) -> "ChatServer":
-        """Bind, start the serving thread, return when requests are accepted."""
+        """Bind, start the serving thread, return when requests are accepted.
+
+        The socket is bound here, on a port the OS picks, before aiohttp starts: no race with another process. The
+        server has its own thread and loop, not the engine's: that loop is the engine's private attribute and its
+        `destroy()` cancels every task on it, while `agenerate` already accepts callers from a foreign loop.
+        `start`/`stop` block only on this server's loop and never call `asyncio.run`.
+        """
         if self._thread is not None:
             raise RuntimeError("this chat server was started already")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,43 +1,23 @@
 """Train any OpenAI-client agent: `OpenAIAgentWorkflow` runs `await agent.run(data, base_url=, api_key=,
 http_client=)` against the kit's chat endpoint and turns what it said into training rows.
 
-```
-class Agent:
-    async def run(self, data, **kw):
-        client = openai.AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
-        reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": data["q"]}])
-        return float(reply.choices[0].message.content.strip() == data["a"])   # or {completion_id: reward}
+    class Agent:
+        async def run(self, data, **kw):
+            client = openai.AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
+            reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": data["q"]}])
+            return float(reply.choices[0].message.content.strip() == data["a"])   # or {completion_id: reward}
 
-wf = OpenAIAgentWorkflow(Agent(), tokenizer, gconfig, export_style="concat", turn_discount=1.0)
-rows = engine.rollout_batch(data, wf, group_size=4)                         # GRPO groups, as any workflow
-```
+    wf = OpenAIAgentWorkflow(Agent(), tokenizer, gconfig, export_style="concat", turn_discount=1.0)
+    rows = engine.rollout_batch(data, wf, group_size=4)                         # GRPO groups, as any workflow
 
 Design decisions
-- AReaL 1.0.4's contract (`areal.experimental.openai.OpenAIProxyWorkflow`, inline mode): the agent is any object
-  with `async def run(self, data, **extra_kwargs)`; extra_kwargs are `base_url`, `api_key` (the session's key) and
-  `http_client`; it returns a float (the last completion's reward) or a dict {completion id: reward}. Then
-  `apply_reward_discount(turn_discount)` and `export_interactions(export_style)`, AReaL's order. The kit returns
-  the rows as a tensor batch (`cache.interactions_to_batch`), so the GRPO loop is unchanged.
-  AReaL's `discount` is called `turn_discount` here (the name of the cache method it feeds); its default export
-  style is "individual", the kit's "concat" (one row per linear conversation, which is what GRPO groups need).
-- `discount_fn(rewards, turn_discount) -> rewards` (kit-only) replaces the cache's walk with your own: it gets the
-  session's rewards in finishing order (None where none was set) and returns the discounted ones. Notebook 08 trains
-  with the learner's function this way, so the discount a learner writes is the one that trains.
-- Row counts: "concat" gives one row per leaf of the conversation tree -- one per episode for an agent that keeps
-  one conversation -- so `group_size=G` gives the G contiguous rows group normalisation expects. "individual"
-  gives one row per completion: use it with batch-level normalisation, not group normalisation.
-- The chat server: pass `server=` (a started `ChatServer`), or the workflow starts one on first use for each
-  engine it meets, shared by the grouped copies the engine makes (`close()` stops it; it is a daemon thread).
-  One session per episode: concurrent episodes and group members never mix their conversations.
-- Failures never kill the rollout (the rule of the kit workflows' rewards): an agent that raises or runs past
-  `timeout`, or returns a reward that is not a number or a dict of known completion ids, is logged with the reason
-  and counted in `stats`; with `on_error="zero"` (default) its episode trains with reward 0.0 when it made
-  completions (a crash on the model's own output is the policy's fault), and is rejected (None) when it made none.
-  `on_error="reject"` rejects, `"raise"` re-raises (debugging). An episode without completions is rejected.
-- `http_client` is an `httpx.AsyncClient` made per episode with no timeout (a request may wait through a pause for
-  a weight update) and `trust_env=False` (a proxy from the environment must not intercept 127.0.0.1); None when
-  httpx is not installed (the agent then uses its own client). Agents should build their `AsyncOpenAI` with
-  `max_retries=0`: a retried request is generated and recorded twice.
+- AReaL 1.0.4's contract (`OpenAIProxyWorkflow`, inline mode): `run` returns a float (the last completion's reward)
+  or a dict {completion id: reward}; then `apply_reward_discount`, then `export_interactions`, AReaL's order.
+- Unlike AReaL: the default export style is "concat" (one row per linear conversation, what GRPO groups need), not
+  "individual"; AReaL's `discount` is `turn_discount`; `discount_fn` (kit-only) replaces the cache's walk.
+- One chat server per engine (`server_for`), one session per episode: episodes and group members never mix.
+- Failures never kill the rollout: `on_error` "zero" (default, `_fail`), "reject" or "raise" (debugging).
+- Agents should build their `AsyncOpenAI` with `max_retries=0`: a retried request is generated and recorded twice.
 """
 
 from __future__ import annotations
@@ -71,6 +51,9 @@ class _AgentFailure(Exception):
 
 @contextlib.asynccontextmanager
 async def _http_client():
+    """The `http_client` an agent gets: no timeout (a request may wait through a pause for a weight update) and
+    `trust_env=False` (a proxy from the environment must not intercept 127.0.0.1); None without httpx (the agent
+    then uses its own client)."""
     try:
         import httpx
     except ImportError:
@@ -81,7 +64,13 @@ async def _http_client():
 
 
 class OpenAIAgentWorkflow(RolloutWorkflow):
-    """Roll out an OpenAI-client agent through the kit's chat endpoint (see the module docstring)."""
+    """Roll out an OpenAI-client agent through the kit's chat endpoint (see the module docstring).
+
+    Row counts: "concat" gives one row per leaf of the conversation tree -- one per episode for an agent that keeps
+    one conversation -- so `group_size=G` gives the G contiguous rows group normalisation expects. "individual"
+    gives one row per completion: use it with batch-level normalisation, not group normalisation. `server=` (a
+    started `ChatServer`) is used as is; otherwise one is started per engine on first use, shared by the grouped
+    copies the engine makes, and stopped by `close()`."""
 
     def __init__(
         self,
@@ -179,7 +168,12 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             raise _AgentFailure(f"the agent returned {type(result).__name__}, not a float or a dict of rewards")
 
     def _fail(self, session: ChatSession, data: Any, reason: str, key: str) -> bool:
-        """Log and count a failure; True when the episode still trains (with reward 0.0)."""
+        """Log and count a failure; True when the episode still trains (with reward 0.0).
+
+        A failure is an agent that raises or runs past `timeout`, or a reward that is not a number or a dict of
+        known completion ids. With `on_error="zero"` the episode trains with reward 0.0 when it made completions (a
+        crash on the model's own output is the policy's fault) and is rejected when it made none; "reject" always
+        rejects; "raise" re-raises."""
         self.stats[key] += 1
         if self.on_error == "raise":
             raise RuntimeError(reason)
@@ -193,6 +187,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         return trains
 
     def _discount(self, session: ChatSession) -> None:
+        """The cache's `apply_reward_discount(turn_discount)`, or `discount_fn(rewards, turn_discount)`: the
+        session's rewards in finishing order (None where none was set) -> the discounted ones. Notebook
+        09_openai_agent trains with the learner's function this way, so the discount a learner writes is the one
+        that trains."""
         if self.discount_fn is None:
             session.cache.apply_reward_discount(self.turn_discount)
             return

