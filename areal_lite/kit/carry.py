@@ -3,13 +3,15 @@
 Why: notebook 03 is where the learner writes the agent and the loss; notebook 04 trains them. Copying the code into
 04 would train our copy, not theirs. So 04 reads the *saved* notebook 03 (the one the learner edited: the exercise
 folder's in a workshop) and runs, in its own namespace, each code cell that defines one of the names it needs. A
-cell runs whole and in notebook order, so what the learner wrote next to a definition comes along with it; a name
-that no cell defines is an error that says which notebook to finish first.
+cell runs whole and in notebook order, so what the learner wrote next to a definition comes along with it (what it
+prints is not repeated); a name that no cell defines is an error that says which notebook to finish first.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import os
 
 import nbformat
@@ -59,7 +61,8 @@ def run_cells_defining(notebook: str, names: list[str], namespace: dict) -> dict
         defined = _defined_names(tree) & wanted
         if not defined:
             continue
-        exec(compile(tree, f"{notebook}, code cell {index}", "exec"), namespace)  # noqa: S102 - the learner's own code
+        with contextlib.redirect_stdout(io.StringIO()):  # what the cell printed was read in its own notebook
+            exec(compile(tree, f"{notebook}, code cell {index}", "exec"), namespace)  # noqa: S102 - the learner's code
         ran[f"code cell {index}"] = sorted(defined)
     missing = wanted - {n for found in ran.values() for n in found}
     if missing:

@@ -209,6 +209,8 @@ def plot_rewards(
         target.plot(xs, ys, "s", ls="none", ms=7, color="C3", label=label)
         for x, y in zip(xs, ys):
             target.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8, color="C3")
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo, max(hi, max(xs) + 0.6))  # room for the last point's value on its right
         if eval_axis:
             target.set_ylabel(eval_axis, color="C3")
             target.set_ylim(-0.05, 1.1)
