@@ -38,7 +38,7 @@ PACKAGE = sorted(glob.glob(os.path.join(ROOT, "areal_lite", "**", "*.py"), recur
 def _docstrings(path: str):
     """(where, text) of the module's docstring and of every class's and function's."""
     tree = ast.parse(open(path, encoding="utf-8").read())
-    for node in [tree, *ast.walk(tree)]:
+    for node in ast.walk(tree):  # the module itself first
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             text = ast.get_docstring(node, clean=False)
             if text:

@@ -204,7 +204,8 @@ def finalize(nb: nbformat.NotebookNode, executed: bool) -> None:
 
 def _machine() -> dict:
     """The CPU a reference run's times belong to (model, cores, vector ISA): times differ 2-3x between CPUs."""
-    sys.path.insert(0, ROOT)
+    if ROOT not in sys.path:  # once, not once per notebook executed
+        sys.path.insert(0, ROOT)
     from areal_lite.utils.machine import describe
 
     m = describe()
