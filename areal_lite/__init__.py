@@ -32,6 +32,7 @@ _export(
     "OptimizerConfig",
     "MicroBatchSpec",
     "NormConfig",
+    "RejectionSamplingConfig",
     "PPOActorConfig",
     "SGLangConfig",
     "EmbeddedServerConfig",
@@ -50,6 +51,7 @@ _export(
 _export("api.io_struct", "ModelRequest", "ModelResponse", "WeightUpdateMeta", "FinetuneSpec")
 _export("api.workflow_api", "RolloutWorkflow")
 _export("api.reward_api", "AsyncRewardWrapper")
+_export("api.engine_api", "TrainEngine", "InferenceEngine")
 _export("dataset.arithmetic", "load_arithmetic", "load_products")
 _export("dataset.common", "to_messages")
 _export(
@@ -65,12 +67,14 @@ _export("engine.fsdp_engine", "FSDPPPOActor")
 _export("engine.sglang_remote", "RemoteSGLangEngine")
 _export("engine.vllm_remote", "RemotevLLMEngine")
 _export("experimental.openai.cache", "Interaction", "InteractionCache", "interactions_to_batch")
+_export("experimental.openai.types", "InteractionWithTokenLogpReward")
+_export("experimental.openai.client", "concat_prompt_token_ids_with_parent")
 _export("experimental.openai.chat_template", "ChatTemplate")
 _export("experimental.openai.proxy.server", "ChatServer", "ChatSession")
 _export("experimental.openai.proxy.workflow", "OpenAIAgentWorkflow")
 _export("experimental.openai.tool_call_parser", "parse_tool_calls")
 _export("infra.remote_inf_engine", "EngineError")
-_export("infra.staleness_manager", "StalenessManager")
+_export("infra.staleness_manager", "StalenessManager", "VersionCounter")
 _export("infra.workflow_executor", "WorkflowExecutor")
 _export("kit.carry", "run_cells_defining")
 _export("kit.checks", "check_cases", "request_sampling")
@@ -89,15 +93,33 @@ _export("kit.procs", "find_free_port", "find_free_ports", "ServerLaunchError")
 _export("kit.rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
 _export("kit.train", "TrainConfig", "train")
 _export("kit.viewer", "show_trajectory", "trajectory_to_text", "trajectory_to_html")
+_export("reward", "MathVerifyWorker", "get_math_verify_worker")
 _export("reward.gsm8k", "gsm8k_reward_fn")
+_export("reward.geometry3k", "geometry3k_reward_fn")
+_export("reward.clevr_count_70k", "clevr_count_70k_reward_fn")
+_export("reward.arithmetic", "arithmetic_reward_fn")
 _export("reward.math_answer", "extract_answer", "math_equal", "answer_reward")
 _export("reward.search_qa", "normalize_answer", "f1_score", "exact_match")
-_export("utils.data", "cycle_dataloader", "concat_padded_tensors")
+_export(
+    "utils.data",
+    "cycle_dataloader",
+    "concat_padded_tensors",
+    "Normalization",
+    "pack_tensor_dict",
+    "pad_sequences_to_tensors",
+    "split_padded_tensor_dict_into_mb_list",
+    "unpack_sequence",
+    "reorder_list",
+    "pad_and_stack_tensors_along_first_dim",
+    "tensor_container_to",
+    "MicroBatchList",
+)
 _export("utils.dataloader", "make_dataloader")
 _export("utils.device", "pick_device")
 _export("utils.machine", "describe_line")
 _export("utils.functional", "discounted_returns", "ppo_token_loss")
-_export("utils.hf_utils", "chat_prompt_ids", "chat_turn_fragments")
+_export("utils.functional", "ppo_actor_loss_fn", "sapo_loss_fn", "apply_rejection_sampling")
+_export("utils.hf_utils", "chat_prompt_ids", "chat_turn_fragments", "load_hf_tokenizer", "apply_chat_template")
 _export("utils.model_store", "prepare_model", "resolve_model_path", "build_tiny_model", "load_tokenizer")
 _export(
     "utils.search_tool",

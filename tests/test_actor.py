@@ -671,7 +671,7 @@ def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), keep_last=2)
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), keep_last=2)
     original = actor._write_hf_folder
     seen = []
 
@@ -798,7 +798,7 @@ FSDP_SCRIPT = textwrap.dedent(
     batch["prox_logp"] = actor.compute_logp(batch)
     actor.compute_advantages(batch)
     stats = actor.ppo_update(batch)
-    actor.update_weights(WeightUpdateMeta.from_disk(out_path + ".weights"))
+    actor.update_weights(WeightUpdateMeta.from_disk(path=out_path + ".weights"))
     state = actor._full_state_dict()
     if int(os.environ.get("RANK", "0")) == 0:
         from safetensors.torch import load_file

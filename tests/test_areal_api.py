@@ -53,7 +53,33 @@ METHODS = {
     "RLVRWorkflow": ["__init__", "arun_episode"],
     "RolloutWorkflow": ["arun_episode"],
     "GenerationHyperparameters": ["new", "new_with_stop_and_pad_token_ids"],
-    "WeightUpdateMeta": ["with_version"],
+    "WeightUpdateMeta": ["with_version", "from_disk", "from_fsdp_xccl"],
+    # the contracts: every method the kit's engine_api declares, with AReaL's signature
+    "TrainEngine": [
+        "create_process_group",
+        "initialize",
+        "destroy",
+        "connect_engine",
+        "update_weights",
+        "set_version",
+        "get_version",
+        "step_lr_scheduler",
+        "train_batch",
+    ],
+    "InferenceEngine": [
+        "initialize",
+        "destroy",
+        "agenerate",
+        "update_weights_from_disk",
+        "set_version",
+        "get_version",
+        "submit",
+        "wait",
+        "rollout_batch",
+        "prepare_batch",
+        "pause",
+        "resume",
+    ],
     "ModelRequest": ["copy"],
     "FSDPPPOActor": [
         "initialize",
@@ -256,3 +282,50 @@ def test_to_areal_cell_rewrites_imports_only():
         to_areal_cell("from areal_lite import not_a_listed_name\n")
     with pytest.raises(KeyError, match="neither AREAL_NAMES nor KIT_ONLY"):
         to_areal_cell("from areal_lite.utils.data import not_a_listed_name\n")
+
+
+@pytest.mark.parametrize("package", ["api", "engine", "workflow", "reward"])
+def test_packages_re_export_what_areals_re_export(package):
+    """`from areal_lite.<package> import X` converts: AReaL's package re-exports X, and the kit's package re-exports
+    every name of AReaL's that the kit has."""
+    ours, theirs = importlib.import_module(f"areal_lite.{package}"), importlib.import_module(f"areal.{package}")
+    for name in dir(ours):
+        if not name.startswith("_") and not inspect.ismodule(getattr(ours, name)):
+            assert name in dir(theirs), f"areal_lite.{package} re-exports {name}, areal.{package} does not"
+    for name in dir(theirs):
+        if name in AREAL_NAMES and AREAL_NAMES[name].startswith(f"areal.{package}."):
+            assert name in dir(ours), f"areal.{package} re-exports {name}; areal_lite.{package} must too"
+            assert getattr(ours, name) is getattr(areal_lite, name)
+
+
+def test_engines_implement_the_contracts():
+    assert issubclass(areal_lite.FSDPPPOActor, areal_lite.TrainEngine)
+    assert issubclass(areal_lite.RemoteSGLangEngine, areal_lite.InferenceEngine)
+    assert issubclass(areal_lite.RemotevLLMEngine, areal_lite.InferenceEngine)
+
+
+def test_weight_update_meta_from_disk_folder_is_areals(tmp_path):
+    from areal.api.io_struct import WeightUpdateMeta as AReaLMeta
+
+    args = ("exp", "trial", str(tmp_path / "root"))
+    ours, theirs = areal_lite.WeightUpdateMeta.from_disk(*args, name="actor"), AReaLMeta.from_disk(*args, name="actor")
+    assert (ours.type, ours.path, ours.lora_int_id) == (theirs.type, theirs.path, theirs.lora_int_id)
+    assert os.path.isdir(os.path.dirname(ours.path))
+    kit_folder = areal_lite.WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), keep_last=3)
+    assert (kit_folder.path, kit_folder.keep_last) == (str(tmp_path / "w" / "weight_update"), 3)
+    with pytest.raises(TypeError, match="path="):
+        areal_lite.WeightUpdateMeta.from_disk(str(tmp_path / "w"))  # a folder alone: say the keyword
+    xccl = areal_lite.WeightUpdateMeta.from_fsdp_xccl("sglang:d1+d1", weight_chunked_mem_mb=256)
+    ref = AReaLMeta.from_fsdp_xccl("sglang:d1+d1", weight_chunked_mem_mb=256)
+    assert (xccl.type, xccl.gen_allocation, xccl.weight_chunked_mem_mb) == (ref.type, ref.gen_allocation, 256)
+
+
+@pytest.mark.parametrize("where", sorted(areal_compat.BETTER_THAN_AREAL))
+def test_each_deliberate_difference_names_a_kit_object_with_an_areal_twin(where):
+    """A difference kept on purpose is about a name both sides have: the kit's object exists, and so does AReaL's."""
+    module, qualname = where.split(":")
+    ours = importlib.import_module(module)
+    theirs = importlib.import_module("areal" + module[len("areal_lite") :])
+    for part in qualname.split("."):
+        ours, theirs = getattr(ours, part), getattr(theirs, part)
+    assert areal_compat.BETTER_THAN_AREAL[where].strip()

@@ -330,7 +330,7 @@ def test_update_weights_from_disk(make_engine, tiny_model_path, perturbed_path, 
     try:
         eng = make_engine(scratch.address)
         before = _gen(eng).output_tokens
-        meta = WeightUpdateMeta.from_disk(str(tmp_path / "weights"))
+        meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "weights"))
         fut = eng.update_weights(meta)
         # Kept: nothing can complete the future before v1 exists; the 0.3 s only gives a broken update (one that
         # does not wait) time to show itself. The result is awaited by `fut.result` below, not by this sleep.

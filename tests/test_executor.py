@@ -13,21 +13,21 @@ import asyncio
 import itertools
 import threading
 import time
+import types
 
 import pytest
 import torch
 
 from areal_lite.api.cli_args import InferenceEngineConfig
-from areal_lite.infra.staleness_manager import StalenessManager
+from areal_lite.infra.staleness_manager import StalenessManager, VersionCounter
 from areal_lite.infra.workflow_executor import WorkflowExecutor
 
 # ------------------------------------------------------------------------------------------------ StalenessManager
 
 
-def _manager(B=4, eta=1, mc=8, queue_size=None, *, version=0, base=0, accepted=0, running=0, sync=0, ready=0):
-    s = StalenessManager(B, eta, mc, queue_size)
-    s.version, s.base_version, s.accepted, s.ready = version, base, accepted, ready
-    s.running, s.sync_running = running, sync
+def _manager(B=4, eta=1, mc=8, queue_size=None, *, version=0, accepted=0, running=0, sync=0, ready=0):
+    s = StalenessManager(VersionCounter(version), mc, B, eta, queue_size=queue_size)
+    s.accepted, s.ready, s.running, s.sync_running = accepted, ready, running, sync
     return s
 
 
@@ -45,8 +45,9 @@ def test_the_worked_example_and_its_explanation():
 def test_eta_zero_is_synchronous():
     s = _manager(B=2, eta=0, mc=8)
     assert s.capacity() == 2  # one batch at version 0 ...
-    s.on_started(False)
-    s.on_started(False)
+    for _ in range(2):
+        s.on_rollout_enqueued()
+        s.on_started(False)
     assert s.capacity() == 0  # ... and no more while it runs
     s.on_finished(False, accepted=True)
     s.on_finished(False, accepted=True)
@@ -75,16 +76,14 @@ def test_no_limit_reached_names_what_decides_and_ties():
     assert full.capacity() == 0 and "running episodes must finish first" in full.explain()
 
 
-def test_versions_count_from_the_first_started_episode():
-    s = StalenessManager(2, 0, 8)
-    s.version = 5  # a run resumed at step 5
-    assert s.base_version is None and s.bound() == 2  # not (0 + 5 + 1) * 2
-    assert "no episode started yet" in s.explain()
-    s.on_started(False)
-    assert s.base_version == 5
+def test_a_resumed_run_counts_versions_from_the_recovered_one():
+    s = _manager(B=2, eta=0, mc=20, version=5)  # a run resumed at step 5, before on_version_recovered
+    assert s.base_version is None and s.capacity() == (0 + 5 + 1) * 2  # AReaL's number: a burst of 12
+    s.on_version_recovered(5)
+    assert s.base_version == 5 and s.accepted == 10 and s.bound() == 2 and s.capacity() == 2
+    assert "counted from v0=5 (the run resumed there)" in s.explain() and "0 accepted" in s.explain()
     s.version = 6
-    assert s.bound() == (0 + 6 - 5 + 1) * 2 == 4
-    assert "counted from v0=5" in s.explain()
+    assert s.bound() == (0 + 6 - 5 + 1) * 2 == 4 and s.capacity() == 4
 
 
 def test_rollout_batch_episodes_hold_a_slot_but_stay_outside_the_bound():
@@ -94,7 +93,7 @@ def test_rollout_batch_episodes_hold_a_slot_but_stay_outside_the_bound():
     assert (s.running, s.sync_running) == (0, 2)
     assert s.headroom() == 2 and s.free_slots() == 1 and s.capacity() == 1
     s.on_finished(True, accepted=True)
-    assert s.accepted == 0 and s.ready == 0 and s.sync_running == 1
+    assert s.accepted == 0 and s.ready == 0 and s.sync_running == 1 and s.get_stats().running == 0
     assert "1 of them rollout_batch episodes" in s.explain()
 
 
@@ -119,6 +118,8 @@ def test_matches_the_reference_formula_on_a_grid():
 def test_validation_and_config_defaults():
     s = StalenessManager.from_config(InferenceEngineConfig(consumer_batch_size=3, max_head_offpolicyness=2))
     assert (s.consumer_batch_size, s.max_head_offpolicyness, s.max_concurrent_rollouts) == (3, 2, 3)  # None means B
+    assert s.max_staleness == 2 and s.version == 0 and isinstance(s.version_provider, VersionCounter)
+    base = {"max_concurrent_rollouts": None, "queue_size": None}
     for kwargs, match in [
         ({"consumer_batch_size": 0, "max_head_offpolicyness": 0}, "consumer_batch_size"),
         ({"consumer_batch_size": 1, "max_head_offpolicyness": -1}, "max_head_offpolicyness"),
@@ -126,7 +127,7 @@ def test_validation_and_config_defaults():
         ({"consumer_batch_size": 1, "max_head_offpolicyness": 0, "queue_size": 0}, "queue_size"),
     ]:
         with pytest.raises(ValueError, match=match):
-            StalenessManager(**kwargs)
+            StalenessManager.from_config(types.SimpleNamespace(**{**base, **kwargs}))
 
 
 # ------------------------------------------------------------------------------------------------ WorkflowExecutor
@@ -162,7 +163,7 @@ def make_executor():
     engine = object()
 
     def make(**kw) -> WorkflowExecutor:
-        ex = WorkflowExecutor(StalenessManager(**kw), engine=engine)
+        ex = WorkflowExecutor(StalenessManager.from_config(InferenceEngineConfig(**kw)), engine=engine)
         ex.attach(loop, thread)
         made.append(ex)
         return ex

@@ -624,6 +624,7 @@ def agent_ns(smollm_path):
     import torch
 
     from areal_lite import FSDPPPOActor, GenerationHyperparameters, NormConfig, PPOActorConfig, load_tokenizer
+    from areal_lite.reward.arithmetic import arithmetic_reward_fn
 
     G = 4  # the CPU profile's settings (configs/gsm8k_grpo.yaml)
     cells = code_cells(AGENT)
@@ -641,11 +642,14 @@ def agent_ns(smollm_path):
             actor=SimpleNamespace(eps_clip=0.2),
         ),
         "rows": AGENT_ROWS,
+        "reward_fn": arithmetic_reward_fn,  # the data cell's choice for the CPU profile's arithmetic
         "data": iter([AGENT_ROWS] * 100),
         "engine": ScriptedReplies(tokenizer),
         "actor": FSDPPPOActor(
             PPOActorConfig(
-                group_size=G, reward_norm=NormConfig("group", "group"), adv_norm=NormConfig("batch", "batch")
+                group_size=G,
+                reward_norm=NormConfig(mean_level="group", std_level="group"),
+                adv_norm=NormConfig(mean_level="batch", std_level="batch"),
             )
         ),
         "batch": {

@@ -61,7 +61,7 @@ def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, 
     assert stats["skipped"] == 0 and torch.isfinite(torch.tensor(stats["grad_norm"]))
     moved = max((p.detach().float().cpu() - before[n]).abs().max().item() for n, p in actor.model.named_parameters())
     assert moved > 0
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"))
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"))
     actor.update_weights(meta)
     from safetensors.torch import load_file
 
@@ -114,7 +114,7 @@ def test_lora_bf16_actor_on_cuda_trains_the_adapter_and_the_cuda_server_serves_i
         handle.wait_ready(timeout=300)
         addr, n = handle.address, 10
         before = greedy_outputs(addr, n)
-        meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), use_lora=True, lora_name="pol")
+        meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), use_lora=True, lora_name="pol")
         engine = RemoteSGLangEngine(InferenceEngineConfig(use_lora=True)).initialize(addr=addr)
         actor.connect_engine(engine, meta)
         actor.update_weights(meta)

@@ -119,7 +119,7 @@ def test_checkpoint_keeps_the_adapter_and_the_base_stays_the_base(tiny_model_pat
 def test_a_meta_that_disagrees_with_the_actor_is_refused(tiny_model_path, tmp_path):
     actor = lora_actor(tiny_model_path)
     with pytest.raises(ValueError, match="WeightUpdateMeta.use_lora=False but actor.use_lora=True"):
-        actor.update_weights(WeightUpdateMeta.from_disk(str(tmp_path)))
+        actor.update_weights(WeightUpdateMeta.from_disk(path=str(tmp_path)))
     actor.destroy()
 
 
@@ -165,7 +165,7 @@ def test_adapter_sync_gives_the_trainers_merged_generations(lora_server, tiny_mo
     before = greedy_outputs(addr, n)
     actor = lora_actor(tiny_model_path)
     perturb_adapter(actor)
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), use_lora=True, lora_name="pol", lora_keep_versions=2)
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), use_lora=True, lora_name="pol", lora_keep_versions=2)
     engine = RemoteSGLangEngine(InferenceEngineConfig(use_lora=True)).initialize(addr=addr)
     try:
         actor.connect_engine(engine, meta)

@@ -234,7 +234,7 @@ def test_weight_update_changes_then_restores_outputs(vllm_engine, smollm_path, p
     before = [_generate(vllm_engine, p, g) for p in (prompts[0], long_prompt)]
 
     new_model = AutoModelForCausalLM.from_pretrained(perturbed_smollm, dtype=torch.float32).eval()
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"))
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"))
     os.makedirs(os.path.dirname(meta.dir_for(1)), exist_ok=True)
     shutil.copytree(perturbed_smollm, meta.dir_for(1))
     vllm_engine.pause()

@@ -267,7 +267,7 @@ def test_pause_aborts_and_resume_continues_with_the_new_version(fake, engine):
 
 
 def test_weight_update_reloads_then_resets_the_prefix_cache(fake, engine, tmp_path):
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"))
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"))
     os.makedirs(meta.dir_for(1))
     assert engine.update_weights(meta).result(10) == 1
     # Outside pause(): drain, reload, reset (refused once, retried), resume.

@@ -33,7 +33,7 @@ def _read(d: str) -> str:
 
 
 def test_versions_are_swapped_in_pruned_and_removed_on_close(tmp_path):
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), keep_last=2)
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), keep_last=2)
     root = os.path.dirname(meta.dir_for(1))
     os.makedirs(root)
     (tmp_path / "w" / "notes.txt").write_text("mine")
@@ -62,7 +62,7 @@ def test_versions_are_swapped_in_pruned_and_removed_on_close(tmp_path):
 def test_a_version_recycles_the_file_of_the_version_it_prunes(tmp_path):
     """With `reuse`, version k's file is the one version k - keep_last held, overwritten in place (the same inode:
     the file system keeps its pages); a failed write drops that old version rather than leave it without its file."""
-    meta = WeightUpdateMeta.from_disk(str(tmp_path / "w"), keep_last=2)
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), keep_last=2)
     pub = weights.WeightPublisher()
     name = weights.MODEL_FILE
 

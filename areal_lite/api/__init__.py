@@ -6,25 +6,20 @@ so `from areal_lite.api.cli_args import GRPOConfig` becomes `from areal.api.cli_
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from areal_lite.utils.lazy import lazy_exports
 
-# AReaL's `areal.api` re-exports these lazily (PEP 562), so `from areal_lite.api import RolloutWorkflow` converts too.
+# AReaL's `areal.api` re-exports these lazily, so `from areal_lite.api import ModelRequest` converts too.
 _LAZY_IMPORTS = {
     "RolloutWorkflow": "areal_lite.api.workflow_api",
     "AsyncRewardWrapper": "areal_lite.api.reward_api",
+    "TrainEngine": "areal_lite.api.engine_api",
+    "InferenceEngine": "areal_lite.api.engine_api",
+    "ModelRequest": "areal_lite.api.io_struct",
+    "ModelResponse": "areal_lite.api.io_struct",
+    "WeightUpdateMeta": "areal_lite.api.io_struct",
+    "FinetuneSpec": "areal_lite.api.io_struct",
+    "RolloutStat": "areal_lite.api.io_struct",
 }
 
 __all__ = sorted(_LAZY_IMPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_IMPORTS:
-        value = getattr(importlib.import_module(_LAZY_IMPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_IMPORTS)

@@ -32,7 +32,6 @@ __all__ = [
     "DistributedDataParallelConfig",
     "FP8EngineConfig",
     "MegatronEngineConfig",
-    "RejectionSamplingConfig",
     "WandBConfig",
     "SwanlabConfig",
     "TensorBoardConfig",
@@ -318,18 +317,6 @@ class MegatronEngineConfig:
         False,
         "When True and bridge_type='megatron-bridge', delegate live weight sync to bridge.export_hf_weights instead...",
     )
-
-
-@dataclass
-class RejectionSamplingConfig:
-    """Unified configuration for sample filtering based on policy divergence."""
-
-    level: str = _f("token", "Filtering granularity", choices=("token", "sequence"))
-    action: str = _f("mask", "Action to take when metric exceeds threshold", choices=("mask", "clamp"))
-    metric: str = _f("ratio", "Divergence metric for filtering", choices=("ratio", "kl_k1", "kl_k2", "kl_k3"))
-    agg: str = _f("mean", "Aggregation method for sequence-level filtering", choices=("sum", "mean", "max"))
-    upper: float = _f(5.0, "Upper bound for filtering")
-    lower: Optional[float] = _f(None, "Lower bound for filtering (optional)")
 
 
 @dataclass

@@ -22,6 +22,7 @@ import re
 import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -42,7 +43,6 @@ from areal_lite.api.areal_only import (
     MemoryProfilerConfig,
     NameResolveConfig,
     PerfTracerConfig,
-    RejectionSamplingConfig,
     SchedulerConfig,
     SchedulingSpec,
     SchedulingStrategy,
@@ -550,12 +550,33 @@ class MicroBatchSpec:
 
 @dataclass
 class NormConfig:
-    mean_level: str = _f("batch", "where the mean is taken", choices=("batch", "group", "none"))
-    std_level: str = _f("batch", "where the standard deviation is taken", choices=("batch", "group", "none"))
-    mean_leave1out: bool = _f(False, "leave-one-out mean: each row's mean excludes itself")
+    """Reward/advantage normalisation: AReaL 1.0.4's fields, order, defaults and checks. A level of None (AReaL's
+    spelling; the kit also takes the string "none", which a YAML `none` gives) means no centring / no scaling."""
+
+    mean_level: Optional[str] = _f(
+        "batch", "where the mean is taken; None: not centred", choices=("batch", "group", None, "none")
+    )
+    mean_leave1out: bool = _f(False, "leave-one-out mean: each sample's mean excludes itself")
+    std_level: Optional[str] = _f(
+        "batch", "where the standard deviation is taken; None: not scaled", choices=("batch", "group", None, "none")
+    )
     std_unbiased: bool = _f(True, "unbiased (N-1) standard deviation")
     eps: float = _f(1e-5, "added to the standard deviation")
     group_size: int = _f(1, "rows per group (contiguous); set from gconfig.n_samples when left at 1")
+
+    def __post_init__(self) -> None:
+        # AReaL's messages (its tests match them), with the kit's "none" alias named.
+        if self.mean_level not in _NORM_LEVELS:
+            raise ValueError(f"mean_level must be 'batch', 'group' or None (or 'none'), got {self.mean_level}")
+        if self.std_level not in _NORM_LEVELS:
+            raise ValueError(f"std_level must be 'batch', 'group', or None (or 'none'), got {self.std_level}")
+        if "group" in (self.mean_level, self.std_level) and self.group_size < 1:
+            raise ValueError(
+                f"group_size must be a positive integer when using group normalization, got {self.group_size}"
+            )
+
+
+_NORM_LEVELS = ("batch", "group", None, "none")
 
 
 @dataclass
@@ -627,6 +648,64 @@ class TrainEngineConfig:
             parse_backend(self.backend, "actor.backend", ("fsdp",))
 
 
+_RS_LEVELS = ("token", "sequence")
+_RS_ACTIONS = ("mask", "clamp")
+_RS_METRICS = ("ratio", "kl_k1", "kl_k2", "kl_k3")
+_RS_AGGS = ("sum", "mean", "max")
+
+
+@dataclass
+class RejectionSamplingConfig:
+    """Which stale tokens (or sequences) the decoupled loss drops or down-weights: AReaL 1.0.4's fields, defaults,
+    checks and warning. The metric compares the proximal policy with the behaviour policy that sampled the token:
+    the ratio pi_prox / pi_behav, or a KL estimate of log(pi_prox / pi_behav). `mask` drops what falls outside
+    [lower, upper]; `clamp` keeps it with its weight clamped into that range (ratio only; lower then defaults to 0).
+    At sequence level the per-token metric is aggregated first (the ratio in log space: `mean` is the geometric
+    mean, as GSPO's), and with the ratio metric every token of a sequence takes the sequence's weight."""
+
+    level: str = _f("token", "filter each token, or each sequence as a whole", choices=_RS_LEVELS)
+    action: str = _f(
+        "mask", "mask: drop from the loss; clamp: keep with the weight clamped to [lower, upper]", choices=_RS_ACTIONS
+    )
+    metric: str = _f("ratio", "pi_prox / pi_behav, or a KL estimate (k1 may be negative)", choices=_RS_METRICS)
+    agg: str = _f("mean", "how a sequence's token metrics combine (level=sequence only)", choices=_RS_AGGS)
+    upper: float = _f(5.0, "largest metric kept (ratio: must be > 1; kl_k2/kl_k3: must be > 0)")
+    lower: Optional[float] = _f(None, "smallest metric kept (ratio: must be > 0); None: no lower bound")
+
+    def __post_init__(self) -> None:
+        # AReaL's checks and messages (its tests match them).
+        for name, allowed in (("level", _RS_LEVELS), ("action", _RS_ACTIONS), ("metric", _RS_METRICS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got '{getattr(self, name)}'")
+        if self.agg not in _RS_AGGS:
+            raise ValueError(f"agg must be one of {_RS_AGGS}, got '{self.agg}'")
+        if self.lower is not None and self.lower > self.upper:
+            raise ValueError(f"lower ({self.lower}) cannot be greater than upper ({self.upper})")
+        if self.metric == "ratio" and self.upper <= 1.0:
+            raise ValueError(
+                "upper must be > 1.0 for 'ratio' metric (otherwise all non-identical policy tokens will be "
+                f"filtered), got {self.upper}"
+            )
+        if self.metric == "ratio" and self.lower is not None and self.lower <= 0:
+            raise ValueError(f"lower must be positive for 'ratio' metric, got {self.lower}")
+        if self.metric in ("kl_k2", "kl_k3") and self.upper <= 0:
+            raise ValueError(f"upper must be positive for '{self.metric}' metric, got {self.upper}")
+        if self.action == "clamp" and self.metric != "ratio":
+            raise ValueError(
+                "action='clamp' only supports metric='ratio' (direct importance weight truncation). "
+                f"Got metric='{self.metric}'. Use action='mask' for KL-based filtering."
+            )
+        if self.action == "clamp" and self.lower is None:
+            self.lower = 0.0  # a weight is never negative: clamping from below at 0 changes nothing
+        if self.level == "token" and self.agg != "mean":
+            warnings.warn(
+                f"agg='{self.agg}' is ignored when level='token'. Aggregation is only used for sequence-level "
+                "filtering.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
 @dataclass
 class PPOActorConfig(TrainEngineConfig):
     """The policy: `TrainEngineConfig` plus AReaL 1.0.4's PPO fields, order and defaults; kit-only fields last."""
@@ -681,6 +760,8 @@ def _cap_from_rejection_sampling(rs: Optional[RejectionSamplingConfig], cap: Opt
     way): token level, mask action, ratio metric, an upper bound only. Anything else changes which tokens train and
     the kit does not implement it: a ConfigError, never a silent substitute."""
     if rs is None:
+        if cap is not None and cap <= 1.0:  # the loss checks it as AReaL's rejection_sampling.upper; fail here first
+            raise ConfigError(f"actor.behav_imp_weight_cap must be > 1 (a cap <= 1 drops most tokens), got {cap}")
         return cap
     if (rs.level, rs.action, rs.metric, rs.lower) != ("token", "mask", "ratio", None):
         raise ConfigError(
@@ -1301,6 +1382,12 @@ def reconcile_lora(config: Any) -> None:
         )
 
 
+def _model_aliases() -> Any:
+    from areal_lite.utils.model_store import MODEL_REGISTRY
+
+    return MODEL_REGISTRY
+
+
 def _fill_derived(config: Any) -> None:
     """Fill the fields that default to another field, so the group size and model path are given once."""
     actor = getattr(config, "actor", None)
@@ -1310,6 +1397,12 @@ def _fill_derived(config: Any) -> None:
     if actor is not None:
         if not getattr(config, "tokenizer_path", "x"):
             config.tokenizer_path = actor.path
+        if getattr(config, "tokenizer_path", "") in _model_aliases():
+            # AReaL and its recipes load it as written (`AutoTokenizer.from_pretrained(config.tokenizer_path)`),
+            # which knows folders and hub ids, not the kit's aliases: give it the prepared local folder.
+            from areal_lite.utils.model_store import resolve_model_path
+
+            config.tokenizer_path = resolve_model_path(config.tokenizer_path)
         if gconfig is not None and actor.group_size == 1:
             actor.group_size = gconfig.n_samples
         for norm in (actor.reward_norm, actor.adv_norm):

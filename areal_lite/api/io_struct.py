@@ -14,6 +14,7 @@ Design decisions
 from __future__ import annotations
 
 import copy
+import getpass
 import math
 import os
 import uuid
@@ -166,27 +167,68 @@ class WeightUpdateMeta:
     @classmethod
     def from_disk(
         cls,
-        path: str,
-        keep_last: int = 2,
-        *,
+        experiment_name: Optional[str] = None,
+        trial_name: Optional[str] = None,
+        file_root: Optional[str] = None,
+        name: str = "default",
         use_lora: bool = False,
+        clear_checkpoint_after_load: bool = True,
         lora_name: str = "",
+        lora_int_id: int = 1,
+        base_model_name: str = "",
         lora_keep_versions: int = 0,
+        *,
+        path: Optional[str] = None,
+        keep_last: int = 2,
     ) -> "WeightUpdateMeta":
-        """Kit shortcut: versions go to `<path>/weight_update_v<k>` (put it on /dev/shm when it exists: RAM).
+        """Versions go to `<folder>/weight_update_v<k>`; AReaL 1.0.4's signature, plus the kit's folder keyword.
 
-        AReaL's `from_disk(experiment_name, trial_name, file_root)` derives the folder from names instead; the
-        constructor `WeightUpdateMeta(type="disk", path=...)` is the same on both sides. `use_lora`, `lora_name` and
-        `lora_keep_versions` are AReaL's keywords: versions hold the adapter alone, loaded as `<lora_name>-v<k>`.
+        As in AReaL, the folder is `<file_root>/checkpoints/<user>/<experiment_name>/<trial_name>/<name>/weight_update`
+        (created). The kit's `path=` keyword names the parent folder directly (put it on /dev/shm when it exists:
+        RAM) and `keep_last` how many versions the writer keeps. With `use_lora` versions hold the adapter alone,
+        loaded as `<lora_name>-v<k>`.
         """
-        folder = os.path.join(os.path.abspath(path), "weight_update")
+        if path is None:
+            if None in (experiment_name, trial_name, file_root):
+                raise TypeError(
+                    "WeightUpdateMeta.from_disk takes AReaL's (experiment_name, trial_name, file_root) or the kit's "
+                    f"folder keyword path=...; got experiment_name={experiment_name!r}, trial_name={trial_name!r}, "
+                    f"file_root={file_root!r}"
+                )
+            user = getpass.getuser()
+            path = os.path.join(file_root, "checkpoints", user, experiment_name, trial_name, name)
+            os.makedirs(path, exist_ok=True)
         return cls(
             type="disk",
-            path=folder,
+            path=os.path.join(os.path.abspath(path), "weight_update"),
             keep_last=keep_last,
             use_lora=use_lora,
+            clear_checkpoint_after_load=clear_checkpoint_after_load,
             lora_name=lora_name,
+            lora_int_id=lora_int_id,
+            base_model_name=base_model_name,
             lora_keep_versions=lora_keep_versions,
+        )
+
+    @classmethod
+    def from_fsdp_xccl(
+        cls,
+        gen_allocation: Any,
+        weight_chunked_mem_mb: int = 1024,
+        use_lora: bool = False,
+        lora_name: str = "",
+        lora_int_id: int = 1,
+        base_model_name: str = "",
+    ) -> "WeightUpdateMeta":
+        """AReaL's GPU broadcast from an FSDP trainer (NCCL, filled in by `FSDPPPOActor.connect_engine`)."""
+        return cls(
+            type="xccl",
+            gen_allocation=gen_allocation,
+            weight_chunked_mem_mb=weight_chunked_mem_mb,
+            use_lora=use_lora,
+            lora_name=lora_name,
+            lora_int_id=lora_int_id,
+            base_model_name=base_model_name,
         )
 
     @classmethod
@@ -241,3 +283,13 @@ class FinetuneSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0 or (isinstance(value, float) and math.isnan(value)):
                 raise ValueError(f"FinetuneSpec.{name} must be a non-negative int, got {value!r}")
+
+
+@dataclass
+class RolloutStat:
+    """Rollout counters of the staleness manager (AReaL's fields)."""
+
+    accepted: int = 0
+    enqueued: int = 0
+    rejected: int = 0
+    running: int = 0

@@ -35,6 +35,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Un
 import torch
 
 from areal_lite.api.cli_args import NormConfig, OptimizerConfig, PPOActorConfig
+from areal_lite.api.engine_api import TrainEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.engine.fsdp_utils.lora import (
     adapter_state_dict,
@@ -371,7 +372,7 @@ class _UpdateStats:
 # The actor: the engine that holds the model, and the algorithm on top
 
 
-class _TrainEngine:
+class _TrainEngine(TrainEngine):
     """The model under training, without the algorithm: the process group, loading and sharding, the packed
     forward, gradient clipping and the LR schedule, versions, weight publishing and checkpoints (`weights.py`),
     teardown.

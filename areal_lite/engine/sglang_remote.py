@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from areal_lite.api.cli_args import InferenceEngineConfig
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.engine.vllm_client import VLLMClient, is_vllm
 from areal_lite.infra.remote_inf_engine import (
@@ -50,7 +51,7 @@ logger = logging.getLogger("areal_lite.engine")
 _SHUTDOWN_TIMEOUT = 10.0  # seconds destroy() waits for cancelled episodes and the loop thread
 
 
-class RemoteSGLangEngine:
+class RemoteSGLangEngine(InferenceEngine):
     """Client of one or more SGLang-compatible servers and the rollout executor (see the module docstring).
     Given vLLM servers, it speaks vLLM's protocol instead (as `RemotevLLMEngine`)."""
 

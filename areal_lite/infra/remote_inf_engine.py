@@ -179,7 +179,7 @@ def nccl_specs(meta: WeightUpdateMeta) -> dict:
     raise NotImplementedError(
         "NCCL weight update needs the parameter names, dtypes and shapes: call actor.prepare_nccl_meta(meta) "
         "(it sets meta.names/meta.dtypes/meta.shapes) before update_weights(). The NCCL route is GPU-only; on CPU use "
-        "WeightUpdateMeta.from_disk(path)."
+        "WeightUpdateMeta.from_disk(path=...)."
     )
 
 

@@ -102,7 +102,26 @@ def _check_result(result: Any, workflow: Any) -> Optional[Dict[str, torch.Tensor
     ids = result.get("input_ids")
     if ids is None or ids.dim() != 2:
         raise TypeError(f"{name}.arun_episode must return 'input_ids' of shape [rows, length]; got keys {list(result)}")
+    _check_lengths(result, name)
     return result
+
+
+def _check_lengths(result: Dict[str, torch.Tensor], name: str) -> None:
+    """Every per-token key as long as `input_ids` in every row, every per-row key one value a row.
+
+    Refused here, where the episode is made: padded into a batch, a token list appended twice (or a logprob
+    forgotten) would only surface later as an index error in the trainer that names neither the row nor the key.
+    """
+    rows, length = result["input_ids"].shape
+    wrong = {k: tuple(v.shape) for k, v in result.items() if v.dim() >= 2 and tuple(v.shape[:2]) != (rows, length)}
+    wrong.update({k: tuple(v.shape) for k, v in result.items() if v.dim() == 1 and v.shape[0] != rows})
+    if wrong:
+        shapes = ", ".join(f"{k} {list(s)}" for k, s in wrong.items())
+        raise ValueError(
+            f"{name}.arun_episode returned tensors that disagree in length: input_ids is {[rows, length]} "
+            f"(rows {list(range(rows))}) but {shapes}; every per-token key must be [rows, len(input_ids)] "
+            "(a token list extended twice, or a logprob or mask entry missing for some tokens?)"
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -187,6 +206,8 @@ class _EpisodeRunner:
     def set_version(self, version: int) -> None:
         with self._cond:
             self.staleness.version = int(version)
+            if not self._start_versions:  # nothing started yet: a resumed run counts from here (AReaL's recovery)
+                self.staleness.on_version_recovered(int(version))
             self._cond.notify_all()
         self._schedule_pump()
 
@@ -209,6 +230,8 @@ class _EpisodeRunner:
     def _enqueue_locked(self, data: Any, workflow: Any, should_accept, batch=None, index=0) -> _Episode:
         ep = _Episode(next(self._seq), data, workflow, should_accept, batch, index)
         self._pending.append(ep)
+        if batch is None:
+            self.staleness.on_rollout_enqueued()
         return ep
 
     # -------------------------------------------------------------------------------------------- episodes
@@ -308,7 +331,7 @@ class _EpisodeRunner:
         c = self._counts
         return (
             f"ready {len(self._ready)}, running {len(self._running)}, queued {len(self._pending)}, "
-            f"accepted {self.staleness.accepted}, rejected {c['rejected']}, failed {c['failed']}, "
+            f"accepted {self.staleness.accepted_since_recovery()}, rejected {c['rejected']}, failed {c['failed']}, "
             f"version {self.staleness.version}"
         )
 
@@ -319,13 +342,13 @@ class _EpisodeRunner:
             c, s = self._counts, self.staleness
             return {
                 "version": s.version,
-                "base_version": s.base_version,
+                "base_version": self._start_versions[0] if self._start_versions else None,
                 "paused": self.paused,
                 "queued": len(self._pending),
                 "running": len(self._running),
                 "ready": len(self._ready),
                 "started": len(self._start_versions),
-                "accepted": s.accepted,
+                "accepted": s.accepted_since_recovery(),
                 "sync_accepted": c["sync_accepted"],
                 "rejected": c["rejected"],
                 "failed": c["failed"],
@@ -439,7 +462,7 @@ class WorkflowExecutor(_EpisodeRunner):
         elif s.headroom() <= 0:
             why = (
                 f"the staleness bound is reached: {s.bound_text()} episodes may start by version "
-                f"{s.version}, and {s.accepted} were accepted. "
+                f"{s.version}, and {s.accepted_since_recovery()} were accepted. "
                 "Call engine.set_version(v + 1) after each training step (or raise max_head_offpolicyness)"
             )
         elif s.queue_size is not None and s.capacity() <= 0:

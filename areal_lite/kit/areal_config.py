@@ -125,6 +125,10 @@ def to_areal_config(path: str, profile: str = "cpu", config_cls: Any = None) -> 
             out[key] = _model_path(out[key], resolve_model_path)
     if out["actor"].get("path"):
         out["actor"]["path"] = _model_path(out["actor"]["path"], resolve_model_path)
+    for norm in ("reward_norm", "adv_norm"):  # the kit also spells "no normalisation" 'none'; AReaL only null
+        for level in ("mean_level", "std_level"):
+            if (out["actor"].get(norm) or {}).get(level) == "none":
+                out["actor"][norm][level] = None
     return out, kit_only
 
 

@@ -61,10 +61,10 @@ class TrainConfig(GRPOConfig):
 
     workflow: str = field(default="rlvr", metadata={"help": "rollout workflow", "choices": WORKFLOWS})
     reward: str = field(
-        default="gsm8k",
+        default="auto",
         metadata={
-            "help": "reward: gsm8k, or module:function with AReaL's signature (prompt, completions, prompt_ids, "
-            "completion_ids, **data)"
+            "help": "reward: auto (by train_dataset.type), gsm8k, arith, or module:function with AReaL's signature "
+            "(prompt, completions, prompt_ids, completion_ids, **data)"
         },
     )
     max_turns: int = field(default=3, metadata={"help": "turns of the reflection / multiturn workflows"})
@@ -82,14 +82,21 @@ class TrainConfig(GRPOConfig):
 # ------------------------------------------------------------------------------------------------ building blocks
 
 
-def resolve_reward(name: str) -> Callable:
-    """`gsm8k` (also for arithmetic: both end in '#### N') or `package.module:function`."""
-    if name in ("gsm8k", "arith", "math"):
+def resolve_reward(name: str, dataset_type: str = "gsm8k") -> Callable:
+    """`gsm8k` (AReaL's math-verify check), `arith` (the final answer only: AReaL's check pays a restated "4 + 3"),
+    `auto` (`arith` for the arithmetic datasets, else `gsm8k`) or `package.module:function`."""
+    if name == "auto":
+        name = "arith" if dataset_type in ("arith", "arithmetic", "products") else "gsm8k"
+    if name in ("gsm8k", "math"):
         from areal_lite.reward.gsm8k import gsm8k_reward_fn
 
         return gsm8k_reward_fn
+    if name == "arith":
+        from areal_lite.reward.arithmetic import arithmetic_reward_fn
+
+        return arithmetic_reward_fn
     if ":" not in name:
-        raise ValueError(f"reward must be 'gsm8k' or 'module:function', got {name!r}")
+        raise ValueError(f"reward must be 'auto', 'gsm8k', 'arith' or 'module:function', got {name!r}")
     module, fn = name.split(":", 1)
     return getattr(importlib.import_module(module), fn)
 
@@ -101,7 +108,7 @@ def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None)
     from areal_lite.workflow.reflection import ReflectionWorkflow
     from areal_lite.workflow.rlvr import RLVRWorkflow
 
-    reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
+    reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
     kind = getattr(config, "workflow", "rlvr")
     g = config.gconfig.new(n_samples=1)
     system = getattr(config, "system_prompt", None)
@@ -440,7 +447,7 @@ def train(
     handle = engine = actor = logger = None
     try:
         data = _load_run_data(config)
-        reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "gsm8k"))
+        reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
         workflow = workflow or build_workflow(config, data.tokenizer, reward_fn)
         # One evaluation workflow for the whole run: its reward worker pool starts once.
         system_prompt = getattr(config, "system_prompt", None)
@@ -481,7 +488,7 @@ def _open_run(config: Any, resume: bool, existing: str) -> Tuple[RunDir, WeightU
     run = open_run_dir(config, resume=resume, existing=existing)
     try:
         meta = WeightUpdateMeta.from_disk(
-            config.weight_update_dir or os.path.join(run.path, "weights"),
+            path=config.weight_update_dir or os.path.join(run.path, "weights"),
             # AReaL's trainer: adapter-only syncs with LoRA, the last eta + 2 versions kept loaded
             use_lora=config.actor.use_lora,
             lora_name=config.gconfig.lora_name or config.rollout.lora_name,

@@ -1,7 +1,22 @@
-"""Rewards, as AReaL 1.0.4's `areal.reward`: `gsm8k.gsm8k_reward_fn` has AReaL's name, path and signature;
-`math_answer` (answer extraction, math equivalence, `answer_reward(completion, answer)`) and `search_qa` (F1 / exact
-match) are the pieces a notebook calls directly.
+"""Rewards, as AReaL 1.0.4's `areal.reward`: the same exports (`MathVerifyWorker`, `get_math_verify_worker`,
+`gsm8k_reward_fn`, `geometry3k_reward_fn`, `clevr_count_70k_reward_fn`) at the same module paths, with AReaL's
+signatures and scores. Kit modules beside them: `math_answer` (the math-verify worker, plus `extract_answer`,
+`math_equal` and the two-argument `answer_reward` a notebook calls) and `search_qa` (F1 / exact match).
 
 Design decision: rewards never raise. Malformed input scores 0.0; a reward that crashes is a bug to log, not a
 reason to lose a rollout batch. They run in worker processes through `areal_lite.api.reward_api.AsyncRewardWrapper`.
+Importing this package is cheap: math-verify (and sympy) load on the first check.
 """
+
+from areal_lite.reward.clevr_count_70k import clevr_count_70k_reward_fn
+from areal_lite.reward.geometry3k import geometry3k_reward_fn
+from areal_lite.reward.gsm8k import gsm8k_reward_fn
+from areal_lite.reward.math_answer import MathVerifyWorker, get_math_verify_worker
+
+__all__ = [
+    "MathVerifyWorker",
+    "get_math_verify_worker",
+    "gsm8k_reward_fn",
+    "geometry3k_reward_fn",
+    "clevr_count_70k_reward_fn",
+]

@@ -1,30 +1,39 @@
-"""Math answers: extract the final answer from a completion and decide whether it equals the gold.
+"""Math answers: AReaL's math-verify check, and the kit's helpers that read and compare one final answer.
 
-Design decisions:
-- `extract_answer` returns the raw answer *string*; `math_equal` does all normalisation. One place decides what "the
-  same answer" means, and a reward never depends on how the text was cut.
-- `math_equal` first compares plain numbers after normalising GSM8K-style noise (`$`, `%`, thousands commas, unit
-  words, `\\text{}`, `\\frac`, `a/b`, mixed numbers, trailing periods) with a relative tolerance (integers compare
-  exactly); a string that still holds exactly one number ("18 apples per day") is read as that number. Only when a
-  side is not a plain number does it call `math_verify` (symbolic: `x^2+2x+1` vs `(x+1)^2`, sets, roots).
-- `math_verify` times out with `signal.alarm`, which only works on the main thread. We pass its timeouts only there;
-  elsewhere (threads, the engine's loop) we turn them off and rely on `AsyncRewardWrapper`, which runs rewards in
-  worker processes (on their main thread, so math_verify's own timeout is back) and kills a worker that hangs.
-- `answer_reward(completion, answer)` is the two-argument reward a notebook calls; `reward.gsm8k.gsm8k_reward_fn`
-  wraps it in AReaL's signature.
+- `MathVerifyWorker` / `get_math_verify_worker()` (AReaL 1.0.4's `areal.reward` names) score a whole completion
+  against a whole gold text the way AReaL does: math-verify reads the answer out of each text (`\\boxed{}`, "final
+  answer is", "answer:", else the last number, expression or LaTeX) and compares values symbolically, floats
+  rounded to `precision` decimals. `gsm8k_reward_fn` is that check in AReaL's reward signature,
+  `geometry3k_reward_fn` feeds it bracketed answers.
+- Speed (a group of samples shares its gold): parsed golds are cached, and a text that is just an integer ("72") is
+  read as the integer math-verify would read, without sympy's string parser. Scores stay AReaL's.
+- Timeouts: math-verify's own timeouts use `signal.alarm`, which fails off the main thread, so they are off; the
+  check runs on a reusable daemon thread and scores 0.0 when it overruns `timeout`, from any thread or process
+  (`AsyncRewardWrapper` workers included).
+- `extract_answer` and `math_equal` are the kit's tools for one answer string: the extracted answer a student can
+  print (boxed, `#### N`, "the answer is", last number) and a tolerant numeric comparison (units, `%`, thousands
+  commas, fractions); what is not a plain number goes to the same math-verify worker. `answer_reward` compares the
+  final answers only: the check for questions that contain their own answer's expression ("What is 4 + 3?").
+- Nothing here raises on any input: a malformed completion scores 0.0 and is logged.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import math
+import os
+import queue
 import re
 import threading
+import weakref
 from fractions import Fraction
+from typing import Any, Callable
 
 from areal_lite.utils.search_tool import parse_boxed
 
-__all__ = ["extract_answer", "math_equal", "answer_reward"]
+__all__ = ["MathVerifyWorker", "get_math_verify_worker", "extract_answer", "math_equal", "answer_reward"]
 
 
 logger = logging.getLogger(__name__)
@@ -67,14 +76,21 @@ def _last_number(text: str) -> str | None:
     return matches[-1].group(0).replace(" ", "") if matches else None
 
 
-def extract_answer(text: str | None, mode: str = "auto") -> str | None:
+# Dataset names older AReaL code passes as `extract_answer(text, data_name, use_last_number)`: all mean "auto".
+_DATASET_NAMES = frozenset({"math", "gsm8k", "gsm_hard", "svamp", "asdiv", "mawps", "math500", "aime24", "amc23"})
+
+
+def extract_answer(text: str | None, mode: str = "auto", use_last_number: bool = True) -> str | None:
     """The final answer in `text` as a string, or None.
 
     mode: "boxed" (last complete `\\boxed{}`/`\\fbox{}`), "hash" (GSM8K `#### N`), "phrase"
-    ("the answer is X", "Final answer: X"), "last_number", or "auto" = the first of those that hits.
+    ("the answer is X", "Final answer: X"), "last_number", or "auto" = the first of those that hits; a dataset name
+    ("math", "gsm8k", ...) means "auto". `use_last_number=False` drops auto's last-number fallback.
     """
     if not isinstance(text, str):
         return None
+    if mode in _DATASET_NAMES:
+        mode = "auto"
     if mode not in ("auto", "boxed", "hash", "phrase", "last_number"):
         raise ValueError(f"unknown extraction mode {mode!r}")
     if mode in ("auto", "boxed"):
@@ -93,7 +109,7 @@ def extract_answer(text: str | None, mode: str = "auto") -> str | None:
             return _clean_tail(hits[-1])
         if mode == "phrase":
             return None
-    return _last_number(text)
+    return _last_number(text) if use_last_number or mode == "last_number" else None
 
 
 # ============================================================================ math equivalence
@@ -186,14 +202,11 @@ def _close(a: Fraction, b: Fraction, rel_tol: float) -> bool:
     return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
 
 
-def _on_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
+# ============================================================================ math-verify (AReaL's check)
 class _DropTimeoutWarning(logging.Filter):
-    # math_verify warns once per process when its signal timeout is off; off-main-thread that is
-    # our deliberate choice (the process pool provides the timeout), so the warning is noise.
-    def filter(self, record):
+    # math_verify warns once per process that its signal timeouts are off; that is deliberate here (the
+    # thread deadline below replaces them), so the warning is noise.
+    def filter(self, record: logging.LogRecord) -> bool:
         return "Timeout is disabled" not in record.getMessage()
 
 
@@ -201,28 +214,168 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutWarning())
 
 
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        fn, args, future = job
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller, which decides
+            future.set_exception(exc)
+
+
+class _Runner:
+    """A daemon thread that runs its calling thread's checks one at a time. A check that overruns its deadline is
+    left behind with its thread (a daemon cannot hold up the interpreter's exit) and the next call starts a new one;
+    the thread also ends when its calling thread does (the thread-local runner is dropped), so none pile up.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has the object but not the thread
+        self.abandoned = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._jobs,), name="math-verify", daemon=True).start()
+        weakref.finalize(self, self._jobs.put, None)
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            self.abandoned = True
+            self._jobs.put(None)  # the thread ends once the overrunning check returns
+            raise
+
+
+_runners = threading.local()
+
+
+def _call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None) -> Any:
+    """fn(*args), raising concurrent.futures.TimeoutError after `timeout` seconds (None: no limit), from any thread."""
+    if timeout is None:
+        return fn(*args)
+    runner = getattr(_runners, "runner", None)
+    if runner is None or runner.abandoned or runner.pid != os.getpid():
+        runner = _runners.runner = _Runner()
+    return runner.run(fn, args, timeout)
+
+
+# A whole text that is a canonical integer. math-verify reads it as that integer (its anchor-less number pattern,
+# leading zeros and "-0" aside, which are left to it), only more slowly: sympy parses the digits as an expression.
+_PLAIN_INT_RE = re.compile(r"0|-?[1-9][0-9]{0,29}")
+
+
+# Texts longer than this are parsed without caching: a cache of long completions would be memory, not speed.
+_CACHE_MAX_CHARS = 2000
+
+
+@functools.lru_cache(maxsize=2048)
+def _parse_cached(text: str, targets: tuple) -> tuple:
+    from math_verify.parser import parse
+
+    return tuple(parse(text, extraction_config=targets, parsing_timeout=None))
+
+
+class MathVerifyWorker:
+    """AReaL 1.0.4's `areal.reward.MathVerifyWorker`: `verify(response, ground_truth)` is 1.0 when math-verify reads
+    equal answers from both texts, else 0.0 (also on a parse failure, an error, or a check over `timeout` seconds).
+
+    try_extract_without_anchor: also read unanchored numbers/expressions (else only "answer: 1", "final answer is 1",
+    `\\boxed{}`); precision: decimals floats are rounded to before comparing; timeout: seconds for one whole check,
+    None for no limit. Works from any thread.
+    """
+
+    def __init__(self, try_extract_without_anchor: bool = True, precision: int = 6, timeout: float | None = 5.0):
+        from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
+
+        targets = (ExprExtractionConfig(try_extract_without_anchor=try_extract_without_anchor), LatexExtractionConfig())
+        self.gold_extraction_target = targets
+        self.pred_extraction_target = targets
+        self.precision = precision
+        self.timeout = timeout
+        # The integer shortcut holds only for these targets with anchor-less numbers on (reassigned targets: no).
+        self._integers_read_plainly = targets if try_extract_without_anchor else None
+
+    def _parse(self, text: str, targets: tuple) -> list:
+        """math-verify's `parse(text)`: the extracted values (sympy) followed by the matched string."""
+        if not isinstance(text, str):
+            return []  # math-verify's parse gives [] for anything but a string
+        if targets is self._integers_read_plainly and _PLAIN_INT_RE.fullmatch(text):
+            from sympy import Integer
+
+            return [Integer(int(text)), text]
+        if len(text) > _CACHE_MAX_CHARS:
+            from math_verify.parser import parse
+
+            return parse(text, extraction_config=targets, parsing_timeout=None)
+        return list(_parse_cached(text, targets))
+
+    def _equal(self, gold: list, pred: list) -> bool:
+        from math_verify.grader import verify
+
+        return bool(gold and pred and verify(gold, pred, float_rounding=self.precision, timeout_seconds=None))
+
+    def _verify_impl(self, response: str, ground_truth: str) -> float:
+        """The check itself, without the timeout."""
+        gold = self._parse(ground_truth, self.gold_extraction_target)
+        pred = self._parse(response, self.pred_extraction_target)
+        return 1.0 if self._equal(gold, pred) else 0.0
+
+    def verify(self, response: str, ground_truth: str) -> float:
+        try:
+            return _call_with_timeout(self._verify_impl, (response, ground_truth), self.timeout)
+        except concurrent.futures.TimeoutError:
+            logger.warning(
+                "math-verify took over %ss on response=%.200r, ground_truth=%.200r: scored 0.0",
+                self.timeout,
+                response,
+                ground_truth,
+            )
+        except Exception:
+            logger.warning(
+                "math-verify failed on response=%.200r, ground_truth=%.200r", response, ground_truth, exc_info=True
+            )
+        return 0.0
+
+
+_MATH_VERIFY_WORKER: MathVerifyWorker | None = None
+
+
+def get_math_verify_worker() -> MathVerifyWorker:
+    """The process's shared `MathVerifyWorker()` (AReaL's defaults), created on first use."""
+    global _MATH_VERIFY_WORKER
+    if _MATH_VERIFY_WORKER is None:
+        _MATH_VERIFY_WORKER = MathVerifyWorker()
+    return _MATH_VERIFY_WORKER
+
+
+# ============================================================================ one answer vs another
 _MAX_SYMBOLIC_CHARS = 1000
 
 
-def _verify_symbolic(pred: str, gold: str, timeout_s: int = 5) -> bool:
-    from math_verify import parse, verify
+def _symbolic_equal(pred: str, gold: str, timeout: float | None) -> bool:
+    worker = get_math_verify_worker()
 
-    t = timeout_s if _on_main_thread() else None
-
-    def _parse(s):
-        # An extracted answer is one expression: read it as LaTeX math first. Bare, math_verify
+    def read(s: str) -> list:
+        # An extracted answer is one expression: read it as LaTeX math first. Bare, math-verify
         # would misread "(x+1)^2" (nothing) or "2^{10}" (just "2").
-        got = parse(f"${s}$", parsing_timeout=t) if "$" not in s and "\\boxed" not in s else []
-        return got or parse(s, parsing_timeout=t)
+        got = worker._parse(f"${s}$", worker.gold_extraction_target) if "$" not in s and "\\boxed" not in s else []
+        return got or worker._parse(s, worker.gold_extraction_target)
 
-    gold_p, pred_p = _parse(gold), _parse(pred)
-    if not gold_p or not pred_p:
-        return False
-    return bool(verify(gold_p, pred_p, timeout_seconds=t))
+    return bool(_call_with_timeout(lambda: worker._equal(read(gold), read(pred)), (), timeout))
 
 
-def math_equal(pred, gold, rel_tol: float = 1e-4) -> bool:
-    """Whether `pred` and `gold` are the same mathematical answer. Never raises."""
+def _seconds(timeout: bool | float | None) -> float | None:
+    if timeout is True:
+        return get_math_verify_worker().timeout
+    return float(timeout) if timeout else None  # False, None, 0: no limit
+
+
+def math_equal(pred, gold, rel_tol: float = 1e-4, timeout: bool | float | None = True) -> bool:
+    """Whether `pred` and `gold` are the same mathematical answer. Never raises.
+
+    timeout: seconds for the symbolic check (True: the math-verify worker's, False/None: no limit).
+    """
     try:
         if pred is None or gold is None:
             return False
@@ -243,7 +396,7 @@ def math_equal(pred, gold, rel_tol: float = 1e-4) -> bool:
             return True
         if max(len(pred), len(gold)) > _MAX_SYMBOLIC_CHARS:
             return False  # not a final answer; sympy could spend seconds on it
-        return _verify_symbolic(pred, gold)
+        return _symbolic_equal(pred, gold, _seconds(timeout))
     except Exception:  # a reward must not take down a rollout
         logger.debug("math_equal(%r, %r) failed", pred, gold, exc_info=True)
         return False
@@ -260,11 +413,15 @@ def _gold_from_solution(answer) -> str | None:
 
 
 def answer_reward(completion, answer, **kwargs) -> float:
-    """1.0 if the completion's final answer (boxed → #### → 'the answer is' → last number) equals the gold."""
+    """1.0 if the completion's final answer (boxed → #### → 'the answer is' → last number) equals the gold's.
+
+    Stricter than AReaL's `gsm8k_reward_fn`, which pays any expression in the reply that evaluates to the answer:
+    on "What is 4 + 3?" a reply that only restates "4 + 3" scores 1.0 there and 0.0 here. Never raises.
+    """
     try:
         gold = _gold_from_solution(answer)
         pred = extract_answer(completion, "auto")
         return 1.0 if gold is not None and math_equal(pred, gold) else 0.0
-    except Exception:
+    except Exception:  # a reward must not take down a rollout
         logger.debug("answer_reward failed", exc_info=True)
         return 0.0

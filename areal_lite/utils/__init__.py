@@ -1,7 +1,8 @@
 """Helpers shared by the trainer, the workflows and the servers, as AReaL 1.0.4's `areal.utils`.
 
-At AReaL's paths: `functional` (the PPO/GRPO maths on tensors), `data` (`concat_padded_tensors`,
-`cycle_dataloader`), `dataloader` and `hf_utils`. The kit's own: `trajectory` (the tensor contract and its checker),
-`model_store` and `device` (offline models, devices, threads), `search_tool` (search tags and the retrieval call),
-`atomic` (files and folders swapped into place whole) and `jsonhttp` (the servers' JSON error contract).
+At AReaL's paths: `functional` (the PPO/GRPO losses, rejection sampling, returns), `data` (normalisation, padding,
+packing and micro-batches, `concat_padded_tensors`, `cycle_dataloader`), `dataloader` and `hf_utils`. The kit's own:
+`trajectory` (the tensor contract and its checker), `model_store` and `device` (offline models, devices, threads),
+`search_tool` (search tags and the retrieval call), `atomic` (files and folders swapped into place whole), `jsonhttp`
+(the servers' JSON error contract) and `lazy` (package re-exports loaded on first use).
 """

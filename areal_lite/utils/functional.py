@@ -14,19 +14,22 @@ Conventions the formulas leave open, and why
 - Multi-turn returns: each (row, turn) pair is one sample, counted once whatever its length, so a long answer does
   not outweigh a short one (`normalize_turn_returns`).
 - A constant group normalises to 0, not to noise divided by eps (`normalize`).
-- The loss is per token; the caller divides the sum by the whole minibatch's token count, so micro-batches and
-  ranks add up exactly (`ppo_token_loss`).
+- The kit's loss is per token (`ppo_token_loss`): the caller divides the sum by the whole minibatch's token count,
+  so micro-batches and ranks add up exactly. AReaL's `ppo_actor_loss_fn` (a mean per call), `sapo_loss_fn` and
+  `apply_rejection_sampling` are here too, with AReaL's stats, sharing its formulas (`tests/test_areal_losses.py`).
 - Statistics that pool many samples are computed in float64 (a float32 sum drifts), then cast back.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from areal_lite.api.cli_args import NormConfig
+from areal_lite.api.cli_args import NormConfig, RejectionSamplingConfig
+from areal_lite.utils.data import Normalization
 
 __all__ = [
     "discounted_returns",
@@ -38,6 +41,10 @@ __all__ = [
     "scatter_next_token_logp",
     "entropy",
     "ppo_token_loss",
+    "ppo_actor_loss_fn",
+    "sapo_loss_fn",
+    "apply_rejection_sampling",
+    "RejectionSamplingResult",
     "grpo_advantages",
     "shape_rewards",
     "policy_mask",
@@ -49,65 +56,24 @@ KL_CLAMP = 10.0  # AReaL 1.0.4 clamps every estimate to [-10, 10]: one token far
 
 
 def normalize(x: torch.Tensor, mask: torch.Tensor, cfg: Optional[NormConfig]) -> torch.Tensor:
-    """x^ = (x - mu) / (sigma + eps) over the masked entries of x ([B] or [B, L]); 0 where mask is False.
+    """x^ = (x - mu) / (sigma + eps) over the masked entries of x ([B] or [B, L]); 0 where mask is False; x's dtype.
 
-    Pools are the whole batch (`batch`) or contiguous blocks of `cfg.group_size` rows (`group`). mean_level none ->
-    mu = 0; std_level none -> sigma = 1. Leave-one-out: mu_i = (sum x - x_i) / (N - 1) (0 when N = 1). sigma is the
-    (unbiased if `std_unbiased`) spread around mu, the mean subtracted, and 0 when the pool has fewer than 2 samples,
-    so a constant group gives x^ = 0 rather than noise divided by eps (AReaL 1.0.4's `Normalization`;
-    `tests/test_areal_maths.py` compares the two).
+    Pools are the whole batch (`batch`) or contiguous blocks of `cfg.group_size` rows (`group`). mean level None
+    (or "none") -> mu = 0; std level None -> sigma = 1. Leave-one-out: mu_i = (sum x - x_i) / (N - 1) (0 when
+    N = 1). sigma is the (unbiased if `std_unbiased`) spread around the mu subtracted, so a constant group gives
+    x^ = 0 rather than noise divided by eps. The formula is AReaL 1.0.4's `Normalization`
+    (`areal_lite.utils.data`), computed in float64 and, unlike AReaL's, never summed over ranks: the kit's trainer
+    gives every rank the whole batch. cfg None: x, zeroed off the mask.
     """
     if cfg is None:
         return torch.where(mask.bool(), x, torch.zeros_like(x))
-    B = x.shape[0]
-    G = max(1, int(cfg.group_size))
-    for level in (cfg.mean_level, cfg.std_level):
-        if level not in ("batch", "group", "none"):
-            raise ValueError(f"NormConfig level must be batch, group or none, got {level!r}")
-        if level == "group" and B % G:
-            raise ValueError(
-                f"group normalisation needs the batch size ({B}) to be a multiple of group_size ({G}); "
-                "a grouped workflow returns exactly group_size contiguous rows per prompt"
-            )
-    xd = x.to(torch.float64)
-    m = mask.to(torch.float64)
-    xm = xd * m
-    extra = (1,) * (x.dim() - 1)
-
-    def pooled(level: str, t: torch.Tensor) -> torch.Tensor:
-        """Sum of t over the pool of every row, broadcast back to the row: [B] (-> shape [B, 1...])."""
-        per_row = t.reshape(B, -1).sum(-1)
-        if level == "batch":
-            s = per_row.sum().expand(B)
-        else:
-            s = per_row.view(B // G, G).sum(-1).repeat_interleave(G)
-        return s.view(B, *extra)
-
-    if cfg.mean_level == "none":
-        mu = torch.zeros_like(xd)
-    else:
-        S, N = pooled(cfg.mean_level, xm), pooled(cfg.mean_level, m)
-        if cfg.mean_leave1out:
-            mu = torch.where(N > 1, (S - xm) / (N - 1).clamp(min=1), torch.zeros_like(S)).expand_as(xd)
-        else:
-            mu = (S / N.clamp(min=1)).expand_as(xd)
-    if cfg.std_level == "none":
-        return torch.where(mask.bool(), xd - mu, torch.zeros_like(xd)).to(x.dtype)
-    # The spread around the mean actually subtracted, as AReaL 1.0.4 computes it: with mean_level "none" that is the
-    # spread around 0, so a constant group of nonzero rewards is scaled to +-1-ish instead of divided by eps (1e5).
-    N = pooled(cfg.std_level, m)
-    sq = pooled(cfg.std_level, ((xd - mu) ** 2) * m)
-    denom = N - 1 if cfg.std_unbiased else N
-    var = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
-    sigma = var.sqrt().expand_as(xd)
-    if cfg.std_level == "group" and G == 1 and cfg.std_unbiased:
-        sigma = torch.ones_like(xd)  # one row per group has no spread; AReaL divides by 1, not by eps
-    out = (xd - mu) / (sigma + cfg.eps)
+    out = Normalization(cfg).apply(x, mask, all_reduce=False)
     return torch.where(mask.bool(), out, torch.zeros_like(out)).to(x.dtype)
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """k1 = D, k2 = D^2 / 2, k3 = exp(-D) - 1 + D with D = logp - ref_logp (per token), clamped to [-10, 10]."""
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clamp: bool = True) -> torch.Tensor:
+    """k1 = D, k2 = D^2 / 2, k3 = exp(-D) - 1 + D with D = logp - ref_logp (per token), clamped to [-10, 10]
+    unless `clamp` is False (rejection sampling compares the raw estimate with its bounds)."""
     d = logp - ref_logp
     if estimator == "k1":
         kl = d
@@ -117,7 +83,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
         kl = torch.expm1(-d) + d
     else:
         raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
-    return kl.clamp(-KL_CLAMP, KL_CLAMP)
+    return kl.clamp(-KL_CLAMP, KL_CLAMP) if clamp else kl
 
 
 def kl_rewards(
@@ -218,6 +184,263 @@ def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+@dataclass
+class RejectionSamplingResult:
+    """`apply_rejection_sampling`'s answer: the loss mask to train on (the input's in clamp mode), the behaviour
+    weight w = pi_prox / pi_behav (0 off that mask) and the fraction of valid tokens dropped or clamped (logged)."""
+
+    loss_mask: torch.Tensor
+    behave_imp_weight: torch.Tensor
+    filtered_fraction: float
+
+
+def _sequence_index(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
+    """The sequence of every entry of `x` (flattened) and the number of sequences: a row of a padded [B, L] batch,
+    a `cu_seqlens` segment of a packed [T] one."""
+    if x.ndim == 2:
+        return torch.arange(x.shape[0], device=x.device).repeat_interleave(x.shape[1]), x.shape[0]
+    n = cu_seqlens.shape[0] - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.device)
+    return torch.arange(n, device=x.device).repeat_interleave(lengths), n
+
+
+def _per_sequence(x: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor, n: int, how: str) -> torch.Tensor:
+    """Sum, mean or max of `x` over each sequence's masked entries, broadcast back to x's shape. A sequence with
+    no masked entry gets 0 (its mean and max are otherwise undefined; nothing of it trains anyway)."""
+    flat, m = x.reshape(-1), mask.reshape(-1).bool()
+    if how == "max":
+        out = flat.new_full((n,), float("-inf")).scatter_reduce(0, idx, flat.masked_fill(~m, float("-inf")), "amax")
+        has_any = torch.zeros(n, dtype=torch.long, device=x.device).scatter_add(0, idx, m.long()) > 0
+        out = torch.where(has_any, out, torch.zeros_like(out))
+    else:
+        out = flat.new_zeros(n).scatter_add(0, idx, torch.where(m, flat, torch.zeros_like(flat)))
+        if how == "mean":
+            out = out / flat.new_zeros(n).scatter_add(0, idx, m.to(flat.dtype)).clamp(min=1)
+    return out[idx].view_as(x)
+
+
+def _sequence_ratio_and_advantages(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: every token of a sequence takes the geometric mean of its ratios and the mean of its advantages (a
+    mean, not a sum: the gradient's size does not grow with the length); 0 off the mask."""
+    if log_ratio.ndim == 1 and cu_seqlens is None:
+        raise ValueError(
+            "cu_seqlens is required for 1D tensors (packed format). A packed batch always has cu_seqlens; for a "
+            "single sequence, use cu_seqlens=torch.tensor([0, seq_len], dtype=torch.int32)."
+        )
+    idx, n = _sequence_index(log_ratio, cu_seqlens)
+    zero = torch.zeros_like(log_ratio)
+    ratio = torch.where(mask, torch.exp(_per_sequence(log_ratio, mask, idx, n, "mean")), zero)
+    adv = _per_sequence(advantages, mask, idx, n, "mean")
+    return ratio, torch.where(mask, adv, torch.zeros_like(adv))
+
+
+def _check_importance_sampling_level(level: str) -> None:
+    if level not in ("token", "sequence"):
+        raise ValueError(f"Invalid importance_sampling_level: {level}. Must be 'token' or 'sequence'.")
+
+
+def apply_rejection_sampling(
+    proximal_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor],
+    config: RejectionSamplingConfig,
+) -> RejectionSamplingResult:
+    """Drop (`mask`) or down-weight (`clamp`) the tokens whose proximal and behaviour policies disagree too much.
+
+    log r = l_prox - l_behav (non-finite -> 0, so a token both policies rule out weighs 1, not NaN); the metric is
+    r or a KL estimate of log r (unclamped), per token or aggregated per sequence (`config.agg`; the ratio in log
+    space); it is kept when lower <= metric <= upper. w = r (at sequence level with the ratio metric: the sequence's
+    geometric mean), clamped into [lower, upper] where out of bounds in clamp mode, 0 off the returned mask.
+    Tensors are [B, L] (padded) or [T] (packed, with `cu_seqlens`); computed in float32 at least (float64 stays
+    float64). AReaL 1.0.4's `apply_rejection_sampling` (tests/test_areal_losses.py).
+    """
+    for name, t in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask)):
+        if t.shape != proximal_logprobs.shape:
+            raise ValueError(f"proximal_logprobs shape {proximal_logprobs.shape} != {name} shape {t.shape}")
+    if proximal_logprobs.ndim not in (1, 2):
+        raise ValueError(f"Expected 1D (packed) or 2D (padded) tensors, got ndim={proximal_logprobs.ndim}")
+    dtype = torch.promote_types(proximal_logprobs.dtype, torch.float32)
+    prox, behav = proximal_logprobs.detach().to(dtype), old_logprobs.detach().to(dtype)
+    log_ratio = prox - behav
+    log_ratio = torch.where(torch.isfinite(log_ratio), log_ratio, torch.zeros_like(log_ratio))
+    is_ratio = config.metric == "ratio"
+    if is_ratio:
+        values = log_ratio  # aggregated in log space: a geometric mean is not inflated by one large ratio
+    elif config.metric in ("kl_k1", "kl_k2", "kl_k3"):
+        values = kl_estimate(prox, behav, config.metric[3:], clamp=False)
+    else:
+        raise ValueError(f"Unknown metric: {config.metric}")
+    weight = torch.exp(log_ratio)
+    valid = loss_mask.bool()
+    if config.level == "sequence":
+        if loss_mask.ndim == 1 and cu_seqlens is None:
+            raise ValueError("cu_seqlens is required for 1D packed tensors in sequence-level filtering.")
+        if config.agg not in ("sum", "mean", "max"):
+            raise ValueError(f"Unknown agg method: {config.agg}")
+        idx, n = _sequence_index(log_ratio, cu_seqlens)
+        if is_ratio:
+            weight = torch.exp(_per_sequence(log_ratio, valid, idx, n, "mean"))
+        values = _per_sequence(values, valid, idx, n, config.agg)
+    metric = torch.exp(values) if is_ratio else values
+    in_bounds = metric <= config.upper
+    if config.lower is not None:
+        in_bounds &= metric >= config.lower
+    if config.action == "mask":
+        keep, changed, new_mask = valid & in_bounds, valid & ~in_bounds, (valid & in_bounds).to(loss_mask.dtype)
+    else:
+        lower = config.lower if config.lower is not None else 0.0
+        clamped = torch.where(in_bounds, weight, weight.clamp(min=lower, max=config.upper))
+        keep, changed, new_mask, weight = valid, valid & (clamped != weight), loss_mask, clamped
+    fraction = changed.sum().item() / max(valid.sum().item(), 1)
+    return RejectionSamplingResult(new_mask, torch.where(keep, weight, torch.zeros_like(weight)), fraction)
+
+
+def _clipped_surrogate(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    eps_clip_higher: Optional[float],
+    c_clip: Optional[float],
+    importance_sampling_level: str,
+    cu_seqlens: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PPO surrogate of every token (not yet masked or weighted), the ratio (0 off `mask`), the clip and
+    dual-clip masks. L = max(-A rho, -A clip(rho, 1 - eps, 1 + eps_high)); with c: min(L, c |A|)."""
+    _check_importance_sampling_level(importance_sampling_level)
+    if importance_sampling_level == "sequence":
+        ratio, advantages = _sequence_ratio_and_advantages(logprobs - proximal_logprobs, advantages, mask, cu_seqlens)
+    else:
+        # where() before exp(): off-mask positions hold unrelated numbers; keep them out of exp and the gradient.
+        zero = torch.zeros_like(logprobs)
+        ratio = torch.where(mask, torch.exp(torch.where(mask, logprobs - proximal_logprobs, zero)), zero)
+    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    clip_mask = (loss1.detach() < loss2.detach()) & mask
+    loss = torch.maximum(loss1, loss2)
+    dual_clip_mask = torch.zeros_like(clip_mask)
+    if c_clip is not None:
+        if not c_clip > 1.0:
+            raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
+        loss3 = c_clip * advantages.abs()  # only ever below L where A < 0
+        dual_clip_mask = (loss3.detach() < loss.detach()) & mask
+        loss = torch.minimum(loss, loss3)
+    return loss, ratio, clip_mask, dual_clip_mask
+
+
+def ppo_actor_loss_fn(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    loss_mask: torch.Tensor,
+    eps_clip_higher: Optional[float] = None,
+    c_clip: Optional[float] = None,
+    rejection_sampling: Optional[RejectionSamplingConfig] = None,
+    importance_sampling_level: str = "token",
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """AReaL 1.0.4's PPO actor loss: (scalar loss, stats). Mean over `loss_mask`'s tokens of the clipped surrogate
+    (`_clipped_surrogate`: clip-higher, dual clip, per-token or GSPO sequence ratios rho = pi_theta / pi_prox).
+
+    With `rejection_sampling` the tokens it drops leave the loss but still count in the mean's denominator (as
+    they do in the caller's loss weight), and each kept token's loss is multiplied by the behaviour weight
+    w = pi_prox / pi_behav (`apply_rejection_sampling`); without it no behaviour weight is applied.
+    Stats: per-token `loss`, `importance_weight` (rho), `approx_kl` (l_theta - l_prox), `clip_mask`,
+    `dual_clip_mask`, and with rejection sampling `behave_approx_kl`, `behave_imp_weight`, `behave_mask`,
+    `filtered_fraction`.
+    """
+    n_tokens = loss_mask.count_nonzero() or 1  # before rejection: the denominator does not shrink with it
+    rs = None
+    if rejection_sampling is not None:
+        rs = apply_rejection_sampling(proximal_logprobs, old_logprobs, loss_mask, cu_seqlens, rejection_sampling)
+        loss_mask = rs.loss_mask
+    mask = loss_mask.bool()
+    pg_loss, ratio, clip_mask, dual_clip_mask = _clipped_surrogate(
+        logprobs,
+        proximal_logprobs,
+        advantages,
+        mask,
+        eps_clip,
+        eps_clip_higher,
+        c_clip,
+        importance_sampling_level,
+        cu_seqlens,
+    )
+    if rs is not None:
+        pg_loss = pg_loss * rs.behave_imp_weight
+    loss = torch.where(mask, pg_loss, torch.zeros_like(pg_loss)).sum() / n_tokens
+    stat: Dict[str, Any] = dict(
+        loss=pg_loss.detach(),
+        importance_weight=ratio.detach(),
+        approx_kl=(logprobs - proximal_logprobs).detach(),
+        clip_mask=clip_mask,
+        dual_clip_mask=dual_clip_mask,
+    )
+    if rs is not None:
+        behave_mask = (rs.behave_imp_weight > 0) & mask
+        behave_kl = (proximal_logprobs - old_logprobs).detach()
+        stat.update(
+            behave_approx_kl=torch.where(behave_mask, behave_kl, torch.zeros_like(behave_kl)),
+            behave_imp_weight=rs.behave_imp_weight.detach(),
+            behave_mask=behave_mask,
+            filtered_fraction=rs.filtered_fraction,
+        )
+    return loss, stat
+
+
+def sapo_loss_fn(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+    loss_mask: torch.Tensor,
+    importance_sampling_level: str = "token",
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """AReaL 1.0.4's SAPO loss: PPO's clip replaced by a soft gate, (scalar loss, PPO-shaped stats).
+
+    L = -(4 / tau) sigmoid(tau (rho - 1)) A with rho = pi_theta / pi_old (per token, or GSPO's sequence ratio) and
+    tau = tau_pos where A > 0, else tau_neg; the mean over `loss_mask`'s tokens. The 4 / tau makes the gate's slope
+    1 at rho = 1, as PPO's. There is no proximal policy (SAPO needs use_decoupled_loss=False) and nothing clips:
+    `clip_mask` and `dual_clip_mask` are all False.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError("SAPO temperatures (tau_pos, tau_neg) must be positive.")
+    _check_importance_sampling_level(importance_sampling_level)
+    n_tokens = loss_mask.count_nonzero() or 1
+    advantages = advantages.detach()
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        ratio, advantages = _sequence_ratio_and_advantages(log_ratio, advantages, loss_mask, cu_seqlens)
+    else:
+        ratio = torch.exp(log_ratio)
+    gate_pos = torch.sigmoid(tau_pos * (ratio - 1.0)) * (4.0 / tau_pos)
+    gate_neg = torch.sigmoid(tau_neg * (ratio - 1.0)) * (4.0 / tau_neg)
+    gate = torch.where(advantages > 0, gate_pos, gate_neg)
+    pg_loss = -gate * advantages
+    loss = torch.where(loss_mask, pg_loss, torch.zeros_like(pg_loss)).sum() / n_tokens
+    no_clip = torch.zeros_like(loss_mask, dtype=torch.bool)
+    stat = dict(
+        loss=pg_loss.detach(),
+        importance_weight=ratio.detach(),
+        approx_kl=log_ratio.detach(),
+        clip_mask=no_clip,
+        dual_clip_mask=no_clip.clone(),
+        sapo_soft_gate=gate.detach(),
+        sapo_scaled_gate_pos=gate_pos.detach(),
+        sapo_scaled_gate_neg=gate_neg.detach(),
+    )
+    return loss, stat
+
+
 def ppo_token_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -233,43 +456,28 @@ def ppo_token_loss(
     """Per-token decoupled PPO loss m * w * L (to be summed and divided by the global token count) and masks.
 
     rho = exp(l_theta - l_prox); L = max(-A rho, -A clip(rho, 1 - eps, 1 + eps_high)); with dual clip c > 1,
-    L = min(L, c |A|) where A < 0; w = exp(l_prox - l_behav) without gradient, 0 where w > cap; without the
-    decoupled loss l_prox = l_behav (so w = 1).
+    L = min(L, c |A|) where A < 0; w = exp(l_prox - l_behav) without gradient, 0 where w > cap (a cap must be
+    > 1); without the decoupled loss l_prox = l_behav (so w = 1). Advantages are cast to logp's dtype.
 
-    Equal to AReaL 1.0.4's `ppo_actor_loss_fn` (loss and gradient; clip-higher, dual clip, and the cap as AReaL's
-    token-level `rejection_sampling`), with one difference: without a cap AReaL applies no behaviour weight
-    w = exp(prox - behav); the kit applies it whenever the loss is decoupled (tests/test_areal_maths.py).
+    The formulas of `ppo_actor_loss_fn` (its surrogate; the cap is its token-level `rejection_sampling`), per token
+    so the caller can divide by the whole minibatch's count, with one difference: without a cap AReaL applies no
+    behaviour weight w = exp(prox - behav); the kit applies it whenever the loss is decoupled (an infinite cap;
+    tests/test_areal_maths.py). `info["ratio"]` is 0 off the mask.
     """
     m = mask.bool()
-    zero = torch.zeros_like(logp)
     if not use_decoupled_loss:
         prox_logp = behav_logp
-    # where() before exp(): off-policy positions hold unrelated numbers; keep them out of exp and the gradient.
-    ratio = torch.exp(torch.where(m, logp - prox_logp, zero))
-    eps_hi = eps_clip if eps_clip_higher is None else eps_clip_higher
-    adv = torch.where(m, advantages.to(logp.dtype), zero)
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_hi)
-    loss = torch.maximum(loss1, loss2)
-    clipped = (loss2 > loss1) & m
-    dual = torch.zeros_like(m)
-    if c_clip is not None:
-        if c_clip <= 1:
-            raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
-        loss3 = c_clip * adv.abs()
-        dual = (adv < 0) & (loss > loss3) & m
-        loss = torch.where(adv < 0, torch.minimum(loss, loss3), loss)
+    loss, ratio, clipped, dual = _clipped_surrogate(
+        logp, prox_logp, advantages.to(logp.dtype), m, eps_clip, eps_clip_higher, c_clip, "token", None
+    )
     with torch.no_grad():
         if use_decoupled_loss:
-            w = torch.exp(torch.where(m, prox_logp - behav_logp, zero).to(logp.dtype))
+            cap = float("inf") if behav_imp_weight_cap is None else behav_imp_weight_cap
+            rs = apply_rejection_sampling(prox_logp, behav_logp, m, None, RejectionSamplingConfig(upper=cap))
+            w, capped = rs.behave_imp_weight, m & ~rs.loss_mask
         else:
-            w = torch.ones_like(logp)
-        capped = torch.zeros_like(m)
-        if behav_imp_weight_cap is not None:
-            capped = (w > behav_imp_weight_cap) & m
-            w = torch.where(capped, zero, w)
-        w = torch.where(m, w, zero)
-    per_token = torch.where(m, loss * w, zero)
+            w, capped = m.to(logp.dtype), torch.zeros_like(m)
+    per_token = torch.where(m, loss * w, torch.zeros_like(loss))
     info = {"ratio": ratio.detach(), "clipped": clipped, "dual_clipped": dual, "behav_w": w, "capped": capped}
     return per_token, info
 

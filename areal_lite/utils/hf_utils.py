@@ -1,7 +1,8 @@
-"""Tokenizer helpers, beside AReaL 1.0.4's `areal.utils.hf_utils`.
+"""Tokenizer helpers: AReaL 1.0.4's `areal.utils.hf_utils` (`load_hf_tokenizer`, `apply_chat_template`) and the kit's.
 
-- `chat_prompt_ids`: the chat template with the generation prompt as `list[int]` (transformers 5 returns a
-  BatchEncoding from `apply_chat_template(..., tokenize=True)`).
+- `load_hf_tokenizer`: a tokenizer by path or hub id, cached, with pad = EOS when it has no pad token;
+- `apply_chat_template`: the chat template as `list[int]` when tokenized, whatever transformers returns;
+- `chat_prompt_ids`: `apply_chat_template` with the generation prompt, as `list[int]`.
 - `chat_turn_fragments`: the tokens between two turns, pre-tokenized once from the chat template as two fragments,
   the end-of-turn tokens that close an assistant message (ChatML: `<|im_end|>\\n`) and the user message plus the
   next assistant header. A workflow appends only the part of the end-of-turn fragment an output did not already
@@ -19,11 +20,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, List, Sequence
+from functools import lru_cache
+from typing import Any, List, Optional, Sequence
 
 import torch
 
-__all__ = ["chat_prompt_ids", "count_tokens", "token_lower_bound", "ChatTurnFragments", "chat_turn_fragments"]
+__all__ = [
+    "load_hf_tokenizer",
+    "apply_chat_template",
+    "chat_prompt_ids",
+    "count_tokens",
+    "token_lower_bound",
+    "ChatTurnFragments",
+    "chat_turn_fragments",
+]
 
 
 # Content that no chat template changes, used to find where an assistant message's text ends inside the template.
@@ -61,15 +71,38 @@ def token_lower_bound(tokenizer, text: str) -> int:
     return len(text) // (4 * max(longest, 1))
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[Mapping[str, Any]], **template_kwargs) -> List[int]:
-    """Token ids of `messages` through the chat template, ending with the assistant header."""
-    out = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, **template_kwargs)
+@lru_cache(maxsize=8)
+def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, padding_side: Optional[str] = None):
+    """`AutoTokenizer.from_pretrained(...)` with `trust_remote_code`, pad = EOS when missing; one object per
+    arguments (cached, as AReaL's). AReaL also forces a fresh download of hub files: the kit uses the local cache."""
+    from transformers import AutoTokenizer
+
+    kwargs = {} if padding_side is None else {"padding_side": padding_side}
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_name_or_path, use_fast=fast_tokenizer, trust_remote_code=True, **kwargs
+    )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = tokenizer.eos_token_id
+    return tokenizer
+
+
+def apply_chat_template(tokenizer, messages: List[dict], *, tokenize: bool = True, **kwargs: Any):
+    """`tokenizer.apply_chat_template`, a `list[int]` when tokenized (transformers 5 returns a BatchEncoding), else
+    the text; `return_tensors`/`return_dict` keep transformers' own return."""
+    out = tokenizer.apply_chat_template(messages, tokenize=tokenize, **kwargs)
+    if not tokenize or kwargs.get("return_tensors") or kwargs.get("return_dict"):
+        return out
     return _as_id_list(out)
 
 
+def chat_prompt_ids(tokenizer, messages: Sequence[Mapping[str, Any]], **template_kwargs) -> List[int]:
+    """Token ids of `messages` through the chat template, ending with the assistant header."""
+    return apply_chat_template(tokenizer, list(messages), add_generation_prompt=True, **template_kwargs)
+
+
 def _render(tokenizer, messages, add_generation_prompt: bool, **template_kwargs) -> str:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    out = apply_chat_template(
+        tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     if not isinstance(out, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(out).__name__}, expected str")

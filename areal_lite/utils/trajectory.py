@@ -16,8 +16,8 @@ Design decisions:
   together, and a response generated from another context than the one it holds is refused.
 - Padding carries no meaning: consumers look only where `attention_mask` is True. `check_trajectory` accepts int32
   or int64 ids/masks/versions and bool masks, so batches made by AReaL pass.
-- `check_trajectory` raises `TrajectoryError` (an AssertionError) naming the key, row and position of the first
-  violation; a row with no generated token fails unless `allow_all_prompt=True` (it means a broken workflow).
+- `check_trajectory` raises `TrajectoryError` (an AssertionError) listing every violation with its key, row and
+  position; a row with no generated token fails unless `allow_all_prompt=True` (it means a broken workflow).
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ class TrajectoryError(AssertionError):
     """A batch breaks the tensor contract (the message names the key, row and position)."""
 
 
-def _fail(msg: str) -> None:
-    raise TrajectoryError(msg)
+class _Problems(list):
+    """The checks append every violation they find; `check_trajectory` raises once with all of them."""
+
+    def __call__(self, msg: str) -> None:
+        self.append(msg)
 
 
 def _first_bad(mask: torch.Tensor):
@@ -51,10 +54,10 @@ def _first_bad(mask: torch.Tensor):
     return int(idx[0, 0]), int(idx[0, 1])
 
 
-def _check_shapes(batch: Dict[str, torch.Tensor]) -> None:
+def _check_shapes(batch: Dict[str, torch.Tensor], _fail: _Problems) -> None:
     """Required keys are there, are tensors, and agree on [B, L] (token keys) or [B] (per-row keys)."""
     if not isinstance(batch, dict):
-        _fail(f"a batch is a dict of tensors, got {type(batch).__name__}")
+        return _fail(f"a batch is a dict of tensors, got {type(batch).__name__}")
     required = TOKEN_KEYS + ("rewards",)
     missing = [k for k in required if k not in batch]
     if missing:
@@ -63,12 +66,14 @@ def _check_shapes(batch: Dict[str, torch.Tensor]) -> None:
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
             _fail(f"{k!r} is {type(v).__name__}, not a torch.Tensor")
-
-    ids = batch["input_ids"]
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    ids = tensors.get("input_ids")
+    if ids is None:
+        return None
     if ids.dim() != 2:
-        _fail(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+        return _fail(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
     B, L = ids.shape
-    for k, v in batch.items():
+    for k, v in tensors.items():
         if v.dim() >= 2 and tuple(v.shape[:2]) != (B, L):
             _fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}, {L}] like input_ids")
         if v.dim() == 1 and v.shape[0] != B:
@@ -76,11 +81,11 @@ def _check_shapes(batch: Dict[str, torch.Tensor]) -> None:
         if v.dim() == 0:
             _fail(f"{k!r} is a 0-d tensor; per-row keys are [B] (use rewards=torch.tensor([r]))")
     for k in TOKEN_KEYS:
-        if batch[k].dim() != 2:
+        if k in tensors and tensors[k].dim() != 2:
             _fail(f"{k!r} must be [B, L], got shape {tuple(batch[k].shape)}")
 
 
-def _check_dtypes(batch: Dict[str, torch.Tensor]) -> None:
+def _check_dtypes(batch: Dict[str, torch.Tensor], _fail: _Problems) -> None:
     """Dtypes AReaL's trainer accepts; finite rewards."""
     ids = batch["input_ids"]
     att, lm, lp, ver, rew = (batch[k] for k in ("attention_mask", "loss_mask", "logprobs", "versions", "rewards"))
@@ -100,7 +105,7 @@ def _check_dtypes(batch: Dict[str, torch.Tensor]) -> None:
         _fail(f"rewards has non-finite values at rows {(~torch.isfinite(rew)).nonzero().flatten().tolist()}")
 
 
-def _check_values(batch: Dict[str, torch.Tensor], allow_all_prompt: bool) -> None:
+def _check_values(batch: Dict[str, torch.Tensor], allow_all_prompt: bool, _fail: _Problems) -> None:
     """Masks are 0/1 and right-padded; prompt/observation tokens carry logprob 0 and version -1."""
     ids, att, lm, lp, ver = (batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions"))
     B, L = ids.shape
@@ -148,14 +153,14 @@ def _check_values(batch: Dict[str, torch.Tensor], allow_all_prompt: bool) -> Non
             _fail(f"rows {empty} have no generated token (loss_mask all 0); pass allow_all_prompt=True if intended")
 
 
-def _check_texts(batch: Dict[str, torch.Tensor], tokenizer, expected_texts) -> None:
+def _check_texts(batch: Dict[str, torch.Tensor], tokenizer, expected_texts, _fail: _Problems) -> None:
     """The decoded real tokens of each row equal the concatenation of its expected segments."""
     ids, att = batch["input_ids"], batch["attention_mask"]
     B = ids.shape[0]
     if tokenizer is None:
-        _fail("expected_texts needs a tokenizer to decode input_ids")
+        return _fail("expected_texts needs a tokenizer to decode input_ids")
     if len(expected_texts) != B:
-        _fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
+        return _fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
     for r in range(B):
         n = int(att[r].sum())
         got = tokenizer.decode(ids[r, :n].tolist(), skip_special_tokens=False)
@@ -174,16 +179,25 @@ def check_trajectory(
     expected_texts: Optional[Sequence[Sequence[str]]] = None,
     allow_all_prompt: bool = False,
 ) -> bool:
-    """Assert the tensor contract on `batch`; return True or raise `TrajectoryError` naming row and position.
+    """Assert the tensor contract on `batch`; return True or raise `TrajectoryError` listing every violation.
 
+    Keys, shapes and dtypes are all checked and reported together; the values are checked (and the decoded texts
+    compared) once those hold, since a value check on a wrong shape would only repeat the shape problem.
     With `tokenizer` and `expected_texts` (one list of segment strings per row: prompt, outputs, observations in
     order), the decoded real tokens of each row must equal the concatenation of its segments.
     """
-    _check_shapes(batch)
-    _check_dtypes(batch)
-    _check_values(batch, allow_all_prompt)
-    if expected_texts is not None:
-        _check_texts(batch, tokenizer, expected_texts)
+    problems = _Problems()
+    _check_shapes(batch, problems)
+    if not problems:
+        _check_dtypes(batch, problems)
+    if not problems:
+        _check_values(batch, allow_all_prompt, problems)
+    if not problems and expected_texts is not None:
+        _check_texts(batch, tokenizer, expected_texts, problems)
+    if len(problems) == 1:
+        raise TrajectoryError(problems[0])
+    if problems:
+        raise TrajectoryError(f"{len(problems)} problems:\n" + "\n".join(f"- {p}" for p in problems))
     return True
 
 

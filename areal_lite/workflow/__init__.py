@@ -10,3 +10,11 @@ tensor contract of `areal_lite.utils.trajectory` (one row). None means "rejected
 - `multi_turn_feedback`: feedback after each wrong answer, discounted per-turn returns (notebook 06);
 - `grouped`: G samples of one prompt as G contiguous rows; `token_range`: a toy task for tests and benchmarks.
 """
+
+from areal_lite.utils.lazy import lazy_exports
+
+# AReaL's `areal.workflow` re-exports its workflows lazily; RLVRWorkflow is the one the kit shares.
+_LAZY_IMPORTS = {"RLVRWorkflow": "areal_lite.workflow.rlvr"}
+
+__all__ = sorted(_LAZY_IMPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_IMPORTS)

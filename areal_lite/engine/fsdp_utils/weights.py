@@ -176,7 +176,7 @@ def require_cuda(device: torch.device) -> None:
     if not torch.cuda.is_available() or device.type != "cuda":
         raise NotImplementedError(
             "NCCL weight updates need CUDA GPUs and SGLang servers; on this machine use "
-            "WeightUpdateMeta.from_disk(path) (the embedded CPU server loads weights from disk)"
+            "WeightUpdateMeta.from_disk(path=...) (the embedded CPU server loads weights from disk)"
         )
 
 
