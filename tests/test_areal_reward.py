@@ -285,6 +285,8 @@ def test_a_forked_child_gets_its_own_check_thread():
 def test_an_overrunning_check_scores_zero_on_time(monkeypatch, caplog):
     worker = MathVerifyWorker(timeout=0.2)
     monkeypatch.setattr(worker, "_verify_impl", lambda response, gold: time.sleep(1.5) or 1.0)
+    # importing areal (another test here does) applies its logging config with disable_existing_loggers=True
+    monkeypatch.setattr(math_answer.logger, "disabled", False)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=math_answer.__name__):
         assert worker.verify("32", "32") == 0.0

@@ -204,6 +204,29 @@ def test_the_reserved_keys_are_every_named_argument_of_the_template_call():
 # ------------------------------------------------------------------------------------------------ failure 3
 
 
+@pytest.mark.parametrize(
+    "field,nearest",
+    [("return_logprobs", "return_logprob"), ("sampling_param", "sampling_params"), ("input_id", "input_ids")],
+)
+def test_a_misspelt_generate_field_is_a_400_naming_the_nearest(inference, field, nearest):
+    good = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    misspelt = {(field if key == nearest else key): value for key, value in good.items()}
+    before = inference_counters(inference)
+    status, answer, _ = send(inference + "/generate", json.dumps(misspelt).encode())
+    assert status == 400, answer
+    assert f"`{field}`" in answer["error"] and f"`{nearest}`" in answer["error"], answer
+    assert inference_counters(inference) == before  # refused before any work
+    status, answer, _ = send(inference + "/generate", json.dumps(good).encode())  # the server goes on
+    assert status == 200 and len(answer["meta_info"]["output_token_logprobs"]) == 2, answer
+
+
+def test_sglang_fields_the_server_does_not_implement_pass_at_their_neutral_values(inference):
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}, "return_hidden_states": False,
+            "priority": None, "custom_labels": {}, "stream": False, "logprob_start_len": -1}  # fmt: skip
+    status, answer, _ = send(inference + "/generate", json.dumps(body).encode())
+    assert status == 200, answer
+
+
 def test_max_tokens_beyond_the_context_is_judged_by_the_endpoint(chat, session):
     """Before: the engine's 400 came back as a 502. The endpoint now says the limit, as OpenAI and vLLM do."""
     status, body, _ = post_chat(chat, session, {"max_tokens": 10**9})

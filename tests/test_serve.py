@@ -412,8 +412,11 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
     for path in ("/init_weights_update_group", "/update_weights_from_distributed"):
         status, out = call(server, path, {})
         assert status == 400 and "not supported by the embedded server" in out["error"]
-    # unknown top-level keys are ignored, as in SGLang
-    assert generate(server, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}, "foo": 1, "lora_path": None})
+    # a top-level key SGLang does not define is refused (a typo must not silently drop a feature); SGLang's own
+    # fields pass at their neutral values
+    status, out = call(server, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}, "foo": 1})
+    assert status == 400 and "unknown field `foo`" in out["error"], out
+    assert generate(server, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}, "lora_path": None})
     assert call(server, "/server_info")[1]["paused"] is False
 
 

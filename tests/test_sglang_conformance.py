@@ -320,3 +320,17 @@ def test_contract_violations_are_rejected_by_both(api, embedded_server):
             api.GenerateRequest.from_json_value(body)
         status, out = post(embedded_server.address, "/generate", body)
         assert status == 400 and isinstance(out["error"], str), (body, status, out)
+
+
+def test_generate_fields_are_sglangs():
+    """The embedded server refuses a /generate field SGLang does not define: its list is GenerateReqInput's fields."""
+    import ast
+
+    from areal_lite.kit.serve.protocol import SGLANG_GENERATE_FIELDS
+
+    path = os.path.join(sglang_dir(), "srt", "managers", "io_struct.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput"]
+    fields = [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+    assert list(SGLANG_GENERATE_FIELDS) == fields

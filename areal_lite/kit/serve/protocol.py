@@ -19,6 +19,7 @@ Design decisions
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import random
@@ -43,6 +44,24 @@ SGLANG_SAMPLING_KEYS = (
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
     "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
     "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)  # fmt: skip
+# Every top-level field of SGLang 0.5.23's /generate body (python/sglang/srt/managers/io_struct.py,
+# GenerateReqInput). Anything else is refused with the nearest of these: a misspelt `return_logprobs` must not
+# quietly return no log-probs. The ones this server does not implement pass only at their neutral values.
+SGLANG_GENERATE_FIELDS = (
+    "rid", "session_id", "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+    "mm_content_hashes", "use_audio_in_video", "video_config", "sampling_params", "watermark", "return_logprob",
+    "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
+    "return_text_in_logprobs", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
+    "return_flat_raw_top_logprobs_b64", "stream", "log_metrics", "return_hidden_states", "return_routed_experts",
+    "routed_experts_start_len", "return_indexer_topk", "modalities", "session_params", "lora_path", "lora_id",
+    "custom_logit_processor", "positional_embed_overrides", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",
+    "routing_key", "conversation_id", "http_worker_ipc", "background", "require_reasoning", "max_thinking_tokens",
+    "priority", "extra_key", "no_logs", "custom_labels", "return_bytes", "return_entropy", "return_prompt_token_ids",
+    "external_trace_header", "received_time", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
+    "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+    "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool", "cache_salt", "kv_hints",
 )  # fmt: skip
 # Keys we accept but do not implement: only their neutral value is allowed (None is always allowed).
 NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
@@ -250,8 +269,20 @@ def parse_generate_body(
     return is_batch, specs, text_in_lp
 
 
+def _refuse_unknown_fields(body: dict) -> None:
+    """A top-level field SGLang does not define is a 400 naming it and the nearest field SGLang has."""
+    unknown = [key for key in body if key not in SGLANG_GENERATE_FIELDS]
+    if unknown:
+        hints = []
+        for key in unknown:
+            near = difflib.get_close_matches(str(key), SGLANG_GENERATE_FIELDS, n=1)
+            hints.append(f"`{key}`" + (f" (did you mean `{near[0]}`?)" if near else ""))
+        raise BadRequest(f"unknown field {', '.join(hints)}: SGLang's /generate has no such field")
+
+
 def _refuse_unsupported_fields(body: dict) -> None:
     """Top-level fields SGLang has and this server does not implement: only their neutral values pass."""
+    _refuse_unknown_fields(body)
     if body.get("input_embeds") is not None:
         raise BadRequest("input_embeds is not supported by the embedded server; send input_ids or text")
     if (body.get("text") is not None) == (body.get("input_ids") is not None):
