@@ -282,15 +282,21 @@ def test_a_forked_child_gets_its_own_check_thread():
     assert time.monotonic() - start < 4  # well under the worker's 5 s timeout
 
 
-def test_an_overrunning_check_scores_zero_on_time(monkeypatch, caplog):
+def test_an_overrunning_check_scores_zero_on_time(monkeypatch):
     worker = MathVerifyWorker(timeout=0.2)
     monkeypatch.setattr(worker, "_verify_impl", lambda response, gold: time.sleep(1.5) or 1.0)
-    # importing areal (another test here does) applies its logging config with disable_existing_loggers=True
-    monkeypatch.setattr(math_answer.logger, "disabled", False)
+    # A handler on the module's own logger, not pytest's caplog on the root: importing areal (other tests here do)
+    # replaces `logging.Logger.root`, so a logger made before that no longer reaches the root caplog watches.
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    math_answer.logger.addHandler(handler)
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger=math_answer.__name__):
+    try:
         assert worker.verify("32", "32") == 0.0
-    assert time.monotonic() - start < 1.0 and "took over 0.2s" in caplog.text
+    finally:
+        math_answer.logger.removeHandler(handler)
+    assert time.monotonic() - start < 1.0 and any("took over 0.2s" in w for w in warnings), warnings
     monkeypatch.undo()
     assert worker.verify("32", "32") == 1.0  # a fresh check thread serves the next call at once
     assert worker.verify("\\boxed{1/2}", "0.5") == 1.0

@@ -54,120 +54,120 @@ def _first_bad(mask: torch.Tensor):
     return int(idx[0, 0]), int(idx[0, 1])
 
 
-def _check_shapes(batch: Dict[str, torch.Tensor], _fail: _Problems) -> None:
+def _check_shapes(batch: Dict[str, torch.Tensor], fail: _Problems) -> None:
     """Required keys are there, are tensors, and agree on [B, L] (token keys) or [B] (per-row keys)."""
     if not isinstance(batch, dict):
-        return _fail(f"a batch is a dict of tensors, got {type(batch).__name__}")
+        return fail(f"a batch is a dict of tensors, got {type(batch).__name__}")
     required = TOKEN_KEYS + ("rewards",)
     missing = [k for k in required if k not in batch]
     if missing:
         hint = " (found 'reward': the key is 'rewards')" if "reward" in batch and "rewards" in missing else ""
-        _fail(f"batch is missing keys {missing}{hint}")
+        fail(f"batch is missing keys {missing}{hint}")
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
-            _fail(f"{k!r} is {type(v).__name__}, not a torch.Tensor")
+            fail(f"{k!r} is {type(v).__name__}, not a torch.Tensor")
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     ids = tensors.get("input_ids")
     if ids is None:
         return None
     if ids.dim() != 2:
-        return _fail(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+        return fail(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
     B, L = ids.shape
     for k, v in tensors.items():
         if v.dim() >= 2 and tuple(v.shape[:2]) != (B, L):
-            _fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}, {L}] like input_ids")
+            fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}, {L}] like input_ids")
         if v.dim() == 1 and v.shape[0] != B:
-            _fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}] (one value per row)")
+            fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}] (one value per row)")
         if v.dim() == 0:
-            _fail(f"{k!r} is a 0-d tensor; per-row keys are [B] (use rewards=torch.tensor([r]))")
+            fail(f"{k!r} is a 0-d tensor; per-row keys are [B] (use rewards=torch.tensor([r]))")
     for k in TOKEN_KEYS:
         if k in tensors and tensors[k].dim() != 2:
-            _fail(f"{k!r} must be [B, L], got shape {tuple(batch[k].shape)}")
+            fail(f"{k!r} must be [B, L], got shape {tuple(batch[k].shape)}")
 
 
-def _check_dtypes(batch: Dict[str, torch.Tensor], _fail: _Problems) -> None:
+def _check_dtypes(batch: Dict[str, torch.Tensor], fail: _Problems) -> None:
     """Dtypes AReaL's trainer accepts; finite rewards."""
     ids = batch["input_ids"]
     att, lm, lp, ver, rew = (batch[k] for k in ("attention_mask", "loss_mask", "logprobs", "versions", "rewards"))
     if ids.dtype not in _INT_DTYPES:
-        _fail(f"input_ids dtype is {ids.dtype}, expected torch.int32 (AReaL's) or torch.long")
+        fail(f"input_ids dtype is {ids.dtype}, expected torch.int32 (AReaL's) or torch.long")
     if att.dtype != torch.bool:
-        _fail(f"attention_mask dtype is {att.dtype}, expected torch.bool")
+        fail(f"attention_mask dtype is {att.dtype}, expected torch.bool")
     if lm.dtype not in (torch.bool, torch.int8, torch.int16, torch.int32, torch.long, torch.uint8):
-        _fail(f"loss_mask dtype is {lm.dtype}, expected an integer or bool dtype")
+        fail(f"loss_mask dtype is {lm.dtype}, expected an integer or bool dtype")
     if not lp.is_floating_point():
-        _fail(f"logprobs dtype is {lp.dtype}, expected a float dtype")
+        fail(f"logprobs dtype is {lp.dtype}, expected a float dtype")
     if ver.dtype not in _INT_DTYPES:
-        _fail(f"versions dtype is {ver.dtype}, expected torch.int32 (AReaL's) or torch.long")
+        fail(f"versions dtype is {ver.dtype}, expected torch.int32 (AReaL's) or torch.long")
     if rew.dim() != 1 or not rew.is_floating_point():
-        _fail(f"rewards must be a float [B] tensor, got dtype {rew.dtype} shape {tuple(rew.shape)}")
+        fail(f"rewards must be a float [B] tensor, got dtype {rew.dtype} shape {tuple(rew.shape)}")
     if not torch.isfinite(rew).all():
-        _fail(f"rewards has non-finite values at rows {(~torch.isfinite(rew)).nonzero().flatten().tolist()}")
+        fail(f"rewards has non-finite values at rows {(~torch.isfinite(rew)).nonzero().flatten().tolist()}")
 
 
-def _check_values(batch: Dict[str, torch.Tensor], allow_all_prompt: bool, _fail: _Problems) -> None:
+def _check_values(batch: Dict[str, torch.Tensor], allow_all_prompt: bool, fail: _Problems) -> None:
     """Masks are 0/1 and right-padded; prompt/observation tokens carry logprob 0 and version -1."""
     ids, att, lm, lp, ver = (batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions"))
     B, L = ids.shape
     lm_int = lm.long()
     if ((lm_int != 0) & (lm_int != 1)).any():
         r, t = _first_bad((lm_int != 0) & (lm_int != 1))
-        _fail(f"loss_mask must be 0/1; row {r} position {t} holds {int(lm_int[r, t])}")
+        fail(f"loss_mask must be 0/1; row {r} position {t} holds {int(lm_int[r, t])}")
     gen = lm_int == 1
     if (gen & ~att).any():
         r, t = _first_bad(gen & ~att)
-        _fail(f"loss_mask is 1 outside attention_mask at row {r} position {t}")
+        fail(f"loss_mask is 1 outside attention_mask at row {r} position {t}")
     if B and L:
         # Right padding: once attention_mask turns False it stays False.
         starts_pad = att[:, :-1] < att[:, 1:] if L > 1 else torch.zeros(B, 0, dtype=torch.bool)
         if starts_pad.any():
             r, t = _first_bad(starts_pad)
-            _fail(f"attention_mask of row {r} is not a prefix of ones: False at {t}, True at {t + 1} (left padding?)")
+            fail(f"attention_mask of row {r} is not a prefix of ones: False at {t}, True at {t + 1} (left padding?)")
     real_not_gen = att & ~gen  # prompt and observations; padding may hold anything (AReaL pads with 0)
     if (real_not_gen & (lp != 0)).any():
         r, t = _first_bad(real_not_gen & (lp != 0))
-        _fail(f"logprobs must be 0 where loss_mask is 0; row {r} position {t} holds {float(lp[r, t]):.4f}")
+        fail(f"logprobs must be 0 where loss_mask is 0; row {r} position {t} holds {float(lp[r, t]):.4f}")
     if (real_not_gen & (ver != -1)).any():
         r, t = _first_bad(real_not_gen & (ver != -1))
-        _fail(f"versions must be -1 on prompt and observation tokens; row {r} position {t} holds {int(ver[r, t])}")
+        fail(f"versions must be -1 on prompt and observation tokens; row {r} position {t} holds {int(ver[r, t])}")
     if (gen & (ver < 0)).any():
         r, t = _first_bad(gen & (ver < 0))
-        _fail(f"versions must be >= 0 on generated tokens; row {r} position {t} holds {int(ver[r, t])}")
+        fail(f"versions must be >= 0 on generated tokens; row {r} position {t} holds {int(ver[r, t])}")
     bad_lp = gen & ~(torch.isfinite(lp) & (lp <= 1e-4))
     if bad_lp.any():
         r, t = _first_bad(bad_lp)
-        _fail(f"logprobs on generated tokens must be finite and <= 0; row {r} position {t} holds {float(lp[r, t])}")
+        fail(f"logprobs on generated tokens must be finite and <= 0; row {r} position {t} holds {float(lp[r, t])}")
     if (att & (ids < 0)).any():
         r, t = _first_bad(att & (ids < 0))
-        _fail(f"input_ids must be >= 0; row {r} position {t} holds {int(ids[r, t])}")
+        fail(f"input_ids must be >= 0; row {r} position {t} holds {int(ids[r, t])}")
     if "token_returns" in batch:
         tr = batch["token_returns"]
         if tr.dim() != 2 or not tr.is_floating_point():
-            _fail(f"token_returns must be a float [B, L] tensor, got dtype {tr.dtype} shape {tuple(tr.shape)}")
+            fail(f"token_returns must be a float [B, L] tensor, got dtype {tr.dtype} shape {tuple(tr.shape)}")
         if (real_not_gen & (tr != 0)).any():
             r, t = _first_bad(real_not_gen & (tr != 0))
-            _fail(f"token_returns must be 0 where loss_mask is 0; row {r} position {t} holds {float(tr[r, t])}")
+            fail(f"token_returns must be 0 where loss_mask is 0; row {r} position {t} holds {float(tr[r, t])}")
     if not allow_all_prompt:
         empty = (~gen.any(dim=1)).nonzero().flatten().tolist()
         if empty:
-            _fail(f"rows {empty} have no generated token (loss_mask all 0); pass allow_all_prompt=True if intended")
+            fail(f"rows {empty} have no generated token (loss_mask all 0); pass allow_all_prompt=True if intended")
 
 
-def _check_texts(batch: Dict[str, torch.Tensor], tokenizer, expected_texts, _fail: _Problems) -> None:
+def _check_texts(batch: Dict[str, torch.Tensor], tokenizer, expected_texts, fail: _Problems) -> None:
     """The decoded real tokens of each row equal the concatenation of its expected segments."""
     ids, att = batch["input_ids"], batch["attention_mask"]
     B = ids.shape[0]
     if tokenizer is None:
-        return _fail("expected_texts needs a tokenizer to decode input_ids")
+        return fail("expected_texts needs a tokenizer to decode input_ids")
     if len(expected_texts) != B:
-        return _fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
+        return fail(f"expected_texts has {len(expected_texts)} rows, batch has {B}")
     for r in range(B):
         n = int(att[r].sum())
         got = tokenizer.decode(ids[r, :n].tolist(), skip_special_tokens=False)
         want = "".join(expected_texts[r])
         if got != want:
             at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            _fail(
+            fail(
                 f"row {r}: decoded text differs from the expected segments at character {at}: "
                 f"got {got[max(0, at - 30) : at + 30]!r}, expected {want[max(0, at - 30) : at + 30]!r}"
             )
