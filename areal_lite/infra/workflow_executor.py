@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 import torch
 
 from areal_lite.infra.staleness_manager import StalenessManager
+from areal_lite.utils.trajectory import misshapen_keys
 
 __all__ = ["WorkflowExecutor", "resolve_workflow"]
 
@@ -113,8 +114,7 @@ def _check_lengths(result: Dict[str, torch.Tensor], name: str) -> None:
     forgotten) would only surface later as an index error in the trainer that names neither the row nor the key.
     """
     rows, length = result["input_ids"].shape
-    wrong = {k: tuple(v.shape) for k, v in result.items() if v.dim() >= 2 and tuple(v.shape[:2]) != (rows, length)}
-    wrong.update({k: tuple(v.shape) for k, v in result.items() if v.dim() == 1 and v.shape[0] != rows})
+    wrong = misshapen_keys(result)
     if wrong:
         shapes = ", ".join(f"{k} {list(s)}" for k, s in wrong.items())
         raise ValueError(

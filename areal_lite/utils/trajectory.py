@@ -28,7 +28,15 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-__all__ = ["TOKEN_KEYS", "TrajectoryError", "check_trajectory", "Segment", "TrajectoryBuilder", "iter_rows"]
+__all__ = [
+    "TOKEN_KEYS",
+    "TrajectoryError",
+    "check_trajectory",
+    "misshapen_keys",
+    "Segment",
+    "TrajectoryBuilder",
+    "iter_rows",
+]
 
 
 _INT_DTYPES = (torch.int32, torch.long)
@@ -54,6 +62,17 @@ def _first_bad(mask: torch.Tensor):
     return int(idx[0, 0]), int(idx[0, 1])
 
 
+def misshapen_keys(tensors: Dict[str, torch.Tensor]) -> Dict[str, tuple]:
+    """Keys whose shape disagrees with a 2-D `input_ids` [B, L]: per-token keys not [B, L, ...], per-row keys not
+    [B]. The executor refuses such an episode with it; `check_trajectory` reports the same keys."""
+    B, L = tensors["input_ids"].shape
+    return {
+        k: tuple(v.shape)
+        for k, v in tensors.items()
+        if (v.dim() >= 2 and tuple(v.shape[:2]) != (B, L)) or (v.dim() == 1 and v.shape[0] != B)
+    }
+
+
 def _check_shapes(batch: Dict[str, torch.Tensor], fail: _Problems) -> None:
     """Required keys are there, are tensors, and agree on [B, L] (token keys) or [B] (per-row keys)."""
     if not isinstance(batch, dict):
@@ -73,11 +92,10 @@ def _check_shapes(batch: Dict[str, torch.Tensor], fail: _Problems) -> None:
     if ids.dim() != 2:
         return fail(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
     B, L = ids.shape
+    for k, shape in misshapen_keys(tensors).items():
+        want = f"[{B}, {L}] like input_ids" if len(shape) >= 2 else f"[{B}] (one value per row)"
+        fail(f"{k!r} has shape {shape}, expected {want}")
     for k, v in tensors.items():
-        if v.dim() >= 2 and tuple(v.shape[:2]) != (B, L):
-            fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}, {L}] like input_ids")
-        if v.dim() == 1 and v.shape[0] != B:
-            fail(f"{k!r} has shape {tuple(v.shape)}, expected [{B}] (one value per row)")
         if v.dim() == 0:
             fail(f"{k!r} is a 0-d tensor; per-row keys are [B] (use rewards=torch.tensor([r]))")
     for k in TOKEN_KEYS:
