@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl areal-run areal-judge lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -42,6 +42,7 @@ help:
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
 	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 08's export, 2 steps + a resumed one (~5 min)"
 	@echo "make areal-judge - AReaL 1.0.4's own unit tests for the mirrored modules, run against AReaL and the kit (~3 min)"
+	@echo "make seed-cells  - the seed notebooks' own cells under the kit, as written and with their defects fixed (~10 min)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~30+ min; runs make trl first)"
@@ -202,6 +203,13 @@ AREAL_SRC ?= runs/AReaL-v1.0.4
 areal-judge: $(DEVSTAMP)
 	test -d $(AREAL_SRC)/tests || git clone -q --depth 1 --branch v1.0.4 https://github.com/inclusionAI/AReaL $(AREAL_SRC)
 	$(BIN)/python tools/areal_judge.py --areal-src $(AREAL_SRC) $(JUDGE_ARGS)
+
+# The seed notebooks' own code cells, run in order under the kit with the import prefix changed, the ports to AReaL
+# 1.0.4 and the CPU swaps of tools/seed_cells.py: once as written (their defects refused), once with them fixed.
+SEEDS ?= ../shared/seeds
+seed-cells: $(DEVSTAMP)
+	$(BIN)/python tools/seed_cells.py --seeds $(SEEDS) --json runs/seed-cells.json
+	$(BIN)/python tools/seed_cells.py --seeds $(SEEDS) --fix-defects --json runs/seed-cells-fixed.json
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info

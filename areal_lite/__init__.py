@@ -89,7 +89,8 @@ _export(
     "plot_turns",
 )
 _export("kit.prepare", "prepare_all")
-_export("kit.procs", "find_free_port", "find_free_ports", "ServerLaunchError")
+_export("utils.network", "find_free_port", "find_free_ports")
+_export("kit.procs", "ServerLaunchError")
 _export("kit.rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
 _export("kit.train", "TrainConfig", "train")
 _export("kit.viewer", "show_trajectory", "trajectory_to_text", "trajectory_to_html")
@@ -133,6 +134,7 @@ _export(
 )
 _export("utils.trajectory", "check_trajectory", "TrajectoryError", "TrajectoryBuilder", "Segment")
 _export("workflow.grouped", "GroupedWorkflow")
+_export("workflow.multi_turn", "MultiTurnWorkflow")
 _export("workflow.multi_turn_feedback", "MultiTurnFeedbackWorkflow")
 _export("workflow.reflection", "ReflectionWorkflow")
 _export("workflow.rlvr", "RLVRWorkflow")

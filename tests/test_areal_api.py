@@ -51,6 +51,7 @@ METHODS = {
     "AsyncRewardWrapper": ["__init__"],
     "InteractionCache": ["set_reward", "set_last_reward", "apply_reward_discount", "export_interactions"],
     "RLVRWorkflow": ["__init__", "arun_episode"],
+    "MultiTurnWorkflow": ["__init__", "arun_episode"],
     "RolloutWorkflow": ["arun_episode"],
     "GenerationHyperparameters": ["new", "new_with_stop_and_pad_token_ids"],
     "WeightUpdateMeta": ["with_version", "from_disk", "from_fsdp_xccl"],
@@ -160,7 +161,7 @@ def test_methods_take_arealss_parameters(cls, method):
     assert not _conforms(ours, theirs, f"{cls}.{method}"), _conforms(ours, theirs, f"{cls}.{method}")
 
 
-@pytest.mark.parametrize("name", ["concat_padded_tensors", "cycle_dataloader", "load_expr_config"])
+@pytest.mark.parametrize("name", ["concat_padded_tensors", "cycle_dataloader", "load_expr_config", "find_free_ports"])
 def test_functions_take_areals_parameters(name):
     problems = _conforms(getattr(areal_lite, name), areal_object(name), name)
     assert not problems, problems
@@ -329,3 +330,18 @@ def test_each_deliberate_difference_names_a_kit_object_with_an_areal_twin(where)
     for part in qualname.split("."):
         ours, theirs = getattr(ours, part), getattr(theirs, part)
     assert areal_compat.BETTER_THAN_AREAL[where].strip()
+
+
+def test_find_free_ports_behaves_as_areals():
+    from areal.utils.network import find_free_ports as theirs
+
+    from areal_lite.utils.network import find_free_ports as ours
+
+    exclude = set(range(20000, 20050))
+    for fn in (ours, theirs):
+        ports = fn(5, port_range=(20000, 20100), exclude_ports=exclude)
+        assert len(set(ports)) == 5 and ports == sorted(ports), ports
+        assert all(20050 <= p <= 20100 for p in ports), ports
+    for fn in (ours, theirs):  # the same refusal when the range is too small
+        with pytest.raises(ValueError, match=r"Cannot find 3 ports in range \(20000, 20001\). Only 2 ports available"):
+            fn(3, port_range=(20000, 20001))

@@ -1,10 +1,13 @@
 """Both directions at run time, against the embedded server: kit workflows under AReaL 1.0.4's own
-`RemoteSGLangEngine`, and AReaL's own `RLVRWorkflow` and `MultiTurnWorkflow` under the kit's engine.
+`RemoteSGLangEngine`, and AReaL's own `RLVRWorkflow` and `MultiTurnWorkflow` under the kit's engine. The kit's
+`MultiTurnWorkflow` must also give, under either engine, the batch AReaL's own `MultiTurnWorkflow` gives.
 
 With greedy decoding the same workflow must give the same batch under either engine (same token ids, masks,
 versions, rewards; logprobs to float tolerance), with AReaL's dtypes, and pass both sides' checks: the kit's
 `check_trajectory` and AReaL's `check_trajectory_format`. Calls use AReaL's signatures (`initialize(addr=...)`,
 `rollout_batch(data, workflow, workflow_kwargs, group_size)`, `prepare_batch(dataloader, workflow, ...)`).
+The kit's reward workers import this module to unpickle its rewards, so torch (and what imports it) is imported
+inside the functions that use it: at the top it would cost every worker of every kit workflow's pool seconds.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from areal_lite import check_trajectory, concat_padded_tensors
 from areal_lite.kit.areal_compat import register_with_areal
 
 G = 2  # group size
@@ -76,6 +77,12 @@ def reward_len(prompt, completions, prompt_ids, completion_ids, **data):
     return float(len(completion_ids) % 3 == 0)
 
 
+def reward_on_retry(prompt, completions, prompt_ids, completion_ids, **data):
+    """0.0 on the first answer, 1.0 once the prompt holds the retry request: every episode takes two turns, so the
+    glue between turns and the discount are exercised whatever the random model writes."""
+    return float("try to answer it again" in prompt)
+
+
 ROWS = [
     {
         "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
@@ -100,12 +107,14 @@ def areal_greedy(**kw):
 
 def kit_workflows(tok, rag_url):
     from areal_lite import MultiTurnFeedbackWorkflow, ReflectionWorkflow, RLVRWorkflow, SearchAgentWorkflow
+    from areal_lite.workflow.multi_turn import MultiTurnWorkflow
 
     return {
         "rlvr": RLVRWorkflow(reward_len, greedy(), tok),
         "reflection": ReflectionWorkflow(reward_len, greedy(), tok, max_turns=2, turn_discount=0.9),
         "feedback": MultiTurnFeedbackWorkflow(reward_len, greedy(), tok, num_turns=2, turn_discount=0.5),
         "search": SearchAgentWorkflow(tok, greedy(), rag_addr=rag_url, max_turns=2, max_tokens=256),
+        "multi-turn": MultiTurnWorkflow(reward_on_retry, greedy(), tok, max_turns=2, turn_discount=0.9),
     }
 
 
@@ -122,7 +131,10 @@ def areal_workflows(tok):
 def check_both_sides(items):
     """Both sides' checks; returns the batch with the trajectories in a canonical order (AReaL's executor returns
     them "sorted by creation time and shuffled", the kit's in input order)."""
+    import torch
     from areal.infra import check_trajectory_format
+
+    from areal_lite import check_trajectory, concat_padded_tensors
 
     assert isinstance(items, list) and items, "rollout_batch returns a non-empty list of trajectories"
     items = sorted(items, key=lambda it: it["input_ids"][0].tolist())
@@ -138,6 +150,8 @@ def check_both_sides(items):
 
 
 def assert_same_batch(a, b):
+    import torch
+
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype, key
@@ -148,7 +162,7 @@ def assert_same_batch(a, b):
             assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("name", ["rlvr", "reflection", "feedback", "search"])
+@pytest.mark.parametrize("name", ["rlvr", "reflection", "feedback", "search", "multi-turn"])
 def test_kit_workflow_runs_under_areals_engine_as_under_ours(name, tok, rag_url, areal_engine, kit_engine):
     workflow = kit_workflows(tok, rag_url)[name]
     theirs = check_both_sides(areal_engine.rollout_batch(ROWS[:2], workflow=workflow, group_size=G))
@@ -162,6 +176,31 @@ def test_areal_workflow_runs_under_our_engine_as_under_areals(name, tok, areal_e
     theirs = check_both_sides(areal_engine.rollout_batch(ROWS[:2], workflow=workflow, group_size=G))
     ours = check_both_sides(kit_engine.rollout_batch(ROWS[:2], workflow=workflow, group_size=G))
     assert_same_batch(theirs, ours)
+
+
+def test_kit_multi_turn_gives_areals_multi_turn_batch_on_both_engines(tok, areal_engine, kit_engine):
+    """Same constructor call, same rows: AReaL's MultiTurnWorkflow and the kit's give the same batch (glue tokens,
+    masks, versions, discounted rewards) under AReaL's engine and under the kit's."""
+    import torch
+    from areal.workflow.multi_turn import MultiTurnWorkflow as AReaLMultiTurn
+
+    from areal_lite.workflow.multi_turn import MultiTurnWorkflow
+
+    args = (reward_on_retry,)
+    kw = dict(max_turns=2, turn_discount=0.9)
+    ours = MultiTurnWorkflow(*args, greedy(), tok, **kw)
+    theirs = AReaLMultiTurn(*args, areal_greedy(), tok, **kw)
+    assert ours.multi_turn_prompt_ids == theirs.multi_turn_prompt_ids
+    assert ours.gconfig.stop_token_ids == theirs.gconfig.stop_token_ids
+    for engine in (areal_engine, kit_engine):
+        kit_batch = check_both_sides(engine.rollout_batch(ROWS[:2], workflow=ours, group_size=G))
+        areal_batch = check_both_sides(engine.rollout_batch(ROWS[:2], workflow=theirs, group_size=G))
+        assert_same_batch(kit_batch, areal_batch)
+        # Two turns each (the reward pays only the retry): two generated runs, reward 1.0 x 0.9.
+        assert torch.allclose(kit_batch["rewards"], torch.full((2 * G,), 0.9))
+        for row in range(2 * G):
+            mask = kit_batch["loss_mask"][row][kit_batch["attention_mask"][row]]
+            assert int((mask[1:] - mask[:-1] == 1).sum()) == 2, "two generated segments, separated by the retry"
 
 
 def test_workflow_class_with_kwargs_and_prepare_batch_on_both_engines(tok, areal_engine, kit_engine):

@@ -17,6 +17,7 @@ from areal_lite.api.cli_args import (
     describe,
     load_expr_config,
 )
+from areal_lite.infra.remote_inf_engine import sampling_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -168,7 +169,7 @@ def test_generation_hyperparameters_new_and_sampling_params():
     assert one.n_samples == 1 and g.n_samples == 4 and one.stop == ["</answer>"]
     with pytest.raises(TypeError, match="n_sample"):
         g.new(n_sample=1)
-    params = g.new(greedy=True).to_sampling_params()
+    params = sampling_params(g.new(greedy=True))
     assert params["temperature"] == 0.0 and params["n"] == 1 and params["stop"] == ["</answer>"]
     assert isinstance(params["max_new_tokens"], int)
 

@@ -123,6 +123,20 @@ def test_nothing_outside_the_kit_imports_it():
     assert not found, f"modules outside the kit import it (move them into the kit): {found}"
 
 
+def test_the_server_imports_nothing_of_the_trainer():
+    """The inference server (`kit/serve`, the vLLM worker extension) is a leaf process: it runs beside the trainer,
+    not on top of it. What both sides need (the shared-prefix rule, the adapter file names) lives in `utils/`."""
+    found = {}
+    for name, is_pkg, tree in _modules():
+        if name.startswith(("areal_lite.kit.serve", "areal_lite.kit.vllm_ext")):
+            engine = {
+                m for m in _imported(name, is_pkg, tree) if m.startswith(("areal_lite.engine", "areal_lite.infra"))
+            }
+            if engine:
+                found[name] = engine
+    assert not found, f"server modules import the trainer or the client: {found}"
+
+
 def test_no_import_cycles():
     """No module imports, directly or through others, one that imports it back. Imports inside functions count too:
     they cycle at run time just the same, and two modules that need each other are one job split in two."""

@@ -26,6 +26,7 @@ import time
 import pytest
 
 from areal_lite.api.cli_args import GenerationHyperparameters, SGLangConfig
+from areal_lite.infra.remote_inf_engine import sampling_params
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (
@@ -212,7 +213,7 @@ def test_sampling_params_from_config_fit_the_contract(api):
         GenerationHyperparameters(greedy=True, stop=["</answer>"], stop_token_ids=[2]),
         GenerationHyperparameters(temperature=0.7, top_p=0.9, top_k=20, min_new_tokens=2, ignore_eos=True),
     ]:
-        sp = g.to_sampling_params()
+        sp = sampling_params(g)
         decoded = api.SamplingParams.from_json_value(sp)
         assert decoded.max_new_tokens == g.max_new_tokens and decoded.n == 1
 
@@ -227,7 +228,7 @@ def test_requests_and_responses_fit_the_contract(api, embedded_server):
             "logprob_start_len": -1,
             "top_logprobs_num": 0,
             "stream": False,
-            "sampling_params": GenerationHyperparameters(max_new_tokens=6, greedy=True).to_sampling_params(),
+            "sampling_params": sampling_params(GenerationHyperparameters(max_new_tokens=6, greedy=True)),
         },
         {
             "input_ids": [[1, 2], [3, 4, 5]],

@@ -14,13 +14,13 @@ import torch
 from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
 from areal_lite.engine.fsdp_engine import FSDPPPOActor
 from areal_lite.engine.fsdp_utils.packing import (
-    common_start,
     pack_rows,
     packed_forward,
     prompt_groups,
     share_prompts,
     shared_prefix_forward,
 )
+from areal_lite.utils.prefix import common_start
 
 
 def grouped_batch(vocab: int, seed: int = 0, common: int = 0) -> dict:

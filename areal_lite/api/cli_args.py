@@ -1,33 +1,26 @@
-"""Experiment configuration: dataclasses with AReaL's names, strict YAML loading, and CPU/GPU profiles.
+"""Experiment configuration: the dataclasses with AReaL's names, and AReaL's `load_expr_config` for them.
 
 Design decisions
 - The dataclasses keep AReaL-lite's names and nesting (`GRPOConfig.actor.optimizer.lr`, `config.gconfig`,
   `config.rollout`, `config.sglang`, ...) so a notebook cell moves between the two projects with little change.
   Every field carries a one-line help in `metadata["help"]` (CleanRL style); `describe(cls)` prints them.
-- Loading is strict. Before OmegaConf merges anything, we walk the YAML (and each dotted override) against the
-  dataclass fields ourselves, so an error can name the file, the dotted key, the expected type and the nearest valid
-  key. OmegaConf then does the merge and builds the objects; there is no Hydra and no global state, so
-  `load_expr_config` can be called any number of times in one kernel.
-- One switch picks the hardware profile. A YAML file may hold `profiles: {cpu: {...}, gpu: {...}}`; these are
-  overrides applied on top of the base keys, before the command line. `profile=auto` picks `gpu` when CUDA is
-  available, else `cpu`, and whatever loads a config prints the profile it chose.
+- The schema is here, how text becomes a config is not: `config_loader` does the strict YAML, override and profile
+  layering for any dataclass (re-exported here: `describe`, `resolve_profile`). What stays is what knows these
+  fields: `load_expr_config` fills the fields given once for several sections (the group size, the model path, the
+  names) and reconciles those that must agree (`reconcile_temperature`, `reconcile_lora`).
+- SGLang's wire format (`sampling_params`) lives with its HTTP client, `infra.remote_inf_engine`; the api layer
+  never imports the engines.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import sys
-import types
-import typing
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
-
-import yaml
-from omegaconf import OmegaConf
 
 from areal_lite.api.areal_only import (
     AgentConfig,
@@ -55,6 +48,7 @@ from areal_lite.api.areal_only import (
     note_once,
     report_areal_only,
 )
+from areal_lite.api.config_loader import LoadedConfig, describe, load_layers, resolve_profile
 
 __all__ = [
     "ConfigError",
@@ -107,7 +101,6 @@ __all__ = [
     "resolve_profile",
     "describe",
     "default_weight_update_dir",
-    "sampling_params",
 ]
 
 
@@ -155,41 +148,6 @@ class GenerationHyperparameters:
             if tid is not None and tid not in ids:
                 ids.append(tid)
         return self.new(stop_token_ids=ids)
-
-    def to_sampling_params(self) -> Dict[str, Any]:
-        """SGLang's `sampling_params` for one sample (kit extra; the engine builds them from any gconfig)."""
-        return sampling_params(self)
-
-
-def sampling_params(g: Any, max_new_tokens: Optional[int] = None) -> Dict[str, Any]:
-    """SGLang `sampling_params` for one sample from a kit or AReaL `GenerationHyperparameters` (read by attribute).
-
-    Token ids in and out: the client never needs detokenized text, so special tokens are kept and stop strings are
-    not trimmed (`no_stop_trim`), which keeps `output_ids` exactly what was sampled.
-    """
-    greedy = bool(getattr(g, "greedy", False))
-    top_k = int(getattr(g, "top_k", -1))
-    if greedy or top_k <= 0 or top_k >= int(1e8):
-        top_k = -1
-    if getattr(g, "use_beam_search", False):
-        raise ValueError("use_beam_search is not supported by the SGLang-compatible servers")
-    params: Dict[str, Any] = {
-        "max_new_tokens": int(g.max_new_tokens if max_new_tokens is None else max_new_tokens),
-        "min_new_tokens": int(getattr(g, "min_new_tokens", 0)),
-        "temperature": 0.0 if greedy else float(g.temperature),
-        "top_p": 1.0 if greedy else float(getattr(g, "top_p", 1.0)),
-        "top_k": top_k,
-        "stop_token_ids": [int(t) for t in (getattr(g, "stop_token_ids", None) or [])],
-        "ignore_eos": bool(getattr(g, "ignore_eos", False)),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-        "n": 1,
-    }
-    if getattr(g, "frequency_penalty", 0.0):
-        params["frequency_penalty"] = float(g.frequency_penalty)
-    if getattr(g, "stop", None):
-        params["stop"] = list(g.stop)
-    return params
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -982,170 +940,8 @@ class GRPOConfig(PPOConfig):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Strict loading
+# Loading: AReaL's entry point, and the rules that tie the sections together
 # --------------------------------------------------------------------------------------------------------------
-
-
-_INTERPOLATION = re.compile(r"\$\{[^{}]+\}")
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " | ".join(_type_name(a) for a in args) + " | null"
-    if origin in (list, List, tuple, Tuple):
-        arg = (typing.get_args(tp) or (Any,))[0]
-        return f"list[{_type_name(arg)}]"
-    if origin in (dict, Dict) or tp is dict:
-        return "mapping"
-    if dataclasses.is_dataclass(tp):
-        return f"mapping ({tp.__name__})"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        non_none = [a for a in args if a is not type(None)]
-        if len(non_none) == 1 and len(non_none) < len(args):
-            return non_none[0], True
-    return tp, False
-
-
-class _Checker:
-    """Walks a plain dict against a dataclass, raising ConfigError on the first problem."""
-
-    def __init__(self, source: str, numbers_as_text: bool = False):
-        self.source = source
-        # On the command line `trial_name=7` reaches us as the int 7; in a YAML file we insist on the right type.
-        self.numbers_as_text = numbers_as_text
-
-    def fail(self, key: str, msg: str) -> None:
-        raise ConfigError(f"{self.source}: key '{key}': {msg}")
-
-    def check(self, cls: type, data: Any, prefix: str) -> Any:
-        """Validate `data` for dataclass `cls`; returns data with values coerced where that is lossless."""
-        if not isinstance(data, dict):
-            self.fail(prefix or "<root>", f"expected a mapping ({cls.__name__}), got {type(data).__name__}")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        out = {}
-        for key, value in data.items():
-            dotted = f"{prefix}.{key}" if prefix else str(key)
-            if key not in fields:
-                near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-                hint = f"; did you mean '{(prefix + '.' if prefix else '') + near[0]}'?" if near else ""
-                valid = ", ".join(sorted(fields))
-                self.fail(dotted, f"unknown key for {cls.__name__}{hint} (valid keys: {valid})")
-            out[key] = self.value(hints[key], value, dotted, fields[key])
-        return out
-
-    def value(self, tp: Any, value: Any, key: str, fld: Optional[dataclasses.Field] = None) -> Any:
-        inner, optional = _unwrap_optional(tp)
-        expected = _type_name(tp)
-        if value is None:
-            if optional or tp is Any:
-                return None
-            self.fail(key, f"expected {expected}, got null")
-        if isinstance(value, str) and _INTERPOLATION.fullmatch(value):
-            return value  # `${actor.path}` as in AReaL's YAMLs: OmegaConf resolves it, then checks the type
-        if dataclasses.is_dataclass(inner):
-            return self.check(inner, value, key)
-        origin = typing.get_origin(inner)
-        if origin in (list, List, tuple, Tuple):
-            if not isinstance(value, (list, tuple)):
-                self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
-            arg = (typing.get_args(inner) or (Any,))[0]
-            return [self.value(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        if origin in (dict, Dict) or inner is dict:
-            if not isinstance(value, dict):
-                self.fail(key, f"expected {expected}, got {type(value).__name__} {value!r}")
-            return value
-        if inner is Any:
-            return value
-        value = self.scalar(inner, value, key, expected)
-        choices = fld.metadata.get("choices") if fld is not None else None
-        if choices and value not in choices:
-            near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.4)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            self.fail(key, f"expected one of {list(choices)}, got {value!r}{hint}")
-        return value
-
-    def scalar(self, tp: Any, value: Any, key: str, expected: str) -> Any:
-        bad = f"expected {expected}, got {type(value).__name__} {value!r}"
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            self.fail(key, bad)
-        if tp is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            self.fail(key, bad)
-        if tp is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if isinstance(value, str):
-                # YAML 1.1 reads `1e-5` (no dot) as a string; accept what float() accepts.
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            self.fail(key, bad)
-        if tp is str:
-            if isinstance(value, str):
-                return value
-            if self.numbers_as_text and isinstance(value, (int, float)) and not isinstance(value, bool):
-                return str(value)
-            self.fail(key, bad)
-        return value
-
-
-def _parse_override(item: str) -> tuple[str, Any]:
-    if "=" not in item:
-        raise ConfigError(
-            f"command line: '{item}' is not an override; write key=value (for example actor.optimizer.lr=1e-5)"
-        )
-    key, raw = item.split("=", 1)
-    key = key.strip().lstrip("+")
-    if not key:
-        raise ConfigError(f"command line: '{item}' has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"command line: key '{key}': cannot parse value {raw!r}: {e}") from None
-    return key, value
-
-
-def _nest(key: str, value: Any) -> dict:
-    out: Any = value
-    for part in reversed(key.split(".")):
-        out = {part: out}
-    return out
-
-
-def _deep_merge(base: dict, extra: dict) -> dict:
-    merged = dict(base)
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(merged.get(k), dict):
-            merged[k] = _deep_merge(merged[k], v)
-        else:
-            merged[k] = v
-    return merged
-
-
-def resolve_profile(requested: str) -> tuple[str, str]:
-    """`auto` → `gpu` if CUDA is available else `cpu`. Returns (profile, why)."""
-    if requested in ("cpu", "gpu"):
-        return requested, "requested"
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # torch missing or broken: the CPU path is the honest fallback
-        has_cuda = False
-    return ("gpu", "auto: CUDA is available") if has_cuda else ("cpu", "auto: no CUDA device")
 
 
 # Kit defaults that differ from AReaL 1.0.4's and change what is learned, with AReaL's value and why the kit keeps
@@ -1187,129 +983,33 @@ AREAL_SETUP_DIFFERENCES: Dict[str, tuple] = {
 }
 
 
-def _left_at_default(merged: dict, dotted: str) -> bool:
-    node: Any = merged
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return True
-        node = node[part]
-    return False
-
-
 def load_expr_config(
     argv: List[str], config_cls: type = GRPOConfig, *, verbose: bool = True, explain_defaults: bool = False
 ) -> tuple[Any, Optional[str]]:
     """Parse `["--config", FILE, "a.b=1", ...]` into a `config_cls` instance. Returns `(config, path_of_file)`.
 
-    Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`.
+    Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`
+    (`config_loader.load_layers`); then the fields derived from others are filled and checked (`_fill_derived`).
     The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
     `verbose` prints the profile chosen and why; `explain_defaults` also lists the kit defaults this config leaves in
     place that differ from AReaL 1.0.4's, with the reason for each (notebook 01 shows them once, where configs are
     taught, rather than every notebook repeating them before they mean anything).
     """
-    path, overrides = _split_argv(argv)
-    data, profiles = _read_yaml(path)
-    source = path or "<defaults>"
-    data = _Checker(source).check(config_cls, data, "")
-    profiles = _check_profiles(config_cls, source, profiles)
-    cli = _override_layer(config_cls, overrides)
-    env_profile = os.environ.get("AREAL_LITE_PROFILE")
-    if env_profile and "profile" not in {o.split("=", 1)[0].strip() for o in overrides}:
-        cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(config_cls, {"profile": env_profile}, "")["profile"]
-    requested = cli.get("profile", data.get("profile", "auto"))
-    chosen, why = resolve_profile(requested)
-    merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)
-    merged["profile"] = chosen
-    try:
-        conf = OmegaConf.merge(OmegaConf.structured(config_cls), OmegaConf.create(merged))
-        config = OmegaConf.to_object(conf)
-    except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
-        raise ConfigError(f"{source}: {e}") from None
-    _fill_derived(config)
+    loaded = load_layers(argv, config_cls)
+    _fill_derived(loaded.config)
     if verbose:
-        shown = os.path.basename(path) if path else "defaults"
-        print(f"areal-lite: profile={chosen} ({why}) config={shown}")
+        shown = os.path.basename(loaded.path) if loaded.path else "defaults"
+        print(f"areal-lite: profile={loaded.profile} ({loaded.why}) config={shown}")
     if explain_defaults:
-        _print_default_differences(config, merged)
-    return config, path
+        _print_default_differences(loaded)
+    return loaded.config, loaded.path
 
 
-def _split_argv(argv: List[str]) -> tuple[Optional[str], List[str]]:
-    """(the --config file or None, the key=value overrides) of a command line."""
-    argv = list(argv)
-    path: Optional[str] = None
-    overrides: List[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("command line: --config needs a file path")
-            path = argv[i + 1]
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg.startswith("--"):
-            raise ConfigError(f"command line: unknown option '{arg}' (only --config FILE and key=value overrides)")
-        else:
-            overrides.append(arg)
-        i += 1
-    return path, overrides
-
-
-def _read_yaml(path: Optional[str]) -> tuple[dict, dict]:
-    """(base keys, `profiles` mapping) of a YAML config file; both empty without a file."""
-    data: dict = {}
-    profiles: dict = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path}: config file not found (cwd is {os.getcwd()})")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                loaded = yaml.safe_load(fh)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
-        profiles = loaded.pop("profiles", None) or {}
-        if not isinstance(profiles, dict):
-            raise ConfigError(f"{path}: key 'profiles': expected a mapping of profile name to overrides")
-        data = loaded
-    return data, profiles
-
-
-def _check_profiles(config_cls: type, source: str, profiles: dict) -> dict:
-    for name, prof in profiles.items():
-        if name not in ("cpu", "gpu"):
-            near = difflib.get_close_matches(str(name), ["cpu", "gpu"], n=1, cutoff=0.3)
-            hint = f"; did you mean 'profiles.{near[0]}'?" if near else ""
-            raise ConfigError(f"{source}: key 'profiles.{name}': unknown profile (valid: cpu, gpu){hint}")
-        profiles[name] = _Checker(f"{source} (profile {name})").check(config_cls, prof or {}, "")
-    return profiles
-
-
-def _override_layer(config_cls: type, overrides: List[str]) -> dict:
-    """$AREAL_LITE_OVERRIDES then the command line's key=value overrides, checked and nested."""
-    # The environment is the one switch a whole run (CI, `make test-gpu`) flips without editing a notebook:
-    # AREAL_LITE_OVERRIDES holds extra overrides applied before the explicit ones, AREAL_LITE_PROFILE the profile.
-    env_overrides = os.environ.get("AREAL_LITE_OVERRIDES", "").split()
-    cli: dict = {}
-    for origin, items in (("AREAL_LITE_OVERRIDES", env_overrides), ("command line", overrides)):
-        for item in items:
-            key, value = _parse_override(item)
-            nested = _Checker(origin, numbers_as_text=True).check(config_cls, _nest(key, value), "")
-            cli = _deep_merge(cli, nested)
-    return cli
-
-
-def _print_default_differences(config: Any, merged: dict) -> None:
+def _print_default_differences(loaded: LoadedConfig) -> None:
     differ = [
-        (key, _get_dotted(config, key), areal, why)
+        (key, _get_dotted(loaded.config, key), areal, why)
         for key, (areal, why) in AREAL_DEFAULT_DIFFERENCES.items()
-        if _left_at_default(merged, key) and _has_dotted(config, key)
+        if not loaded.sets(key) and _has_dotted(loaded.config, key)
     ]
     if not differ:
         print("areal-lite: this config sets every key whose kit default differs from AReaL 1.0.4's")
@@ -1455,19 +1155,3 @@ def default_weight_update_dir(experiment_name: str, trial_name: str, fileroot: s
         root = os.path.join(shm, f"areal-lite-{user}")
         return claim_weight_dir(os.path.join(root, experiment_name, trial_name, "weights"), sweep_root=root)
     return claim_weight_dir(os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, "weights")))
-
-
-def describe(cls: type, prefix: str = "") -> str:
-    """One line per field: dotted key, type, default and help — a readable reference of a config class."""
-    lines = []
-    for f in dataclasses.fields(cls):
-        tp = typing.get_type_hints(cls)[f.name]
-        inner, _ = _unwrap_optional(tp)
-        key = prefix + f.name
-        if dataclasses.is_dataclass(inner):
-            lines.append(f"{key}: {f.metadata.get('help', '')}")
-            lines.append(describe(inner, key + "."))
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
-        lines.append(f"{key} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
-    return "\n".join(lines)

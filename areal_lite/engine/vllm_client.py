@@ -26,9 +26,8 @@ from typing import Any, List
 
 import aiohttp
 
-from areal_lite.api.cli_args import sampling_params
 from areal_lite.api.io_struct import WeightUpdateMeta
-from areal_lite.infra.remote_inf_engine import EngineError, SGLangClient
+from areal_lite.infra.remote_inf_engine import EngineError, SGLangClient, sampling_params
 
 __all__ = ["VLLMClient", "completion_body", "parse_completion", "is_vllm", "RELOAD_METHOD"]
 
@@ -38,8 +37,8 @@ _RESET_TRIES, _RESET_PAUSE = 50, 0.1  # /reset_prefix_cache refused while blocks
 
 
 def completion_body(g: Any, input_ids: List[int], max_new_tokens: int, min_new_tokens: int, rid: str) -> dict:
-    """The `/v1/completions` body of one chunk: the same sampling as `config.sampling_params` (SGLang's), in
-    vLLM's flat field names. Stop strings included: AReaL 1.0.4's `RemotevLLMEngine` leaves them out.
+    """The `/v1/completions` body of one chunk: the same sampling as SGLang's (`remote_inf_engine.sampling_params`),
+    in vLLM's flat field names. Stop strings included: AReaL 1.0.4's `RemotevLLMEngine` leaves them out.
 
     Special tokens are kept, and a matched stop string stays in the output: vLLM, like SGLang with `no_stop_trim`,
     reports the token ids it sampled, and `include_stop_str_in_output` keeps the text consistent with them. (The

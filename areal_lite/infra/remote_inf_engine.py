@@ -33,10 +33,10 @@ from typing import Any, Callable, Coroutine, Dict, List, Optional
 
 import aiohttp
 
-from areal_lite.api.cli_args import InferenceEngineConfig, sampling_params
+from areal_lite.api.cli_args import InferenceEngineConfig
 from areal_lite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta, get_versioned_lora_name
 
-__all__ = ["ADDRS_ENV", "EngineError", "SGLangClient", "parse_addrs"]
+__all__ = ["ADDRS_ENV", "EngineError", "SGLangClient", "parse_addrs", "sampling_params"]
 
 logger = logging.getLogger("areal_lite.engine")  # one logger name for the whole rollout side
 
@@ -126,6 +126,37 @@ def _parse_version(value: Any) -> Optional[int]:
         except ValueError:
             return None
     return None
+
+
+def sampling_params(g: Any, max_new_tokens: Optional[int] = None) -> Dict[str, Any]:
+    """SGLang `sampling_params` for one sample from a kit or AReaL `GenerationHyperparameters` (read by attribute).
+
+    Token ids in and out: the client never needs detokenized text, so special tokens are kept and stop strings are
+    not trimmed (`no_stop_trim`), which keeps `output_ids` exactly what was sampled.
+    """
+    greedy = bool(getattr(g, "greedy", False))
+    top_k = int(getattr(g, "top_k", -1))
+    if greedy or top_k <= 0 or top_k >= int(1e8):
+        top_k = -1
+    if getattr(g, "use_beam_search", False):
+        raise ValueError("use_beam_search is not supported by the SGLang-compatible servers")
+    params: Dict[str, Any] = {
+        "max_new_tokens": int(g.max_new_tokens if max_new_tokens is None else max_new_tokens),
+        "min_new_tokens": int(getattr(g, "min_new_tokens", 0)),
+        "temperature": 0.0 if greedy else float(g.temperature),
+        "top_p": 1.0 if greedy else float(getattr(g, "top_p", 1.0)),
+        "top_k": top_k,
+        "stop_token_ids": [int(t) for t in (getattr(g, "stop_token_ids", None) or [])],
+        "ignore_eos": bool(getattr(g, "ignore_eos", False)),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "n": 1,
+    }
+    if getattr(g, "frequency_penalty", 0.0):
+        params["frequency_penalty"] = float(g.frequency_penalty)
+    if getattr(g, "stop", None):
+        params["stop"] = list(g.stop)
+    return params
 
 
 def _parse_generate(result: Any, addr: str):

@@ -67,6 +67,7 @@ AREAL_NAMES: Dict[str, str] = {
     "MathVerifyWorker": "areal.reward",
     "get_math_verify_worker": "areal.reward",
     "RLVRWorkflow": "areal.workflow.rlvr",
+    "MultiTurnWorkflow": "areal.workflow.multi_turn",
     "RemoteSGLangEngine": "areal.engine.sglang_remote",
     "RemotevLLMEngine": "areal.engine.vllm_remote",
     "InteractionCache": "areal.experimental.openai.cache",
@@ -90,6 +91,7 @@ AREAL_NAMES: Dict[str, str] = {
     "apply_rejection_sampling": "areal.utils.functional",
     "RejectionSamplingConfig": "areal.api.cli_args",
     "cycle_dataloader": "areal.utils.data",
+    "find_free_ports": "areal.utils.network",
     # the trainer: same methods and call order as AReaL's FSDP actor (see FSDPPPOActor's docstring)
     "FSDPPPOActor": "areal.engine.fsdp_engine",
 }
@@ -159,6 +161,9 @@ KIT_ONLY: Dict[str, str] = {
 # Where a name shared with AReaL 1.0.4 deliberately behaves otherwise: kit object -> what AReaL does, and why the
 # kit does not. Everything else about these names is AReaL's (tests/test_areal_*.py and `make areal-judge` check it).
 BETTER_THAN_AREAL: Dict[str, str] = {
+    "areal_lite.workflow.multi_turn:MultiTurnWorkflow": "a reward that raises makes AReaL's rollout fail (its "
+    "wrapper re-raises on the last retry); the kit scores it 0.0 and the episode goes on to its next turn. The "
+    "reward's completion text is decoded without special tokens, as in every kit workflow",
     "areal_lite.engine.sglang_remote:RemoteSGLangEngine.rollout_batch": "at a fixed version AReaL's blocks forever "
     "once the staleness bound is reached; the kit's runs synchronous episodes outside the bound and returns",
     "areal_lite.engine.sglang_remote:RemoteSGLangEngine.wait": "a failing workflow: AReaL logs the error and hands "

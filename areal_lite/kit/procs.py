@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from areal_lite.utils.lifeline import PR_SET_PDEATHSIG, prctl_function
+from areal_lite.utils.network import find_free_port, find_free_ports  # re-exported: the launcher's names
 
 __all__ = [
     "ServerLaunchError",
@@ -63,28 +64,7 @@ class ServerTimeoutError(ServerLaunchError, TimeoutError):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# ports
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the OS picks it), for servers that must bind it themselves
-    (SGLang, vLLM). Any process that binds port 0 before the child does can take it; the child then exits with
-    "address already in use" in its log. Servers of our own use `listening_socket()` instead."""
-    return find_free_ports(1, host)[0]
-
-
-def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct free ports (all sockets are held open until every port is chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+# listening sockets (free ports: utils.network)
 
 
 def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

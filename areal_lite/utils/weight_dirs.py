@@ -33,6 +33,8 @@ from areal_lite.utils.flock import lock_folder, try_lock_folder
 from areal_lite.utils.lifeline import pid_alive
 
 __all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
     "NoRoomError",
     "claim_weight_dir",
     "is_claimed",
@@ -41,6 +43,11 @@ __all__ = [
     "check_room",
     "version_bytes",
 ]
+
+# A LoRA version folder holds peft's two files (SGLang reads the same names). The trainer writes them and the server
+# reads them; both take the names from here, so the server imports nothing of the trainer.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 _LEGACY = re.compile(r"weights-(\d+)$")  # the former per-process folders
 

@@ -5,6 +5,7 @@ It asks the engine for tokens (`await engine.agenerate(ModelRequest)`), talks to
 tensor contract of `areal_lite.utils.trajectory` (one row). None means "rejected".
 
 - `rlvr`: `RLVRWorkflow` (AReaL's name, path and constructor): one generation, one verifiable reward;
+- `multi_turn`: `MultiTurnWorkflow` (AReaL's name, path and constructor): answer again while the reward is 0;
 - `reflection`: the answer, then a request to check it and answer again (notebook 03);
 - `search_agent`: think / search / answer against a retrieval server (notebook 05);
 - `multi_turn_feedback`: feedback after each wrong answer, discounted per-turn returns (notebook 06);
@@ -13,8 +14,12 @@ tensor contract of `areal_lite.utils.trajectory` (one row). None means "rejected
 
 from areal_lite.utils.lazy import lazy_exports
 
-# AReaL's `areal.workflow` re-exports its workflows lazily; RLVRWorkflow is the one the kit shares.
-_LAZY_IMPORTS = {"RLVRWorkflow": "areal_lite.workflow.rlvr"}
+# AReaL's `areal.workflow` re-exports its workflows lazily; RLVRWorkflow and MultiTurnWorkflow are the ones the kit
+# shares (its VisionRLVRWorkflow is not).
+_LAZY_IMPORTS = {
+    "RLVRWorkflow": "areal_lite.workflow.rlvr",
+    "MultiTurnWorkflow": "areal_lite.workflow.multi_turn",
+}
 
 __all__ = sorted(_LAZY_IMPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY_IMPORTS)

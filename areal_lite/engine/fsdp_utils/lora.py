@@ -25,6 +25,8 @@ from typing import Any, Dict
 
 import torch
 
+from areal_lite.utils.weight_dirs import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # re-exported: the trainer writes them
+
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
@@ -34,9 +36,6 @@ __all__ = [
     "load_adapter_folder",
     "folder_bytes",
 ]
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's (and SGLang's) file names
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _target_modules(cfg: Any) -> Any:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from areal_lite.api.cli_args import MicroBatchSpec
 from areal_lite.engine.fsdp_utils.embedding_grad import embedding_inputs
 from areal_lite.utils.data import concat_padded_tensors
+from areal_lite.utils.prefix import common_start
 
 __all__ = [
     "PACKED_SDPA",
@@ -323,7 +324,7 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
     for a, b in zip(bounds[:-1], bounds[1:]):
         f = prompt_end(pol, a, b)
         groups.setdefault(tuple(ids_l[a:f]), []).append((a, f, b))
-    c = common_start(list(groups))
+    c = common_start(list(groups), COMMON_START_MIN_SAVED)
     if len(groups) == len(bounds) - 1 and not c:
         return None
     take, levels, pred_of = [], [[], [], []], [-1] * T  # levels: common start, prompts' rests, remainders
@@ -359,20 +360,6 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
         out_idx=torch.tensor(out_idx, dtype=torch.long, device=ids.device),
         pred_of=torch.tensor(pred_of, dtype=torch.long, device=ids.device),
     )
-
-
-def common_start(prompts: List[tuple], min_saved: Optional[int] = None) -> int:
-    """How many leading tokens every one of several distinct `prompts` shares, leaving each at least one of its
-    own; 0 when sharing them would save fewer than `min_saved` tokens (default `COMMON_START_MIN_SAVED`: an extra
-    attention call per layer is not free)."""
-    min_saved = COMMON_START_MIN_SAVED if min_saved is None else min_saved
-    if len(prompts) < 2:
-        return 0
-    c = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        c = next((i for i in range(c) if p[i] != first[i]), c)
-    return c if c * (len(prompts) - 1) >= min_saved else 0
 
 
 def shared_prefix_forward(model: torch.nn.Module, row: SharedPrefixRow, keep: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from areal_lite.engine.fsdp_utils.packing import common_start
 from areal_lite.kit.serve.batch import HFRunner
 from areal_lite.utils.device import own_file_backed
+from areal_lite.utils.prefix import common_start
 
 
 def supports(model: Any) -> bool:
@@ -235,8 +235,9 @@ QUERY_CHUNK = 256  # prefill attention's query rows per matmul: bounds its score
 
 def shared_start(prompts: list[list[int]]) -> int:
     """How many leading tokens all `prompts` (two or more) have in common, leaving each at least one of its own (its
-    last position gives its logits); 0 below MIN_SHARED_START. The trainer's `common_start`, whose bound counts the
-    tokens saved: MIN_SHARED_START for every prompt after the first is a start of at least MIN_SHARED_START."""
+    last position gives its logits); 0 below MIN_SHARED_START. The trainer's rule (`utils.prefix.common_start`),
+    whose bound counts the tokens saved: MIN_SHARED_START for every prompt after the first is a start of at least
+    MIN_SHARED_START."""
     return common_start(prompts, min_saved=MIN_SHARED_START * (len(prompts) - 1))
 
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from areal_lite.engine.fsdp_utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # the file names the trainer writes
+from areal_lite.utils.weight_dirs import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # the file names the trainer writes
 
 log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
 # peft's key of one LoRA matrix: base_model.model.<module>.lora_A.weight (older peft: .lora_A.default.weight)
