@@ -70,10 +70,10 @@ install: $(STAMP)
 install-dev: $(DEVSTAMP)
 
 prepare: $(STAMP)
-	$(BIN)/python -m areal_lite.kit.prepare
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
 
 demo: prepare
-	$(BIN)/python -m areal_lite.kit.demo
+	$(BIN)/python -m areal_lite.kit.trainer.demo
 
 # Two workers: a notebook keeps about one core busy (its server and trainer mostly take turns), so two at once use a
 # 2-core machine fully. More workers would only oversubscribe the cores (each notebook also starts a server).
@@ -101,7 +101,7 @@ AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, ar
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
 test: lint
-	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.prepare; status=$$?; wait $$areal && exit $$status
+	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.notebook.prepare; status=$$?; wait $$areal && exit $$status
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
@@ -118,7 +118,7 @@ test-fast: $(DEVSTAMP)
 REPEAT ?= 3
 TESTS  ?= tests
 test-repeat: $(DEVSTAMP)
-	$(BIN)/python -m areal_lite.kit.prepare
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	$(TEST_ENV) $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm and not areal_run" --count $(REPEAT) -x -q \
 		-n $(TEST_WORKERS) --dist load -p no:cacheprovider
 
@@ -163,13 +163,13 @@ vllm: $(VLLM_VENV)/.installed
 
 # One vLLM server at a time (each takes ~5 GB of RAM), so no xdist; the notebook runs with backend=vllm inside.
 test-vllm: $(VLLM_VENV)/.installed $(DEVSTAMP)
-	$(BIN)/python -m areal_lite.kit.prepare
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	$(BIN)/python -m pytest tests/test_vllm.py -m vllm -v -p no:cacheprovider --durations=10
 
 # Every notebook top to bottom on vLLM (~30 min on 2 cores): executed copies in runs/vllm-notebooks/; stops at the
 # first cell that raises. Outputs are not compared: sampled numbers differ by engine (08's comparison differs by design).
 vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
-	$(BIN)/python -m areal_lite.kit.prepare
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
 	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/[01]*.ipynb
 
@@ -185,13 +185,13 @@ trl: $(TRL_VENV)/.installed
 # both using the whole CPU (~30+ min on 2 cores for 3 repeats of 16 steps each): bench/results/vs_trl.json.
 BENCH_TRL_ARGS ?= --repeats 3 --steps 16
 bench-trl: $(TRL_VENV)/.installed $(STAMP)
-	$(BIN)/python -m areal_lite.kit.prepare
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	PYTHONPATH=. $(BIN)/python bench/vs_trl.py $(BENCH_TRL_ARGS) --trl-python $(TRL_VENV)/bin/python
 
 # AReaL's own trainer on notebook 08's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
 # AReaL's checkpoint and trains step 3. Executes notebook 08 first when runs/areal_export has no export yet.
 areal-run: $(DEVSTAMP)
-	$(BIN)/python -m areal_lite.kit.prepare
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	test -f runs/areal_export/search_agent_areal.py || (cd notebooks/en && OMP_NUM_THREADS=1 MPLBACKEND=Agg \
 	  ../../$(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1200 \
 	  --output-dir ../../runs/areal-run-notebook 08_to_areal.ipynb)

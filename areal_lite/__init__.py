@@ -76,11 +76,11 @@ _export("experimental.openai.tool_call_parser", "parse_tool_calls")
 _export("infra.remote_inf_engine", "EngineError")
 _export("infra.staleness_manager", "StalenessManager", "VersionCounter")
 _export("infra.workflow_executor", "WorkflowExecutor")
-_export("kit.carry", "run_cells_defining")
-_export("kit.checks", "check_cases", "request_sampling")
-_export("kit.launch", "launch_server", "ServerHandle", "choose_backend")
+_export("kit.notebook.carry", "run_cells_defining")
+_export("kit.notebook.checks", "check_cases", "request_sampling")
+_export("kit.server.launch", "launch_server", "ServerHandle", "choose_backend")
 _export(
-    "kit.plot",
+    "kit.notebook.plot",
     "plot_rewards",
     "plot_response_length",
     "plot_time_breakdown",
@@ -88,12 +88,12 @@ _export(
     "save_png",
     "plot_turns",
 )
-_export("kit.prepare", "prepare_all")
+_export("kit.notebook.prepare", "prepare_all")
 _export("utils.network", "find_free_port", "find_free_ports")
-_export("kit.procs", "ServerLaunchError")
+_export("kit.server.procs", "ServerLaunchError")
 _export("kit.rag", "launch_rag_server", "RAGServerHandle", "build_app", "build_index")
-_export("kit.train", "TrainConfig", "train")
-_export("kit.viewer", "show_trajectory", "trajectory_to_text", "trajectory_to_html")
+_export("kit.trainer.train", "TrainConfig", "train")
+_export("kit.notebook.viewer", "show_trajectory", "trajectory_to_text", "trajectory_to_html")
 _export("reward", "MathVerifyWorker", "get_math_verify_worker")
 _export("reward.gsm8k", "gsm8k_reward_fn")
 _export("reward.geometry3k", "geometry3k_reward_fn")
@@ -149,7 +149,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'areal_lite' has no attribute {name!r}")
     mod = importlib.import_module(f".{module}", __name__)
     # Bind every export of that module now. Importing a submodule also sets the package attribute of the same
-    # name (`areal_lite.kit.train` the module), which would shadow an export called like it (`train` the function).
+    # name (`areal_lite.kit.trainer.train` the module), which would shadow an export called like it (`train` the
+    # function).
     for other, where in _EXPORTS.items():
         if where == module:
             globals()[other] = getattr(mod, other)

@@ -3,12 +3,12 @@
     .venv/bin/python bench/async_vs_sync.py [--model tiny|smollm2-135m-instruct|PATH] [--steps 6] [--runs 3]
         [--max-new-tokens 48] [--eta 1] [--threads 1]
 
-The same model, data, workflow, batch and step count run through `areal_lite.kit.train.train`, `--runs` times per
+The same model, data, workflow, batch and step count run through `kit.trainer.train.train`, `--runs` times per
 mode, interleaved (sync, async, sync, ...): synchronous (`rollout_batch`, eta = 0) and asynchronous
 (`prepare_batch`, `--eta`). Server and trainer each get `--threads` torch threads (1 + 1 on a 2-core machine).
 Equal work: every response is exactly `--max-new-tokens` long (`min_new_tokens` = `max_new_tokens`), prompts come
 in the same order (same seed), and the first step of each run is a warm-up, left out.
-`areal_lite.kit.overlap.compare_runs` turns the runs into the report: g = generation and t = training (logp + update +
+`kit.notebook.overlap.compare_runs` turns the runs into the report: g = generation and t = training (logp + update +
 weight sync) per step from the synchronous runs, the ideal (g + t) / max(g, t), achieved = sync step / async step
 paired run by run, each as mean (lowest-highest run); achieved may exceed the ideal only within that noise.
 The workflow samples a group per prompt and scores the fraction of output tokens in a fixed id range (a task the
@@ -38,8 +38,8 @@ from areal_lite.api.cli_args import (  # noqa: E402
     OptimizerConfig,
     PPOActorConfig,
 )
-from areal_lite.kit.overlap import compare_runs  # noqa: E402
-from areal_lite.kit.train import TrainConfig, train  # noqa: E402
+from areal_lite.kit.notebook.overlap import compare_runs  # noqa: E402
+from areal_lite.kit.trainer.train import TrainConfig, train  # noqa: E402
 from areal_lite.workflow.grouped import GroupedWorkflow  # noqa: E402
 from areal_lite.workflow.token_range import TokenRangeWorkflow  # noqa: E402
 

@@ -12,7 +12,7 @@ template's opening and a system prompt; `--distinct-starts` gives each its own f
 each sampling `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, in `--dtype` (default
 float32). For each `--threads` count t, every system gets the same t cores (the first t of `--cores`, default
 0..t-1) and t threads:
-1. `embedded`: `python -m areal_lite.kit.serve` of this tree (`--threads t --dtype D`), all requests at once (it
+1. `embedded`: `python -m areal_lite.kit.server` of this tree (`--threads t --dtype D`), all requests at once (it
    batches them continuously);
 2. `vllm eager` and `vllm compiled` (`--vllm-modes`, both by default): vLLM's OpenAI server from `--vllm-python`'s
    venv when that interpreter exists, through `POST /v1/completions` with token ids. `eager` runs it with
@@ -80,7 +80,7 @@ import time
 import urllib.request
 from typing import Callable, Optional
 
-from areal_lite.kit.procs import ServerProcess, find_free_port, spawn
+from areal_lite.kit.server.procs import ServerProcess, find_free_port, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -268,7 +268,7 @@ class EmbeddedServer(Server):
         env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(threads))
         # a baseline tree older than the kit package has the server at areal_lite/serve
         kit = os.path.isdir(os.path.join(tree, "areal_lite", "kit", "serve"))
-        module = "areal_lite.kit.serve" if kit else "areal_lite.serve"
+        module = "areal_lite.kit.server" if kit else "areal_lite.serve"
         cmd = [sys.executable, "-m", module, "--model-path", path, "--port", str(port), "--threads",
                str(threads), "--max-running-requests", str(max_running), "--log-level", "warning"]  # fmt: skip
         if dtype:

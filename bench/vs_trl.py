@@ -8,8 +8,8 @@ The workload is `make demo` (`configs/arith_grpo_demo.yaml`): SmolLM2-135M-Instr
 `--steps` steps of 4 prompts x 8 samples, 16 new tokens at temperature 0.8, group-normalised advantages, no KL,
 AdamW at a constant 1e-5 with gradient clipping 1.0, float32, `--threads` torch threads. It runs twice per repeat,
 alternating, `--repeats` times (kit, TRL, kit, TRL, ...), each run a fresh child process:
-1. the kit: `python -m areal_lite.kit.demo total_train_steps=N actor.threads=T embedded.threads=T` (a fresh trial
-   folder in a temp fileroot), the embedded server and the trainer taking turns on the cores (synchronous GRPO);
+1. the kit: `python -m areal_lite.kit.trainer.demo total_train_steps=N actor.threads=T embedded.threads=T` (a fresh
+   trial folder in a temp fileroot), the embedded server and the trainer taking turns on the cores (synchronous GRPO);
 2. TRL: `bench/_trl_grpo.py` in TRL's venv (`make trl`: trl 1.16.0 on the kit's torch 2.13.0+cpu), one process
    that generates with transformers' `generate` and trains: `loss_type="dapo"` (token mean over the batch, as the
    kit), `beta=0`, `scale_rewards="group"`, 32 completions per optimizer step from one generation (no reuse, no
@@ -26,7 +26,7 @@ Design decisions
   equal the kit's and that step k generated from batch k, and the kit's run must log the same data fingerprint
   per step (both abort otherwise). TRL scores with the kit's own reward function (imported from the checkout;
   it needs only aiohttp and math-verify), and TRL's trained model is scored by the kit's evaluator
-  (`kit.train.evaluate`, the embedded server, greedy) in a child process of this script, as is the base model
+  (`kit.trainer.train.evaluate`, the embedded server, greedy) in a child process of this script, as is the base model
   (TRL's "before"): both sides' accuracies come from one code path.
 - Hyperparameters are read from the kit's config and mapped onto `trl.GRPOConfig` (fields checked in TRL 1.16.0's
   source); a config this mapping cannot express (another schedule, a KL term, several minibatches, LoRA, ...) is
@@ -93,8 +93,8 @@ def overrides(args) -> list[str]:
 
 def load_config(args):
     from areal_lite.api.cli_args import load_expr_config, reconcile_temperature
-    from areal_lite.kit.demo import config_path
-    from areal_lite.kit.train import TrainConfig
+    from areal_lite.kit.trainer.demo import config_path
+    from areal_lite.kit.trainer.train import TrainConfig
 
     config, _ = load_expr_config(["--config", config_path(), *overrides(args)], TrainConfig, verbose=False)
     reconcile_temperature(config.actor, config.gconfig)
@@ -149,7 +149,7 @@ def trl_hyperparameters(config) -> dict:
 def export_data(config, steps: int) -> tuple[list[dict], list[str], str]:
     """The kit's first `steps` training batches, in its dataloader's order, as rows for TRL (chat messages, the
     kit's prompt ids, the answer); each batch's data fingerprint (as the kit's stats log it); the reward's name."""
-    from areal_lite.kit.train import _fingerprint, _load_run_data, build_workflow, resolve_reward
+    from areal_lite.kit.trainer.train import _fingerprint, _load_run_data, build_workflow, resolve_reward
     from areal_lite.utils.data import cycle_dataloader
     from areal_lite.utils.hf_utils import chat_prompt_ids
 
@@ -207,10 +207,10 @@ def child_env(threads: int, kit_path: bool) -> dict:
 
 def run_kit(args, root: str, index: int, fingerprints: list[str]) -> dict:
     trial = f"kit-{os.getpid()}-{index}"
-    cmd = [sys.executable, "-m", "areal_lite.kit.demo", *overrides(args), f"fileroot={root}",
+    cmd = [sys.executable, "-m", "areal_lite.kit.trainer.demo", *overrides(args), f"fileroot={root}",
            f"experiment_name={EXPERIMENT}", f"trial_name={trial}"]  # fmt: skip
     proc = run_child(cmd, os.path.join(root, f"{trial}.log"), child_env(args.threads, kit_path=True))
-    from areal_lite.kit.plot import load_stats
+    from areal_lite.kit.notebook.plot import load_stats
 
     stats = load_stats(os.path.join(root, EXPERIMENT, trial, "stats.jsonl"))
     if len(stats) != args.steps:
@@ -290,10 +290,11 @@ def evaluate_model(args, root: str, model_dir: str, name: str) -> dict:
 
 
 def eval_main(args) -> int:
-    """`--eval-model DIR`: what `kit.train` does for its held-out evaluation, on the model in DIR: the embedded
-    server on DIR, the evaluation workflow `train()` builds, `kit.train.evaluate` on the config's held-out rows."""
-    from areal_lite.kit.launch import launch_server
-    from areal_lite.kit.train import _load_run_data, evaluate, resolve_reward
+    """`--eval-model DIR`: what `kit.trainer.train` does for its held-out evaluation, on the model in DIR: the embedded
+    server on DIR, the evaluation workflow `train()` builds, `kit.trainer.train.evaluate` on the config's held-out
+    rows."""
+    from areal_lite.kit.server.launch import launch_server
+    from areal_lite.kit.trainer.train import _load_run_data, evaluate, resolve_reward
     from areal_lite.workflow.rlvr import RLVRWorkflow
 
     config = load_config(args)

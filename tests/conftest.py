@@ -90,7 +90,7 @@ def smollm_path() -> str:
 
 def _launch(model_path: str, **kw):
     from areal_lite.api.cli_args import EmbeddedServerConfig
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     cfg = EmbeddedServerConfig(model_path=model_path, threads=1, **kw)
     handle = launch_server(cfg, backend="embedded")
@@ -100,7 +100,7 @@ def _launch(model_path: str, **kw):
 
 @pytest.fixture(scope="session")
 def embedded_server(tiny_model_path):
-    """A real `python -m areal_lite.kit.serve` process on the tiny model, shared by the session."""
+    """A real `python -m areal_lite.kit.server` process on the tiny model, shared by the session."""
     handle = _launch(tiny_model_path)
     yield handle
     handle.stop()

@@ -745,7 +745,7 @@ def test_parameter_broadcast_over_a_custom_group(tiny_model_path, vocab, tmp_pat
     """The NCCL route's mechanics with gloo: a process outside the trainer's world joins a custom group and
     receives every parameter in `weight_update_specs()` order (the GPU route only swaps gloo for NCCL)."""
     from areal_lite.engine.fsdp_utils.weights import init_custom_process_group
-    from areal_lite.kit.procs import find_free_port
+    from areal_lite.kit.server.procs import find_free_port
 
     actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32", optimizer=OptimizerConfig(lr=1e-2))).initialize()
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Every YAML in configs/ becomes an AReaL 1.0.4 config through `areal_lite.kit.areal_config` (the one documented
+"""Every YAML in configs/ becomes an AReaL 1.0.4 config through `areal_lite.kit.areal.config` (the one documented
 step), AReaL's own `load_expr_config` loads it, the shared values are the kit's, and nothing is dropped silently.
 """
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from areal_lite.api.cli_args import load_expr_config
-from areal_lite.kit.areal_config import to_areal_config
-from areal_lite.kit.train import TrainConfig
+from areal_lite.kit.areal.config import to_areal_config
+from areal_lite.kit.trainer.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -72,7 +72,7 @@ def test_cli_writes_an_areal_yaml(tmp_path):
         [
             sys.executable,
             "-m",
-            "areal_lite.kit.areal_config",
+            "areal_lite.kit.areal.config",
             os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"),
             "-o",
             str(out),
@@ -91,7 +91,7 @@ def test_cli_writes_an_areal_yaml(tmp_path):
 def test_exported_experiment_imports_under_areal_and_its_config_loads(tmp_path):
     """What notebook 08 does with notebook 05's cells, on a small workflow cell: the script imports under AReaL (its
     workflow is an AReaL RolloutWorkflow, its imports rewritten) and AReaL loads the YAML written beside it."""
-    from areal_lite.kit.areal_compat import export_areal_experiment
+    from areal_lite.kit.areal.compat import export_areal_experiment
 
     imports = (
         "import torch\n\n"

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from areal_lite.kit.areal_compat import register_with_areal
+from areal_lite.kit.areal.compat import register_with_areal
 
 G = 2  # group size
 

@@ -189,7 +189,7 @@ def test_a_refused_field_is_an_error_that_says_why():
 def test_the_shipped_configs_load_without_a_no_effect_line(name, capsys):
     """A YAML that sets no AReaL-only field prints nothing: OmegaConf hands tuple defaults back as lists, which is
     the same setting, not a change."""
-    from areal_lite.kit.train import TrainConfig
+    from areal_lite.kit.trainer.train import TrainConfig
 
     areal_only._reported.clear()
     for profile in ("cpu", "gpu"):
@@ -205,7 +205,7 @@ def test_to_areal_config_keeps_apart_only_what_areal_lacks():
 
     from areal.api.cli_args import GRPOConfig as AReaLGRPOConfig
 
-    from areal_lite.kit.areal_config import to_areal_config
+    from areal_lite.kit.areal.config import to_areal_config
 
     def areal_has(cls, dotted):
         head, _, rest = dotted.partition(".")

@@ -325,3 +325,16 @@ def test_a_cap_of_at_most_one_is_refused_when_the_config_is_built():
         kit_args.PPOActorConfig(rejection_sampling=kit_args.RejectionSamplingConfig(upper=2.0)).behav_imp_weight_cap
         == 2.0
     )
+
+
+def test_the_weight_cap_rule_is_rejection_samplings_default_rule():
+    """`ppo_token_loss`'s `behav_imp_weight_cap` builds `functional._TokenRatioCap` (utils sits below api's configs):
+    every field it has equals `RejectionSamplingConfig(upper=cap)`'s."""
+    import dataclasses
+
+    from areal_lite.api.cli_args import RejectionSamplingConfig
+    from areal_lite.utils.functional import _TokenRatioCap
+
+    cap, config = _TokenRatioCap(upper=3.0), RejectionSamplingConfig(upper=3.0)
+    for f in dataclasses.fields(cap):
+        assert getattr(cap, f.name) == getattr(config, f.name), f.name

@@ -274,7 +274,7 @@ def areal_results(tiny_model_path, tmp_path_factory):
     import subprocess
     import sys
 
-    from areal_lite.kit.procs import find_free_port
+    from areal_lite.kit.server.procs import find_free_port
 
     tmp = tmp_path_factory.mktemp("areal-actor")
     kit = _kit_actor(tiny_model_path)

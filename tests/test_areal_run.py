@@ -1,4 +1,4 @@
-"""`make areal-run`: notebook 08's export trains under AReaL 1.0.4's own trainer on CPU (kit/areal_run.py).
+"""`make areal-run`: notebook 08's export trains under AReaL 1.0.4's own trainer on CPU (kit/areal/run.py).
 
 The whole run (~5 min) is marked `areal_run` and runs in `make areal-run`, not in `make test`. The parts it stands
 on are checked here against the real AReaL: its loader accepts every CPU override, the Qwen2 layout of a Llama
@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_areals_loader_takes_the_cpu_overrides(tmp_path):
     from areal.api.cli_args import GRPOConfig, load_expr_config
 
-    from areal_lite.kit.areal_config import to_areal_config
-    from areal_lite.kit.areal_run import cpu_overrides
+    from areal_lite.kit.areal.config import to_areal_config
+    from areal_lite.kit.areal.run import cpu_overrides
 
     areal_dict, _ = to_areal_config(os.path.join(ROOT, "configs", "search_agent.yaml"), profile="cpu")
     path = tmp_path / "search_agent_cpu.yaml"
@@ -58,7 +58,7 @@ def test_qwen2_layout_of_a_llama_computes_the_same_logits(tmp_path):
 def test_step_numbers_are_read_from_areals_own_table():
     from areal.utils.printing import tabulate_stats
 
-    from areal_lite.kit.areal_run import SHOWN, parse_steps
+    from areal_lite.kit.areal.run import SHOWN, parse_steps
 
     steps = {3: {SHOWN["reward"]: 0.125, SHOWN["loss"]: -0.0390625, "ppo_actor/n_seqs": 8.0, "a/b": 1e-7},
              4: {SHOWN["reward"]: 0.5, SHOWN["loss"]: 0.25, SHOWN["step_s"]: 51.5}}  # fmt: skip
@@ -76,7 +76,7 @@ def test_step_numbers_are_read_from_areals_own_table():
 @pytest.mark.areal_run
 def test_the_export_trains_two_steps_under_areal_and_resumes():
     """What `make areal-run` runs (needs notebook 08's export in runs/areal_export)."""
-    from areal_lite.kit.areal_run import main
+    from areal_lite.kit.areal.run import main
 
     export = os.path.join(ROOT, "runs", "areal_export")
     if not os.path.exists(os.path.join(export, "search_agent_areal.py")):

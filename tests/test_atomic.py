@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from areal_lite.kit.rundir import latest_checkpoint
-from areal_lite.kit.train import save_checkpoint
+from areal_lite.kit.trainer.rundir import latest_checkpoint
+from areal_lite.kit.trainer.train import save_checkpoint
 from areal_lite.utils import atomic
 from areal_lite.utils.atomic import atomic_dir, atomic_file, recover_dir, recover_dirs
 

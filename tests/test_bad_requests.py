@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from areal_lite import GenerationHyperparameters
 from areal_lite.experimental.openai.proxy.protocol import RESERVED_TEMPLATE_KWARGS
 from areal_lite.experimental.openai.proxy.server import ChatServer
-from areal_lite.kit.serve.protocol import SGLANG_SAMPLING_KEYS
+from areal_lite.kit.server.protocol import SGLANG_SAMPLING_KEYS
 from areal_lite.utils.jsonhttp import MAX_JSON_DEPTH
 
 EXAMPLES = int(os.environ.get("AREAL_LITE_SOAK_EXAMPLES", "40"))
@@ -367,7 +367,7 @@ def declared_too_large(url: str, path: str, size: int) -> tuple[int, str, float]
 def test_bodies_over_the_size_limit_get_413_before_they_are_read(inference, chat, rag):
     from areal_lite.experimental.openai.proxy.server import MAX_BODY_BYTES as CHAT_MAX
     from areal_lite.kit.rag import MAX_BODY_BYTES as RAG_MAX
-    from areal_lite.kit.serve.app import MAX_BODY_BYTES as SERVE_MAX
+    from areal_lite.kit.server.app import MAX_BODY_BYTES as SERVE_MAX
 
     for url, path, limit in [
         (inference, "/generate", SERVE_MAX),

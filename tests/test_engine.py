@@ -1,6 +1,6 @@
 """RemoteSGLangEngine against real embedded server processes: generation, interruption, weights, the executor.
 
-Every test talks HTTP to `python -m areal_lite.kit.serve` processes on the tiny model (one torch thread each). There is
+Every test talks HTTP to `python -m areal_lite.kit.server` processes on the tiny model (one torch thread each). There is
 no pytest-asyncio here, so async parts run under `asyncio.run` inside the test -- a foreign loop for the engine,
 exactly like a notebook's top-level `await`. Extra servers (a second one with different weights, a scratch one for
 weight updates, one to kill) are launched where a test needs them.
@@ -24,8 +24,8 @@ from areal_lite.api.cli_args import EmbeddedServerConfig, GenerationHyperparamet
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.infra.remote_inf_engine import ADDRS_ENV, EngineError
-from areal_lite.kit.launch import launch_server
-from areal_lite.kit.procs import find_free_port
+from areal_lite.kit.server.launch import launch_server
+from areal_lite.kit.server.procs import find_free_port
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.trajectory import check_trajectory
 

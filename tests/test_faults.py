@@ -1,9 +1,9 @@
-"""Crashes and re-runs of `python -m areal_lite.kit.train`, with real processes: no orphans when the trainer is
+"""Crashes and re-runs of `python -m areal_lite.kit.trainer.train`, with real processes: no orphans when the trainer is
 SIGKILLed, no weight versions left in /dev/shm once a later run ends, and a run folder never silently reused.
 
 One real training run on the tiny model is started and SIGKILLed (as the OOM killer would) once its reward pool,
 a checkpoint and a weight version exist; the tests then look at what it left and run the same command again. The
-remaining tests drive the run folder and weight folder rules directly (`kit.rundir`, `utils.weight_dirs`), with
+remaining tests drive the run folder and weight folder rules directly (`kit.trainer.rundir`, `utils.weight_dirs`), with
 small helper processes where a live or dead owner matters.
 """
 
@@ -26,8 +26,8 @@ import torch
 from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite.api.cli_args import GRPOConfig, RecoverConfig
-from areal_lite.kit.rundir import RunDirError, open_run_dir
-from areal_lite.kit.train import main
+from areal_lite.kit.trainer.rundir import RunDirError, open_run_dir
+from areal_lite.kit.trainer.train import main
 from areal_lite.utils import weight_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ def train_args(model: str, fileroot, experiment: str, steps: int) -> List[str]:
 
 
 def run_cli(args: List[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [PY, "-m", "areal_lite.kit.train", *args]
+    cmd = [PY, "-m", "areal_lite.kit.trainer.train", *args]
     return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -110,7 +110,7 @@ def killed_run(tmp_path_factory, tiny_model_path):
     run_dir = os.path.join(fileroot, experiment, "run0")  # the demo config's trial name
     shm_dir = os.path.join(SHM_ROOT, experiment)
     log = os.path.join(fileroot, "killed.log")
-    cmd = [PY, "-m", "areal_lite.kit.train", *train_args(tiny_model_path, fileroot, experiment, 500)]
+    cmd = [PY, "-m", "areal_lite.kit.trainer.train", *train_args(tiny_model_path, fileroot, experiment, 500)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     descendants: List[psutil.Process] = []
@@ -135,7 +135,7 @@ def test_sigkilled_trainer_leaves_no_process(killed_run):
     """Failure 6: the reward pool's workers, its forkserver and resource tracker, and the server go with it."""
     names = killed_run.cmdlines
     assert sum("multiprocessing.forkserver" in c for c in names) >= 2, names  # the forkserver and its workers
-    assert any("resource_tracker" in c for c in names) and any("areal_lite.kit.serve" in c for c in names), names
+    assert any("resource_tracker" in c for c in names) and any("areal_lite.kit.server" in c for c in names), names
     wait_until(lambda: all(gone(p) for p in killed_run.descendants), timeout=30)
     left = [c for p, c in zip(killed_run.descendants, names) if not gone(p)]
     assert not left, f"{len(left)} processes outlived the SIGKILLed trainer by 30 s: {left}"

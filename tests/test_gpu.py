@@ -75,7 +75,7 @@ def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, 
 def test_embedded_server_on_cuda_logprobs_equal_forward_pass(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, device="cuda"), backend="embedded")
@@ -101,7 +101,7 @@ def test_lora_bf16_actor_on_cuda_trains_the_adapter_and_the_cuda_server_serves_i
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     lora = dict(use_lora=True, lora_rank=4, lora_alpha=8, optimizer=OptimizerConfig(lr=1e-2))
     actor = FSDPPPOActor(PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16", **lora)).initialize()
@@ -146,7 +146,7 @@ def test_lora_bf16_actor_on_cuda_trains_the_adapter_and_the_cuda_server_serves_i
 def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path, tmp_path):
     import torch.distributed as dist
 
-    from areal_lite.kit.procs import find_free_port
+    from areal_lite.kit.server.procs import find_free_port
 
     addr = f"tcp://127.0.0.1:{find_free_port()}"
     script = tmp_path / "receiver.py"

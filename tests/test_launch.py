@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from areal_lite.api.cli_args import EmbeddedServerConfig, GRPOConfig, SGLangConfig
-from areal_lite.kit.launch import ENV_ADDRS, choose_backend, launch_server
-from areal_lite.kit.procs import ServerLaunchError, find_free_port, find_free_ports
+from areal_lite.kit.server.launch import ENV_ADDRS, choose_backend, launch_server
+from areal_lite.kit.server.procs import ServerLaunchError, find_free_port, find_free_ports
 
 
 def alive(pid: int) -> bool:
@@ -44,13 +44,13 @@ def test_the_launched_command_carries_every_config_option(tiny_model_path, monke
     """The command line the launcher builds parses back, in the server's own parser, to the same config."""
     import dataclasses
 
-    from areal_lite.kit.launch import _embedded_cmd
-    from areal_lite.kit.serve.cli import parse_args
+    from areal_lite.kit.server.cli import parse_args
+    from areal_lite.kit.server.launch import _embedded_cmd
 
     monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
     config = cfg("ignored", max_prefill_tokens=123, return_original_logprob=True, decode_log_interval=5)
     cmd = _embedded_cmd(config, "127.0.0.1", 4321, tiny_model_path, seed=9)
-    assert cmd[1:3] == ["-m", "areal_lite.kit.serve"]
+    assert cmd[1:3] == ["-m", "areal_lite.kit.server"]
     args = vars(parse_args(cmd[3:]))
     for f in dataclasses.fields(EmbeddedServerConfig):
         want = tiny_model_path if f.name == "model_path" else getattr(config, f.name)
@@ -83,7 +83,7 @@ def test_lifecycle(tiny_model_path, tmp_path):
         assert "ready on" in handle.tail(50)
         assert "embedded" in repr(handle) and "running" in repr(handle)
         cmdline = " ".join(psutil.Process(handle.pid).cmdline())
-        assert "areal_lite.kit.serve" in cmdline and "--threads 1" in cmdline
+        assert "areal_lite.kit.server" in cmdline and "--threads 1" in cmdline
     finally:
         handle.stop()
     assert not alive(handle.pid)
@@ -158,7 +158,7 @@ ENV_SCRIPT = r"""
 import os, sys
 os.environ["AREAL_LLM_SERVER_ADDRS"] = "10.0.0.9:30000"
 from areal_lite.api.cli_args import EmbeddedServerConfig
-from areal_lite.kit.launch import launch_server
+from areal_lite.kit.server.launch import launch_server
 a = launch_server(EmbeddedServerConfig(model_path=sys.argv[1]), backend="embedded")
 b = launch_server(EmbeddedServerConfig(model_path=sys.argv[1]), backend="embedded")
 assert os.environ["AREAL_LLM_SERVER_ADDRS"] == f"{a.address},{b.address}", os.environ["AREAL_LLM_SERVER_ADDRS"]
@@ -180,7 +180,7 @@ def test_server_addrs_env_follows_live_servers(tiny_model_path):
 CHILD = r"""
 import sys, time
 from areal_lite.api.cli_args import EmbeddedServerConfig
-from areal_lite.kit.launch import launch_server
+from areal_lite.kit.server.launch import launch_server
 h = launch_server(EmbeddedServerConfig(model_path=sys.argv[1], threads=1), backend="embedded")
 print("PID", h.pid, flush=True)
 h.wait_ready(timeout=180)
@@ -199,7 +199,7 @@ def test_killing_the_parent_leaves_no_server(tiny_model_path):
                 break
         pid = int(next(l for l in lines if l.startswith("PID")).split()[1])
         assert "READY" in lines[-1], lines
-        assert "areal_lite.kit.serve" in " ".join(psutil.Process(pid).cmdline())
+        assert "areal_lite.kit.server" in " ".join(psutil.Process(pid).cmdline())
         parent.send_signal(signal.SIGKILL)  # no atexit, no finalizers: only the kernel's parent-death signal
         parent.wait(timeout=10)
         assert wait_dead(pid), "the server outlived its SIGKILLed parent"

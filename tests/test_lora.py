@@ -25,7 +25,7 @@ from areal_lite.api.cli_args import (
 )
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal_lite.engine.fsdp_engine import FSDPPPOActor
-from areal_lite.kit.serve.protocol import parse_load_lora_body, parse_lora_paths, parse_unload_lora_body
+from areal_lite.kit.server.protocol import parse_load_lora_body, parse_lora_paths, parse_unload_lora_body
 from areal_lite.utils.jsonhttp import BadRequest
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201, 7], [3000, 17, 99, 512, 7, 8]]
@@ -130,7 +130,7 @@ def test_a_meta_that_disagrees_with_the_actor_is_refused(tiny_model_path, tmp_pa
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_path):
     """A server of our own: these tests load and unload adapters (the shared one stays untouched)."""
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
     try:
@@ -269,7 +269,7 @@ gconfig:
 
 def test_areals_lora_fields_load(tmp_path, tiny_model_path, capsys):
     from areal_lite.api import areal_only
-    from areal_lite.kit.train import TrainConfig
+    from areal_lite.kit.trainer.train import TrainConfig
 
     path = tmp_path / "lora.yaml"
     path.write_text(AREAL_LORA_YAML.format(path=tiny_model_path))
@@ -325,7 +325,7 @@ def test_a_lora_run_on_a_used_server_starts_from_the_base_model(lora_server, tmp
     from test_train import make_config, token_workflow
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.train import train
+    from areal_lite.kit.trainer.train import train
     from areal_lite.utils.model_store import load_tokenizer
 
     addr, n = lora_server, 8
@@ -354,15 +354,16 @@ def test_a_lora_run_on_a_used_server_starts_from_the_base_model(lora_server, tmp
 
 
 def train_(cfg, workflow, on_step, resume=False):
-    from areal_lite.kit.train import train
+    from areal_lite.kit.trainer.train import train
 
     return train(cfg, resume=resume, workflow=workflow, on_step=on_step, progress=False)
 
 
 def test_the_cli_trains_the_demo_config_with_lora(tmp_path, tiny_model_path, capsys):
-    """`python -m areal_lite.kit.train --config configs/arith_grpo_demo.yaml actor.use_lora=true rollout.use_lora=true`
-    (in-process): held-out evaluation runs through its own engine client, which must ask for the current adapter."""
-    from areal_lite.kit.train import main
+    """`python -m areal_lite.kit.trainer.train --config configs/arith_grpo_demo.yaml actor.use_lora=true
+    rollout.use_lora=true` (in-process): held-out evaluation runs through its own engine client, which must ask for
+    the current adapter."""
+    from areal_lite.kit.trainer.train import main
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--config", os.path.join(root, "configs", "arith_grpo_demo.yaml"), f"actor.path={tiny_model_path}",

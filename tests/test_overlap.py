@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_lite.kit.overlap import Spread, compare_runs
+from areal_lite.kit.notebook.overlap import Spread, compare_runs
 
 
 def run(generate, train, step, steps=3, warmup=100.0):

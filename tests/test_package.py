@@ -34,10 +34,11 @@ def test_import_is_light():
 
 
 def test_export_named_like_its_module_is_the_function():
-    """`from areal_lite import train` is the function even after `areal_lite.kit.train` (the module) was imported."""
+    """`from areal_lite import train` is the function even after the module `areal_lite.kit.trainer.train` was
+    imported."""
     code = (
         "import sys\nfrom areal_lite import TrainConfig\nfrom areal_lite import train\n"
-        "print(callable(train) and train is sys.modules['areal_lite.kit.train'].train)"
+        "print(callable(train) and train is sys.modules['areal_lite.kit.trainer.train'].train)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
@@ -47,26 +48,10 @@ def test_export_named_like_its_module_is_the_function():
 
 PACKAGE = os.path.dirname(os.path.abspath(areal_lite.__file__))
 
-# What AReaL 1.0.4 has no counterpart of: the embedded server and vLLM's worker extension, the RAG server, the
-# launcher and its child processes, plots, the trajectory viewer, notebook checks, preparation, the demo, the CPU
-# training script and its run folders, and the bridge to AReaL (cell conversion, config export).
-KIT_MODULES = [
-    "serve",
-    "vllm_ext",
-    "rag",
-    "launch",
-    "procs",
-    "plot",
-    "viewer",
-    "carry",
-    "checks",
-    "prepare",
-    "demo",
-    "train",
-    "rundir",
-    "areal_compat",
-    "areal_config",
-]
+# What AReaL 1.0.4 has no counterpart of, in rooms named for their job, bottom-up: a room imports only rooms below it.
+# server: the embedded server, vLLM's worker extension, the launcher and its child processes; rag: the retrieval
+# server; notebook: preparation, plots, viewer, checks; trainer: the loop, run folders, the demo; areal: the bridge.
+KIT_ROOMS = ["server", "rag", "notebook", "trainer", "areal"]
 
 
 def _modules():
@@ -81,11 +66,22 @@ def _modules():
                 yield name, is_pkg, ast.parse(open(path, encoding="utf-8").read())
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except those under `if TYPE_CHECKING:`: an import there names a type for annotations and
+    never runs, so it is no arrow between modules."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def _imported(name: str, is_pkg: bool, tree: ast.AST) -> set[str]:
-    """Absolute names of the areal_lite modules that `name` imports (relative imports resolved)."""
+    """Absolute names of the areal_lite modules that `name` imports at run time (relative imports resolved)."""
     package = name.split(".") if is_pkg else name.split(".")[:-1]
     out = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -102,12 +98,35 @@ def _is_module(dotted: str) -> bool:
     return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
 
 
-def test_kit_only_modules_live_in_the_kit_package():
-    for m in KIT_MODULES:
-        assert _is_module(f"areal_lite.kit.{m}"), m
-        assert not _is_module(f"areal_lite.{m}"), f"areal_lite.{m} is at two paths (one path per module)"
+def test_kit_only_modules_live_in_the_kit_rooms():
+    kit = os.path.join(PACKAGE, "kit")
+    loose = [f for f in os.listdir(kit) if f.endswith(".py") and f != "__init__.py"]
+    assert not loose, f"modules loose in areal_lite/kit/ (put each in the room of its job, {KIT_ROOMS}): {loose}"
+    rooms = sorted(d for d in os.listdir(kit) if _is_module(f"areal_lite.kit.{d}"))
+    assert rooms == sorted(KIT_ROOMS), rooms
+    for room in KIT_ROOMS:
+        assert not _is_module(f"areal_lite.{room}"), f"areal_lite.{room} is at two paths (one path per module)"
     kit_exports = {m for m in areal_lite._EXPORTS.values() if m.split(".")[0] == "kit"}
-    assert kit_exports <= {f"kit.{m}" for m in KIT_MODULES}, kit_exports
+    assert all(m.split(".")[1] in KIT_ROOMS for m in kit_exports), kit_exports
+
+
+def _room(dotted: str) -> str:
+    """`kit.<room>` for a kit module, else the top-level package under areal_lite (`api`, `engine`, ...)."""
+    parts = dotted.split(".")
+    return f"kit.{parts[2]}" if parts[1] == "kit" and len(parts) > 2 else parts[1]
+
+
+def test_no_kit_room_imports_a_room_above_it():
+    """The rooms stack: the server is the leaf, the bridge to AReaL the top (KIT_ROOMS, bottom-up)."""
+    order = {f"kit.{r}": i for i, r in enumerate(KIT_ROOMS)}
+    up = set()
+    for name, is_pkg, tree in _modules():
+        here = _room(name) if name.count(".") >= 2 else None
+        for m in _imported(name, is_pkg, tree):
+            there = _room(m)
+            if here in order and there in order and order[there] > order[here]:
+                up.add(f"{name} -> {m}")
+    assert not up, f"imports that run up the kit's rooms: {sorted(up)}"
 
 
 def test_nothing_outside_the_kit_imports_it():
@@ -124,17 +143,35 @@ def test_nothing_outside_the_kit_imports_it():
 
 
 def test_the_server_imports_nothing_of_the_trainer():
-    """The inference server (`kit/serve`, the vLLM worker extension) is a leaf process: it runs beside the trainer,
-    not on top of it. What both sides need (the shared-prefix rule, the adapter file names) lives in `utils/`."""
+    """The inference server (`kit/server`, with vLLM's worker extension and the launcher) is a leaf: it runs beside
+    the trainer, not on top of it, and imports only `api/` and `utils/`. What both sides need (the shared-prefix rule,
+    the adapter file names) lives in `utils/`."""
     found = {}
     for name, is_pkg, tree in _modules():
-        if name.startswith(("areal_lite.kit.serve", "areal_lite.kit.vllm_ext")):
-            engine = {
-                m for m in _imported(name, is_pkg, tree) if m.startswith(("areal_lite.engine", "areal_lite.infra"))
-            }
+        if name.startswith("areal_lite.kit.server"):
+            engine = {m for m in _imported(name, is_pkg, tree) if _room(m) not in ("api", "utils", "kit.server")}
             if engine:
                 found[name] = engine
-    assert not found, f"server modules import the trainer or the client: {found}"
+    assert not found, f"server modules import more than api/ and utils/: {found}"
+
+
+# The AReaL-shaped packages, bottom-up: each imports only packages below it (the kit sits on top of them all).
+LAYERS = ["utils", "api", "dataset", "reward", "workflow", "infra", "engine", "experimental", "kit"]
+
+
+def test_no_import_runs_up_a_layer():
+    """utils is the floor (it reads api's configs by attribute; their classes are imported for annotations only), the
+    config schema and contracts (api) sit on it, then data and rewards, workflows, the executor and client (infra),
+    the engines, the OpenAI-compatible side, and the kit."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    up = set()
+    for name, is_pkg, tree in _modules():
+        here = name.split(".")[1] if name.count(".") else None
+        for m in _imported(name, is_pkg, tree):
+            there = m.split(".")[1]
+            if here in rank and there in rank and rank[there] > rank[here]:
+                up.add(f"{name} -> {m}")
+    assert not up, f"imports that run up a layer ({' < '.join(LAYERS)}): {sorted(up)}"
 
 
 def test_no_import_cycles():
@@ -174,7 +211,7 @@ def _areal_has(dotted: str) -> bool:
 def test_every_areal_name_is_defined_at_its_areal_path_in_the_kit():
     """`from areal_lite.<P> import N` converts to AReaL by the prefix alone: every name with an AReaL twin
     (`AREAL_NAMES[N] == "areal.<P>"`) is defined at `areal_lite.<P>`, and the package root exports it from there."""
-    from areal_lite.kit.areal_compat import AREAL_NAMES
+    from areal_lite.kit.areal.compat import AREAL_NAMES
 
     for name, areal_module in AREAL_NAMES.items():
         kit = "areal_lite" + areal_module[len("areal") :]
@@ -195,7 +232,7 @@ def test_the_top_level_holds_only_packages():
 
 def test_areal_names_exist_at_the_same_path_in_areal():
     """The other half: AReaL 1.0.4 defines each of those names at that path."""
-    from areal_lite.kit.areal_compat import AREAL_NAMES
+    from areal_lite.kit.areal.compat import AREAL_NAMES
 
     for name, module in AREAL_NAMES.items():
         assert hasattr(importlib.import_module(module), name), f"AReaL's {module} has no {name}"

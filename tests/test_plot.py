@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from areal_lite.kit.plot import (
+from areal_lite.kit.notebook.plot import (
     load_stats,
     plot_response_length,
     plot_rewards,
@@ -115,7 +115,7 @@ def test_smooth_is_bias_corrected():
 
 
 def test_plot_turns_draws_mean_turns_and_bounds(tmp_path):
-    from areal_lite.kit.plot import plot_turns
+    from areal_lite.kit.notebook.plot import plot_turns
 
     rows = [{"step": i, "turns": 2.0 - i / 4} for i in range(4)]
     fig = plot_turns(rows, max_turns=3)

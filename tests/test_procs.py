@@ -1,5 +1,5 @@
-"""Tests of areal_lite.kit.procs with real tiny child processes on 127.0.0.1: readiness, errors that quote the log,
-stop (with escalation and the child's own children), and no orphans when the parent dies."""
+"""Tests of areal_lite.kit.server.procs with real tiny child processes on 127.0.0.1: readiness, errors that quote the
+log, stop (with escalation and the child's own children), and no orphans when the parent dies."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from areal_lite.kit.procs import (
+from areal_lite.kit.server.procs import (
     _LIVE,
     ServerLaunchError,
     ServerProcess,
@@ -176,13 +176,13 @@ def test_spawn_from_a_short_lived_thread_survives_the_thread(tmp_path):
 # (or, for "exit", exits normally). Each way exercises one no-orphan layer alone.
 PARENT = r"""
 import subprocess, sys, time
-from areal_lite.kit.procs import ServerProcess, spawn
+from areal_lite.kit.server.procs import ServerProcess, spawn
 how, log = sys.argv[1], sys.argv[2]
 if how == "spawn":  # prctl on Linux
     proc = spawn([sys.executable, "-c", "import time; time.sleep(60)"], log)
 elif how == "watch":  # a plain child that watches its parent itself; it says when it watches
-    code = ("import os, time; from areal_lite.kit.procs import exit_with_parent; exit_with_parent(os.getppid(), 0.1); "
-            "print('WATCHING', flush=True); time.sleep(60)")
+    code = ("import os, time; from areal_lite.kit.server.procs import exit_with_parent; "
+            "exit_with_parent(os.getppid(), 0.1); print('WATCHING', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code])
 else:  # a plain child: only this process's atexit hook and finalizers can stop it
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('STARTED', flush=True); time.sleep(60)"])

@@ -29,7 +29,7 @@ def test_every_configs_tokenizer_path_loads_as_written(path, smollm_path):
     from transformers import AutoTokenizer
 
     from areal_lite.api.cli_args import GRPOConfig, load_expr_config
-    from areal_lite.kit.train import TrainConfig
+    from areal_lite.kit.trainer.train import TrainConfig
 
     @dataclasses.dataclass
     class AgentRLConfig(GRPOConfig):  # notebook 05's (and seed 000's) extra key

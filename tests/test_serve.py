@@ -17,11 +17,11 @@ import torch
 from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite.api.cli_args import EmbeddedServerConfig
-from areal_lite.kit.serve import sampling
-from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
-from areal_lite.kit.serve.cli import build_parser, parse_args
-from areal_lite.kit.serve.protocol import GenerationState, SamplingParams, parse_generate_body
-from areal_lite.kit.serve.sampling import RowSeeds, draw, sample_tokens
+from areal_lite.kit.server import sampling
+from areal_lite.kit.server.batch import RunningBatch, prefill_distinct, prefill_groups
+from areal_lite.kit.server.cli import build_parser, parse_args
+from areal_lite.kit.server.protocol import GenerationState, SamplingParams, parse_generate_body
+from areal_lite.kit.server.sampling import RowSeeds, draw, sample_tokens
 from areal_lite.utils.jsonhttp import BadRequest
 
 PROMPTS = [[11, 12, 13, 14, 15], [200, 201], [3000, 17, 99, 512, 7, 8, 9, 10, 1000], [42]]
@@ -69,7 +69,7 @@ def server(embedded_server):
 def private_server(tiny_model_path):
     """A server of our own for tests that pause it or change its weights (the shared one stays untouched)."""
     from areal_lite.api.cli_args import EmbeddedServerConfig
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
     try:
@@ -300,7 +300,7 @@ def test_stop_strings_stop_ids_and_length(server, tiny):
     assert out["meta_info"]["completion_tokens"] >= 3 and ids[0] not in out["output_ids"][:3]
 
     # EOS: the ChatML end token is a stop id (a random model rarely samples it, so check the set itself)
-    from areal_lite.kit.serve.weights import eos_ids
+    from areal_lite.kit.server.weights import eos_ids
 
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos_ids(tiny[0], tok)
 
@@ -761,7 +761,7 @@ def test_sampling_does_not_depend_on_batch_neighbours(tiny_model_path, tiny):
     arrival order: each row draws from its own stream. A different server seed gives other samples."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.scheduler import Scheduler
+    from areal_lite.kit.server.scheduler import Scheduler
 
     tok = tiny[1]
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True)
@@ -792,7 +792,7 @@ def test_an_idle_server_prefills_a_burst_together(tiny_model_path, tiny):
     rest need a second prefill. Either way each row gets the same tokens (sampling is batch-invariant)."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.scheduler import Scheduler
+    from areal_lite.kit.server.scheduler import Scheduler
 
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
 
@@ -829,7 +829,7 @@ def test_counters_include_a_row_when_its_client_is_answered(tiny_model_path, tin
     and the end of the row (they were once updated after it, so a test's counter deltas were off by a step)."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.scheduler import Scheduler
+    from areal_lite.kit.server.scheduler import Scheduler
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     sched = Scheduler(model, tiny[1], model_path="tiny")
@@ -859,8 +859,8 @@ def test_the_scheduler_thread_builds_the_runner_and_start_raises_its_failure(tin
     team made each decode step 25% slower). A runner that cannot be built fails `start`, not a later request."""
     from transformers import AutoModelForCausalLM
 
-    import areal_lite.kit.serve.scheduler as scheduler_module
-    from areal_lite.kit.serve.scheduler import Scheduler
+    import areal_lite.kit.server.scheduler as scheduler_module
+    from areal_lite.kit.server.scheduler import Scheduler
 
     built_on = []
     real = scheduler_module.make_runner
@@ -891,7 +891,7 @@ def test_the_scheduler_thread_builds_the_runner_and_start_raises_its_failure(tin
 
 
 def _spec(ids, params):
-    from areal_lite.kit.serve.protocol import PromptSpec
+    from areal_lite.kit.server.protocol import PromptSpec
 
     return PromptSpec(f"r{random.random()}", list(ids), params, False)
 
@@ -901,8 +901,8 @@ def runner(request, tiny_model_path):
     """Each runner on its own copy of the tiny model (the fast one re-binds the model's weights as fused views)."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.batch import HFRunner
-    from areal_lite.kit.serve.fastpath import FastRunner, supports
+    from areal_lite.kit.server.batch import HFRunner
+    from areal_lite.kit.server.fastpath import FastRunner, supports
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     assert supports(model)  # the tiny Qwen2 (with q/k/v biases) takes the fast path in the server
@@ -995,7 +995,7 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_m
     arrival order of its requests (`sampling.py`); before it, logits moved by up to 1e-4 with the batch."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.fastpath import FastRunner, shared_start
+    from areal_lite.kit.server.fastpath import FastRunner, shared_start
 
     path = tiny_model_path if model_name == "tiny" else smollm_path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -1034,8 +1034,8 @@ def test_a_grpo_batch_gets_each_prompts_own_numbers_while_rows_leave(model_name,
     their places (`batch.fill_places`). Every row's logits, at every step, are bit for bit its prompt's alone."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.batch import fill_places
-    from areal_lite.kit.serve.fastpath import FastRunner
+    from areal_lite.kit.server.batch import fill_places
+    from areal_lite.kit.server.fastpath import FastRunner
 
     assert fill_places([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]  # place 1 and 4 were left: 5 and 6 fill them, in order
     assert fill_places([1, 2, 3]) == [3, 1, 2] and fill_places([0, 1]) == [0, 1] and fill_places([]) == []
@@ -1077,7 +1077,7 @@ def test_a_grpo_batch_gets_each_prompts_own_numbers_while_rows_leave(model_name,
 
 
 def test_shared_start_is_the_common_prefix_that_leaves_each_prompt_a_token():
-    from areal_lite.kit.serve.fastpath import MIN_SHARED_START, shared_start
+    from areal_lite.kit.server.fastpath import MIN_SHARED_START, shared_start
 
     start = list(range(100, 100 + MIN_SHARED_START + 4))
     assert shared_start([start + [1, 2], start + [1, 3], start + [4]]) == len(start)
@@ -1095,7 +1095,7 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, sm
     the model's own forward's up to rounding."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from areal_lite.kit.serve import fastpath
+    from areal_lite.kit.server import fastpath
 
     model = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(smollm_path)
@@ -1180,7 +1180,7 @@ def test_fast_path_norm_and_rotation_are_the_models_own_bit_for_bit(tiny_model_p
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-    from areal_lite.kit.serve.fastpath import _rms_norm, _rope
+    from areal_lite.kit.server.fastpath import _rms_norm, _rope
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=dtype).eval()
     norm = model.model.layers[0].input_layernorm
@@ -1206,7 +1206,7 @@ def test_fast_path_serves_bf16_weights_on_any_cpu(tiny_model_path):
     plain matmuls, so a bf16 server starts on any CPU and computes what the model computes."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.fastpath import FastRunner
+    from areal_lite.kit.server.fastpath import FastRunner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -1223,7 +1223,7 @@ def test_fast_path_weights_leave_the_checkpoint_file_and_follow_updates(tiny_mod
     reaches the matmul that `refresh()` packs."""
     from transformers import AutoModelForCausalLM
 
-    from areal_lite.kit.serve.fastpath import FastRunner
+    from areal_lite.kit.server.fastpath import FastRunner
     from areal_lite.utils.device import file_mappings, in_file_mapping
 
     def in_file(t: torch.Tensor) -> bool:

@@ -327,7 +327,7 @@ def test_generate_fields_are_sglangs():
     """The embedded server refuses a /generate field SGLang does not define: its list is GenerateReqInput's fields."""
     import ast
 
-    from areal_lite.kit.serve.protocol import SGLANG_GENERATE_FIELDS
+    from areal_lite.kit.server.protocol import SGLANG_GENERATE_FIELDS
 
     path = os.path.join(sglang_dir(), "srt", "managers", "io_struct.py")
     with open(path) as f:

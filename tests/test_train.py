@@ -39,7 +39,7 @@ from areal_lite.api.cli_args import (
     SaverConfig,
     load_expr_config,
 )
-from areal_lite.kit.train import TrainConfig, main, train
+from areal_lite.kit.trainer.train import TrainConfig, main, train
 from areal_lite.utils.hf_utils import chat_prompt_ids
 from areal_lite.workflow.grouped import GroupedWorkflow
 from areal_lite.workflow.token_range import TokenRangeWorkflow
@@ -139,7 +139,7 @@ def test_async_mode_respects_the_staleness_bound(tmp_path, tiny_model_path, toke
 
 
 def test_resume_continues_at_same_step_and_data_position(tmp_path, tiny_model_path, tokenizer):
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     # One server for the three runs (each gives it its own weights first): what is tested is the trainer's resume.
     with launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded") as server:
@@ -185,7 +185,7 @@ async def _greedy(addr, ids, n=12):
 def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer):
     import asyncio
 
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
 
     handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
     try:
@@ -223,7 +223,8 @@ def test_weight_sync_changes_server_outputs(tmp_path, tiny_model_path, tokenizer
 
 
 def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_path, capsys):
-    """`python -m areal_lite.kit.train --config configs/arith_grpo_demo.yaml ...` (in-process), then --resume."""
+    """`python -m areal_lite.kit.trainer.train --config configs/arith_grpo_demo.yaml ...` (in-process), then
+    --resume."""
     demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
     args = [
         "--config",
@@ -268,7 +269,7 @@ def test_demo_config_loads_strictly():
 def test_demo_prints_accuracy_by_minutes_of_training():
     """The demo's summary line: each evaluation with the training time before it, evaluations' own time left out
     (the one before training is not inside a step's clock; later ones are)."""
-    from areal_lite.kit.demo import accuracy_by_step
+    from areal_lite.kit.trainer.demo import accuracy_by_step
 
     stats = [
         {"step": 0, "time/step": 30.0, "time/eval": 5.0, "eval_accuracy_before": 0.44},  # the "before" eval's time

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_lite.api.io_struct import ModelResponse
-from areal_lite.kit.viewer import show_trajectory, trajectory_segments, trajectory_to_html, trajectory_to_text
+from areal_lite.kit.notebook.viewer import show_trajectory, trajectory_segments, trajectory_to_html, trajectory_to_text
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.trajectory import TrajectoryBuilder, TrajectoryError, check_trajectory, iter_rows
 

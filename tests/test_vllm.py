@@ -35,8 +35,8 @@ from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.engine.vllm_client import VLLMClient
 from areal_lite.engine.vllm_remote import RemotevLLMEngine
 from areal_lite.infra.remote_inf_engine import EngineError
-from areal_lite.kit.launch import _vllm_python, launch_server
-from areal_lite.kit.procs import ServerLaunchError, server_log_path
+from areal_lite.kit.server.launch import _vllm_python, launch_server
+from areal_lite.kit.server.procs import ServerLaunchError, server_log_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -26,8 +26,8 @@ from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.engine.vllm_client import RELOAD_METHOD, VLLMClient, completion_body, parse_completion
 from areal_lite.engine.vllm_remote import RemotevLLMEngine
 from areal_lite.infra.remote_inf_engine import EngineError
-from areal_lite.kit import launch
-from areal_lite.kit.procs import ServerLaunchError, find_free_port
+from areal_lite.kit.server import launch
+from areal_lite.kit.server.procs import ServerLaunchError, find_free_port
 
 PROMPT = [5, 6, 7]
 HELD = 3  # tokens a "hold-*" request generates before it waits to be aborted

@@ -24,7 +24,7 @@ from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineCo
 from areal_lite.api.io_struct import ModelRequest, ModelResponse
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
-from areal_lite.kit.viewer import trajectory_segments
+from areal_lite.kit.notebook.viewer import trajectory_segments
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.functional import discounted_returns
 from areal_lite.utils.hf_utils import chat_prompt_ids, chat_turn_fragments

@@ -23,7 +23,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import test_train  # noqa: E402  (the test's own config and workflow: the margin is the test's, not a copy's)
 
-from areal_lite.kit.train import train  # noqa: E402
+from areal_lite.kit.trainer.train import train  # noqa: E402
 from areal_lite.utils.model_store import build_tiny_model, load_tokenizer  # noqa: E402
 
 

@@ -6,7 +6,7 @@ Exit code 1 when a request was lost, a 5xx came back, a process outlived its par
 count below did not add up. Everything runs on 127.0.0.1, on free ports, started through the kit's public functions
 as the tests start them:
 
-1. Load and faults, against the embedded inference server (`python -m areal_lite.kit.serve` on the tiny random
+1. Load and faults, against the embedded inference server (`python -m areal_lite.kit.server` on the tiny random
    Qwen2, by `launch_server`), the RAG server (`launch_rag_server`, BM25 over four countries of the factbook) and the
    OpenAI-compatible chat endpoint (`ChatServer` in this process, in front of the inference server through
    `RemoteSGLangEngine`). Four bursts of concurrent requests, invalid bodies for all three servers in each (every
@@ -21,7 +21,7 @@ as the tests start them:
    After each burst the servers' own counters (the inference server's /server_info, the chat endpoint's `stats()`,
    the RAG server's `served`) must add up to what the clients were answered, and nothing may be left running,
    waiting or held.
-2. A crash: a real training run (`python -m areal_lite.kit.train`, the demo config shrunk to the tiny model) is
+2. A crash: a real training run (`python -m areal_lite.kit.trainer.train`, the demo config shrunk to the tiny model) is
    SIGKILLed, as the OOM killer would, once its reward pool, a checkpoint and a weight version in /dev/shm exist. Its
    descendants (recorded before the kill) still alive a few seconds later are orphans. The same command with
    `--resume` then runs to its end, after which its /dev/shm folder must hold 0 bytes (or be gone).
@@ -79,8 +79,8 @@ from areal_lite import GenerationHyperparameters, InferenceEngineConfig, RemoteS
 from areal_lite.api.cli_args import EmbeddedServerConfig  # noqa: E402
 from areal_lite.dataset.factbook import build_factbook_corpus  # noqa: E402
 from areal_lite.experimental.openai.proxy.server import ChatServer  # noqa: E402
-from areal_lite.kit.launch import launch_server  # noqa: E402
 from areal_lite.kit.rag import launch_rag_server  # noqa: E402
+from areal_lite.kit.server.launch import launch_server  # noqa: E402
 from areal_lite.utils.model_store import build_tiny_model, load_tokenizer  # noqa: E402
 
 # Where `default_weight_update_dir` puts a run's weight versions (the same rule: $USER, else the uid).
@@ -599,7 +599,7 @@ def train_cmd(model: str, fileroot: str, experiment: str, steps: int) -> List[st
     return [
         sys.executable,
         "-m",
-        "areal_lite.kit.train",
+        "areal_lite.kit.trainer.train",
         "--config",
         config,
         *(f"{k}={v}" for k, v in overrides.items()),

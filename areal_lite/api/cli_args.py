@@ -365,7 +365,7 @@ _SGLANG_KIT_FLAGS = frozenset(
 
 @dataclass
 class EmbeddedServerConfig:
-    """Arguments of `python -m areal_lite.kit.serve`, the small SGLang-compatible server for CPU (and CUDA without
+    """Arguments of `python -m areal_lite.kit.server`, the small SGLang-compatible server for CPU (and CUDA without
     SGLang).
 
     The server's options are defined here and nowhere else: the server builds its command-line parser from these
@@ -387,7 +387,7 @@ class EmbeddedServerConfig:
     log_level: str = _f("info", "server log level", choices=("debug", "info", "warning", "error"))
 
     def cli_args(self) -> List[str]:
-        """This config as `python -m areal_lite.kit.serve` flags: `--flag value` per field, booleans as `--flag` or
+        """This config as `python -m areal_lite.kit.server` flags: `--flag value` per field, booleans as `--flag` or
         `--no-flag`. A field that is None or "" is left out, so the server's default (the same field's) applies."""
         args: List[str] = []
         for f in dataclasses.fields(self):
@@ -406,7 +406,7 @@ class EmbeddedServerConfig:
 class vLLMConfig:
     """Arguments of vLLM's OpenAI-compatible server (`backend=vllm`), run from its own interpreter (`make vllm`
     builds `.venv-vllm`: vLLM pins its own transformers). AReaL 1.0.4's class name, fields and order; the kit-only
-    fields come last. `areal_lite.kit.launch` turns a config into the argv: the fields it always maps, and any of
+    fields come last. `areal_lite.kit.server.launch` turns a config into the argv: the fields it always maps, and any of
     `VLLM_FLAGS_WHEN_SET` set to a non-default value."""
 
     model: str = _f("", "model folder or alias; empty means the actor's path")
@@ -449,7 +449,7 @@ class vLLMConfig:
 
 
 # vLLM flags the launcher passes only when set to something other than the default (AReaL's fields the kit's
-# launch never needed); `areal_lite.kit.launch` reads this list.
+# launch never needed); `areal_lite.kit.server.launch` reads this list.
 VLLM_FLAGS_WHEN_SET = ("skip_tokenizer_init", "block_size", "cpu_offload_gb", "no_enable_chunked_prefill",
                        "enable_sleep_mode", "gdn_prefill_backend")  # fmt: skip
 
@@ -946,7 +946,7 @@ class GRPOConfig(PPOConfig):
 
 # Kit defaults that differ from AReaL 1.0.4's and change what is learned, with AReaL's value and why the kit keeps
 # its own (a one-machine run, no reference model by default). `load_expr_config` prints the ones a config leaves at
-# the kit default; `areal_lite.kit.areal_config` writes the kit's value explicitly into the AReaL YAML;
+# the kit default; `areal_lite.kit.areal.config` writes the kit's value explicitly into the AReaL YAML;
 # tests/test_areal_config.py checks this table against the installed AReaL, and that it is complete.
 AREAL_DEFAULT_DIFFERENCES: Dict[str, tuple] = {
     "actor.dtype": ("bfloat16", "CPUs train in float32: bf16 pays only on some CPUs with AVX-512 BF16 or AMX"),

@@ -70,6 +70,11 @@ class InferenceEngine(abc.ABC):  # noqa: B024 (as TrainEngine)
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[None]:
         raise NotImplementedError()
 
+    def update_weights(self, meta: WeightUpdateMeta, timeout: float | None = None) -> Future[int]:
+        """The kit's: load the next weight version whatever its route (disk or NCCL), as the seeds' loops call it.
+        AReaL 1.0.4 routes weights through `TrainEngine.connect_engine` instead; the kit's actor supports both."""
+        raise NotImplementedError()
+
     def set_version(self, version: int) -> None:
         raise NotImplementedError()
 

@@ -3,7 +3,8 @@
 `RemotevLLMEngine` uses it, and so does `RemoteSGLangEngine` when its servers turn out to be vLLM (`is_vllm`), so a
 notebook runs unchanged with `AREAL_LITE_OVERRIDES="backend=vllm"`. Retries, rid routing, interrupt and resume,
 versions and shutdown are `SGLangClient`'s; this class replaces only the calls that differ. The server is started
-by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1` and the kit's worker extension (`kit/vllm_ext`).
+by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1` and the kit's worker extension
+(`kit/server/vllm_ext`).
 
 | what | SGLang-compatible server | vLLM 0.32 |
 | --- | --- | --- |
@@ -31,7 +32,7 @@ from areal_lite.infra.remote_inf_engine import EngineError, SGLangClient, sampli
 
 __all__ = ["VLLMClient", "completion_body", "parse_completion", "is_vllm", "RELOAD_METHOD"]
 
-# The method of the kit's worker extension (areal_lite/kit/vllm_ext, passed by the launcher) that reloads weights.
+# The method of the kit's worker extension (kit/server/vllm_ext, passed by the launcher) that reloads weights.
 RELOAD_METHOD = "areal_lite_reload_weights"
 _RESET_TRIES, _RESET_PAUSE = 50, 0.1  # /reset_prefix_cache refused while blocks are held: retry for ~5 s
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import torch
 
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.infra.staleness_manager import StalenessManager
 from areal_lite.utils.trajectory import misshapen_keys
 
@@ -176,7 +177,7 @@ class _EpisodeRunner:
     the subclass's methods block the caller's thread; both sides meet only under `self._cond`.
     """
 
-    def __init__(self, staleness: StalenessManager, engine: Any):
+    def __init__(self, staleness: StalenessManager, engine: InferenceEngine):
         self.staleness = staleness
         self._engine = engine  # handed to every workflow's arun_episode: workflows generate through it
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -378,7 +379,7 @@ class WorkflowExecutor(_EpisodeRunner):
     """Runs episodes on the engine's loop under the StalenessManager's rule (see the module docstring); these are
     the methods the engine's `submit`/`wait`/`rollout_batch`/`prepare_batch` call, from the caller's thread."""
 
-    def __init__(self, staleness: StalenessManager, engine: Any):
+    def __init__(self, staleness: StalenessManager, engine: InferenceEngine):
         super().__init__(staleness, engine)
         self._feed = _DataFeed()  # used only by prepare_batch in the caller's thread, never on the loop: no lock
 

@@ -22,14 +22,16 @@ import bisect
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from areal_lite.api.cli_args import MicroBatchSpec, NormConfig
+if TYPE_CHECKING:  # annotations only: utils sits below api, whose configs these read by attribute
+    from areal_lite.api.cli_args import MicroBatchSpec, NormConfig
+
 
 __all__ = [
     "MicroBatchItem",

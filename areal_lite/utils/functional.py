@@ -23,13 +23,15 @@ Conventions the formulas leave open, and why
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from areal_lite.api.cli_args import NormConfig, RejectionSamplingConfig
 from areal_lite.utils.data import Normalization
+
+if TYPE_CHECKING:  # annotations only: utils sits below api, whose configs these read by attribute
+    from areal_lite.api.cli_args import NormConfig, RejectionSamplingConfig
 
 __all__ = [
     "discounted_returns",
@@ -298,6 +300,20 @@ def apply_rejection_sampling(
     return RejectionSamplingResult(new_mask, torch.where(keep, weight, torch.zeros_like(weight)), fraction)
 
 
+@dataclass(frozen=True)
+class _TokenRatioCap:
+    """What `behav_imp_weight_cap` means: `RejectionSamplingConfig(upper=cap)`'s rule (token level, ratio, mask above
+    `upper`), read by `apply_rejection_sampling` by attribute. Built here because utils sits below api's configs;
+    tests/test_areal_losses.py checks the two give the same result."""
+
+    upper: float
+    lower: Optional[float] = None
+    level: str = "token"
+    action: str = "mask"
+    metric: str = "ratio"
+    agg: str = "mean"
+
+
 def _clipped_surrogate(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
@@ -473,7 +489,7 @@ def ppo_token_loss(
     with torch.no_grad():
         if use_decoupled_loss:
             cap = float("inf") if behav_imp_weight_cap is None else behav_imp_weight_cap
-            rs = apply_rejection_sampling(prox_logp, behav_logp, m, None, RejectionSamplingConfig(upper=cap))
+            rs = apply_rejection_sampling(prox_logp, behav_logp, m, None, _TokenRatioCap(upper=cap))
             w, capped = rs.behave_imp_weight, m & ~rs.loss_mask
         else:
             w, capped = m.to(logp.dtype), torch.zeros_like(m)

@@ -5,7 +5,7 @@
   bind; each is free for TCP and UDP on every interface. Unlike AReaL's, every port stays bound until all are
   chosen, so a port cannot be checked twice, and the error says which range was searched.
 - `find_free_port(host)` is the kit's: one port the OS picks on `host`, for servers that bind it themselves
-  (SGLang, vLLM). The kit's own servers get a socket that already listens (`kit.procs.listening_socket`), so no
+  (SGLang, vLLM). The kit's own servers get a socket that already listens (`kit.server.procs.listening_socket`), so no
   port is ever free between being chosen and being served.
 """
 

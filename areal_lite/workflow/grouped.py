@@ -10,6 +10,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.workflow.rlvr import TensorDict
@@ -48,7 +49,7 @@ class GroupedWorkflow(RolloutWorkflow):
             self.workflow.gconfig = gconfig.new(n_samples=1)
             self.gconfig = gconfig.new(n_samples=self.group_size)
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> Optional[TensorDict]:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> Optional[TensorDict]:
         tasks = [asyncio.ensure_future(self.workflow.arun_episode(engine, data)) for _ in range(self.group_size)]
         try:
             results = await asyncio.gather(*tasks)

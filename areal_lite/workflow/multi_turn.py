@@ -6,7 +6,7 @@ token unless the output already ended with it, then a retry request cut from a t
 (`multi_turn_prompt_ids`). That glue is not the template's own end of turn (ChatML loses the newline after
 `<|im_end|>`); `ReflectionWorkflow` is the kit's template-exact variant of the same loop.
 
-Where the kit keeps its own rule (listed in `areal_lite.kit.areal_compat`):
+Where the kit keeps its own rule (listed in `areal_lite.kit.areal.compat`):
 - a reward that raises or hangs scores 0.0 (the kit's `AsyncRewardWrapper`), so the episode goes on to its next
   turn; AReaL re-raises the reward's exception on the last retry and the whole rollout fails;
 - the reward's `completions` text is decoded with special tokens skipped, as in every kit workflow;
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, List
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelRequest, ModelResponse
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.utils.hf_utils import apply_chat_template, chat_prompt_ids
@@ -97,7 +98,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         completion = self.tokenizer.decode(list(resp.output_tokens), skip_special_tokens=True)
         return float(await self.async_reward_fn(prompt, completion, resp.input_tokens, resp.output_tokens, **data))
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         builder = TrajectoryBuilder().add_prompt(chat_prompt_ids(self.tokenizer, default_data_extract_prompt_fn(data)))
         reward, discount = 0.0, 1.0
         while reward == 0.0 and builder.num_turns < self.max_turns:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelResponse
 from areal_lite.utils.functional import discounted_returns
 from areal_lite.utils.hf_utils import chat_turn_fragments
@@ -123,7 +124,7 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         """`r = ((success - 0.5) * 2 - bias) * scale` (success 1 -> +1, 0 -> -1 before bias/scale)."""
         return ((success - 0.5) * 2.0 - self.reward_bias) * self.reward_scaling
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         rid = uuid.uuid4().hex
         responses: List[ModelResponse] = []

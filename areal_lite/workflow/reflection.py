@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelResponse
 from areal_lite.utils.hf_utils import chat_turn_fragments
 from areal_lite.utils.trajectory import TrajectoryBuilder
@@ -66,7 +67,7 @@ class ReflectionWorkflow(RLVRWorkflow):
         # Tokenized once: the reflection turn's ids never depend on what the model wrote.
         self.fragments = chat_turn_fragments(tokenizer, reflection_prompt, **self._template_kwargs())
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         rid = uuid.uuid4().hex
         reward = 0.0

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelRequest, ModelResponse
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
@@ -134,7 +135,7 @@ class RLVRWorkflow(RolloutWorkflow):
             tokenizer=self.tokenizer,
         )
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         builder = TrajectoryBuilder().add_prompt(self.prompt_ids(data))
         resp: ModelResponse = await engine.agenerate(self.request(builder.context()))
         builder.add_output(resp)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, List, Optional
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelRequest
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.reward.search_qa import f1_score
@@ -114,7 +115,7 @@ class SearchAgentWorkflow(RolloutWorkflow):
         ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
         return token in ends
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         if "question" not in data:
             raise KeyError(f"SearchAgentWorkflow needs data['question']; it has keys {sorted(data)}")
         golds = _answer_of(data)

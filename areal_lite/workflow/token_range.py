@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import ModelRequest
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.utils.hf_utils import chat_prompt_ids
@@ -27,7 +28,7 @@ class TokenRangeWorkflow(RolloutWorkflow):
     def __init__(self, tokenizer, gconfig: GenerationHyperparameters, lo: int = 100, hi: int = 1124):
         self.tokenizer, self.gconfig, self.lo, self.hi = tokenizer, gconfig, int(lo), int(hi)
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": data["question"]}])
         req = ModelRequest(input_ids=ids, gconfig=_single(self.gconfig), tokenizer=self.tokenizer)
         resp = await engine.agenerate(req)

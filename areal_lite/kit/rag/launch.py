@@ -1,7 +1,7 @@
 """`launch_rag_server`: the RAG server as a child process of a notebook or a script.
 
-It runs through `kit.procs`, as the inference servers do: the log tail goes into errors, and the child exits with its
-parent, so a kernel restart leaves no orphan holding the port.
+It runs through `kit.server.procs`, as the inference servers do: the log tail goes into errors, and the child exits
+with its parent, so a kernel restart leaves no orphan holding the port.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_lite.kit.procs import ServerProcess, listening_socket, server_log_path, spawn
+from areal_lite.kit.server.procs import ServerProcess, listening_socket, server_log_path, spawn
 
 __all__ = ["RAGServerHandle", "launch_rag_server"]
 

@@ -20,8 +20,8 @@ import time
 
 from aiohttp import web
 
-from areal_lite.kit.procs import exit_with_parent
 from areal_lite.kit.rag.index import SearchIndex, build_index
+from areal_lite.kit.server.procs import exit_with_parent
 from areal_lite.utils.jsonhttp import BadRequest, describe, json_errors_middleware, read_json
 
 __all__ = [

@@ -1,7 +1,7 @@
 """OpenAI's chat-completions wire format, pure: request bodies in, response bodies and stream chunks out.
 
 Design decisions
-- Pure functions and dataclasses, no HTTP and no model (like `kit.serve.protocol`), so every rule is tested without a
+- Pure functions and dataclasses, no HTTP and no model (like `kit.server.protocol`), so every rule is tested without a
   server and the handler in `proxy.server` stays thin.
 - A bad body raises `ChatRequestError`, which carries OpenAI's error fields (`message`, `param`, `code`, HTTP
   status); messages say what was wrong and what to send instead.

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from areal_lite.api.cli_args import GenerationHyperparameters
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.experimental.openai.cache import EXPORT_STYLES, interactions_to_batch
 from areal_lite.experimental.openai.proxy.server import ChatServer, ChatSession
@@ -201,7 +202,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         for it, r in zip(items, discounted):
             it.reward = float(r)
 
-    async def arun_episode(self, engine, data: Mapping[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
         self.stats["episodes"] += 1
         server = self.server_for(engine)
         session = server.open_session(self.gconfig.new(n_samples=1))

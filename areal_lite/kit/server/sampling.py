@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from areal_lite.kit.serve.protocol import GenerationState
+from areal_lite.kit.server.protocol import GenerationState
 
 
 class RowSeeds:

@@ -177,7 +177,8 @@ def plot_rewards(
     """Mean rollout reward per step (points + smoothed line), and held-out evaluations as separate markers.
 
     The evaluation comes from `evals`, (updates done, value) pairs such as `[(0, before), (len(history), after)]`,
-    or else from the rows' `eval_accuracy` keys as `python -m areal_lite.kit.train` writes them (greedy accuracy).
+    or else from the rows' `eval_accuracy` keys as `python -m areal_lite.kit.trainer.train` writes them (greedy
+    accuracy).
     Held-out points are a few measurements, not a trend: they are drawn as markers with their value written next
     to them, never joined by a line, and `eval_n` (the number of held-out problems) goes into their label.
     `eval_axis`: a y-axis label for the evaluations puts them on their own axis on the right, for when they measure
@@ -282,8 +283,8 @@ def plot_sync_vs_async(
     without it, the step times alone).
 
     Each side is one run's stats or a list of runs (several runs are drawn as thin lines of one colour). The legend's
-    mean is over every run's steps after the first `skip` (warm-up): the number `kit.overlap.compare_runs` reports,
-    so a legend and a printed line never disagree.
+    mean is over every run's steps after the first `skip` (warm-up): the number `kit.notebook.overlap.compare_runs`
+    reports, so a legend and a printed line never disagree.
     """
     plt = _pyplot()
     if show_reward:

@@ -2,7 +2,7 @@
 weights from a folder, right for models whose output layer shares the input embedding (tied embeddings).
 
 Runs inside vLLM's worker process and imports only torch (vLLM calls it with its own objects); see
-`areal_lite/kit/vllm_ext/__init__.py` for how it gets there. The client calls it through vLLM's development endpoint
+`kit/server/vllm_ext/__init__.py` for how it gets there. The client calls it through vLLM's development endpoint
 `POST /collective_rpc {"method": "areal_lite_reload_weights", "args": [folder]}` and then resets the prefix cache.
 
 Design decisions

@@ -32,7 +32,7 @@ import torch
 
 from areal_lite.utils.weight_dirs import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # the file names the trainer writes
 
-log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 # peft's key of one LoRA matrix: base_model.model.<module>.lora_A.weight (older peft: .lora_A.default.weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 

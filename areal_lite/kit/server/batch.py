@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from areal_lite.kit.serve.protocol import GenerationState
+from areal_lite.kit.server.protocol import GenerationState
 
 
 def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The GRPO training loop as one script: `python -m areal_lite.kit.train --config FILE [key=value ...] [--resume]`.
+"""The GRPO loop as one script: `python -m areal_lite.kit.trainer.train --config FILE [key=value ...] [--resume]`.
 
 The notebooks spell out the same loop cell by cell; `train(config)` runs it in-process. One step (`grpo_step`):
 
@@ -15,8 +15,8 @@ Design decisions
 - Async (`async_training=true`): `prepare_batch` under eta = `rollout.max_head_offpolicyness`; the decoupled loss
   corrects for the lag.
 - Evaluation is greedy, through its own engine client (`evaluate`): it never counts against the staleness bound.
-- A run folder is never silently reused (`kit.rundir`); `--resume` continues from the newest checkpoint at the same
-  step and data position. LoRA (`actor.use_lora`): each sync writes the adapter alone (`_start_weights`).
+- A run folder is never silently reused (`kit.trainer.rundir`); `--resume` continues from the newest checkpoint at
+  the same step and data position. LoRA (`actor.use_lora`): each sync writes the adapter alone (`_start_weights`).
 - Statistics: one JSON line per step in `stats.jsonl` (`StatsLogger`), optionally TensorBoard and W&B.
 """
 
@@ -33,7 +33,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,11 +44,19 @@ from areal_lite.api.cli_args import (
     reconcile_lora,
     reconcile_temperature,
 )
+from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-from areal_lite.kit.rundir import RunDir, RunDirError, open_run_dir
+from areal_lite.api.workflow_api import RolloutWorkflow
+from areal_lite.kit.trainer.rundir import RunDir, RunDirError, open_run_dir
 from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.weight_dirs import NoRoomError, check_room, version_bytes
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
 
 __all__ = ["TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
 
@@ -101,7 +109,7 @@ def resolve_reward(name: str, dataset_type: str = "gsm8k") -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
-def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None):
+def build_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] = None):
     """The training workflow named by `config.workflow`, grouped by `gconfig.n_samples` (GRPO)."""
     from areal_lite.workflow.grouped import GroupedWorkflow
     from areal_lite.workflow.multi_turn_feedback import MultiTurnFeedbackWorkflow
@@ -112,33 +120,24 @@ def build_workflow(config: Any, tokenizer, reward_fn: Optional[Callable] = None)
     kind = getattr(config, "workflow", "rlvr")
     g = config.gconfig.new(n_samples=1)
     system = getattr(config, "system_prompt", None)
+    turns = {"turn_discount": getattr(config, "turn_discount", 1.0), "system_prompt": system}  # the multi-turn ones
     if kind == "rlvr":
         inner = RLVRWorkflow(reward_fn, g, tokenizer, system_prompt=system)
     elif kind == "reflection":
-        inner = ReflectionWorkflow(
-            reward_fn,
-            g,
-            tokenizer,
-            max_turns=config.max_turns,
-            turn_discount=config.turn_discount,
-            system_prompt=system,
-        )
+        inner = ReflectionWorkflow(reward_fn, g, tokenizer, max_turns=config.max_turns, **turns)
     elif kind == "multiturn":
-        inner = MultiTurnFeedbackWorkflow(
-            reward_fn,
-            g,
-            tokenizer,
-            num_turns=config.max_turns,
-            turn_discount=config.turn_discount,
-            system_prompt=system,
-        )
+        inner = MultiTurnFeedbackWorkflow(reward_fn, g, tokenizer, num_turns=config.max_turns, **turns)
     else:
         raise ValueError(f"workflow must be one of {WORKFLOWS}, got {kind!r}")
     return GroupedWorkflow(inner, group_size=config.gconfig.n_samples)
 
 
 def evaluate(
-    addrs: Sequence[str], rows: Sequence[dict], workflow: Any, rollout: InferenceEngineConfig, version: int = 0
+    addrs: Sequence[str],
+    rows: Sequence[dict],
+    workflow: RolloutWorkflow,
+    rollout: InferenceEngineConfig,
+    version: int = 0,
 ) -> Dict[str, float]:
     """Accuracy (mean reward) and mean response length of `workflow` (e.g. a greedy RLVRWorkflow) on `rows`.
 
@@ -192,12 +191,12 @@ class StatsLogger:
     """stats.jsonl (always), TensorBoard and wandb when configured and installed. A resumed run cuts stats.jsonl
     back to the steps before the checkpoint it continues from; a fresh run starts a fresh file."""
 
-    def __init__(self, config: Any, run_dir: str, resume_step: int):
+    def __init__(self, config: GRPOConfig, run_dir: str, resume_step: int):
         self.path = os.path.join(run_dir, "stats.jsonl")
         os.makedirs(run_dir, exist_ok=True)
         kept: List[dict] = []
         if resume_step > 0 and os.path.exists(self.path):
-            from areal_lite.kit.plot import load_stats
+            from areal_lite.kit.notebook.plot import load_stats
 
             kept = [r for r in load_stats(self.path) if r.get("step", -1) < resume_step]
         elif os.path.exists(self.path):
@@ -267,7 +266,7 @@ def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int
     return final
 
 
-def _sync_weights(actor, engine, meta: WeightUpdateMeta, version: int) -> None:
+def _sync_weights(actor: FSDPPPOActor, engine: InferenceEngine, meta: WeightUpdateMeta, version: int) -> None:
     """Write version `version` and make the servers load it; both sides end at `version`.
 
     The versions are bumped *before* `resume()`, so every rollout started afterwards is tagged with the new one."""
@@ -282,7 +281,7 @@ def _sync_weights(actor, engine, meta: WeightUpdateMeta, version: int) -> None:
         engine.resume()
 
 
-def _threads(config: Any) -> None:
+def _threads(config: GRPOConfig) -> None:
     """On a small CPU machine the trainer and each server take one thread each (unless configured)."""
     cpus = os.cpu_count() or 1
     if config.actor.threads == 0 and config.profile == "cpu" and cpus <= 4:
@@ -299,14 +298,14 @@ def _threads(config: Any) -> None:
 class _RunData:
     """What a run reads before it starts: tokenizer, the training loader, held-out rows and the step budget."""
 
-    tokenizer: Any
-    dataloader: Any
+    tokenizer: PreTrainedTokenizerBase
+    dataloader: StatefulDataLoader
     valid_rows: List[dict]
     ft_spec: FinetuneSpec
     total: int
 
 
-def _load_run_data(config: Any) -> _RunData:
+def _load_run_data(config: GRPOConfig) -> _RunData:
     from areal_lite.dataset.loader import load_dataset_from_config
     from areal_lite.utils.dataloader import make_dataloader
     from areal_lite.utils.model_store import load_tokenizer
@@ -328,7 +327,14 @@ def _load_run_data(config: Any) -> _RunData:
     return _RunData(tokenizer, dataloader, valid_rows, ft_spec, total)
 
 
-def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloader, meta) -> int:
+def _start_weights(
+    ckpt: Optional[str],
+    launched: bool,
+    actor: FSDPPPOActor,
+    engine: InferenceEngine,
+    dataloader: StatefulDataLoader,
+    meta: WeightUpdateMeta,
+) -> int:
     """Restore checkpoint `ckpt` (when continuing a run) or adopt running servers; returns the first step to run.
 
     With LoRA the servers load each version's adapter as `<gconfig.lora_name>-v<k>`. A fresh run syncs version 0
@@ -357,7 +363,7 @@ def _start_weights(ckpt: Optional[str], launched: bool, actor, engine, dataloade
     return 0
 
 
-def _load_base_model(actor, engine) -> None:
+def _load_base_model(actor: FSDPPPOActor, engine: InferenceEngine) -> None:
     """Servers we did not start get the base model before any adapter. Why: a server merges an adapter into
     whatever it holds, and a server an earlier run trained holds that run's weights; a LoRA run never writes full
     weights itself, so without this it would sample from, and report behaviour log-probs of, another model."""
@@ -371,7 +377,16 @@ def _load_base_model(actor, engine) -> None:
         engine.resume()
 
 
-def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dataloader, data_iter, workflow):
+def grpo_step(
+    config: GRPOConfig,
+    step: int,
+    engine: InferenceEngine,
+    actor: FSDPPPOActor,
+    meta: WeightUpdateMeta,
+    dataloader: StatefulDataLoader,
+    data_iter,
+    workflow: RolloutWorkflow,
+):
     """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync; each phase timed.
 
     The loop notebook 07_async_vs_sync times, shown there as it is: the same five phases as the training notebooks,
@@ -414,9 +429,9 @@ def grpo_step(config: Any, step: int, engine, actor, meta: WeightUpdateMeta, dat
 
 
 def train(
-    config: Any,
+    config: GRPOConfig,
     resume: bool = False,
-    workflow: Any = None,
+    workflow: Optional[RolloutWorkflow] = None,
     reward_fn: Optional[Callable] = None,
     server_addrs: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None,
@@ -435,7 +450,7 @@ def train(
     """
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
-    from areal_lite.kit.launch import launch_server
+    from areal_lite.kit.server.launch import launch_server
     from areal_lite.workflow.rlvr import RLVRWorkflow
 
     random.seed(config.seed)
@@ -483,7 +498,7 @@ def train(
         run.close()
 
 
-def _open_run(config: Any, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
+def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
     """The run folder, continued or fresh (`rundir`), and where the weight versions go, with room checked for them."""
     run = open_run_dir(config, resume=resume, existing=existing)
     try:
@@ -505,7 +520,7 @@ def _open_run(config: Any, resume: bool, existing: str) -> Tuple[RunDir, WeightU
     return run, meta
 
 
-def _check_weight_room(config: Any, folder: str, keep_last: int) -> None:
+def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
     """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak:
     `keep_last` plus the one being written, each the model's parameter count times the actor's dtype size."""
     from areal_lite.utils.model_store import resolve_model_path
@@ -521,13 +536,13 @@ def _check_weight_room(config: Any, folder: str, keep_last: int) -> None:
 class _Loop:
     """The steps of one run, from `start` to the budget: step, checkpoint, evaluate, log."""
 
-    config: Any
+    config: GRPOConfig
     run: RunDir
-    engine: Any
-    actor: Any
+    engine: InferenceEngine
+    actor: FSDPPPOActor
     meta: WeightUpdateMeta
     data: _RunData
-    workflow: Any
+    workflow: RolloutWorkflow
     logger: StatsLogger
 
     def save(self, step: int) -> None:
@@ -565,7 +580,9 @@ class _Loop:
             self.save(total)
 
 
-def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, step: int, progress: bool):
+def _held_out_eval(
+    config: GRPOConfig, addrs: List[str], rows: List[dict], workflow: RolloutWorkflow, step: int, progress: bool
+):
     """Greedy accuracy on the held-out rows (nothing when there are none), with its wall time."""
     if not rows:
         return {}
@@ -577,8 +594,8 @@ def _held_out_eval(config: Any, addrs: List[str], rows: List[dict], workflow, st
     return out
 
 
-def _save_curve(config: Any, history: List[Dict[str, Any]], run_dir: str) -> None:
-    from areal_lite.kit.plot import plot_rewards, save_png
+def _save_curve(config: GRPOConfig, history: List[Dict[str, Any]], run_dir: str) -> None:
+    from areal_lite.kit.notebook.plot import plot_rewards, save_png
 
     if history:
         title = f"{config.experiment_name} reward"

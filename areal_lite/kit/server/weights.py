@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from areal_lite.kit.serve.protocol import WeightUpdate
+from areal_lite.kit.server.protocol import WeightUpdate
 
-log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 
 def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]:

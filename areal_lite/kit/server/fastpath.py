@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from areal_lite.kit.serve.batch import HFRunner
+from areal_lite.kit.server.batch import HFRunner
 from areal_lite.utils.device import own_file_backed
 from areal_lite.utils.prefix import common_start
 

@@ -1,6 +1,6 @@
 """From a kit YAML to an AReaL 1.0.4 config: one documented step, with the kit-only keys kept apart.
 
-    python -m areal_lite.kit.areal_config configs/search_agent.yaml --profile gpu -o search_agent_areal.yaml
+    python -m areal_lite.kit.areal.config configs/search_agent.yaml --profile gpu -o search_agent_areal.yaml
 
 Design decisions
 - The kit YAML is first resolved by the kit's own loader (profile, overrides, derived values), so the AReaL config
@@ -100,7 +100,7 @@ def to_areal_config(path: str, profile: str = "cpu", config_cls: Any = None) -> 
     from areal_lite.utils.model_store import resolve_model_path
 
     if config_cls is None:
-        from areal_lite.kit.train import TrainConfig as config_cls
+        from areal_lite.kit.trainer.train import TrainConfig as config_cls
     config, _ = load_expr_config(["--config", path, f"profile={profile}"], config_cls, verbose=False)
     values = dataclasses.asdict(config)
     kit_only: Dict[str, Any] = {}
@@ -140,7 +140,10 @@ def _model_path(name: str, resolve) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(description="Write the AReaL 1.0.4 config of a kit YAML (kit-only keys listed).")
+    ap = argparse.ArgumentParser(
+        prog="python -m areal_lite.kit.areal.config",
+        description="Write the AReaL 1.0.4 config of a kit YAML (kit-only keys listed).",
+    )
     ap.add_argument("config", help="a kit YAML, e.g. configs/gsm8k_grpo.yaml")
     ap.add_argument("--profile", default="gpu", help="which profile to resolve (default: gpu, what AReaL runs on)")
     ap.add_argument("-o", "--output", required=True, help="the AReaL YAML to write")

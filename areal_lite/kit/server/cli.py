@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from areal_lite.api.cli_args import EmbeddedServerConfig
 
-log = logging.getLogger("areal_lite.kit.serve")  # one logger for the server
+log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 DESCRIPTION = "A small SGLang-compatible generation server: continuous batching with a KV cache, on CPU or one GPU."
 # Fields the server cannot run without; the config leaves them empty for the launcher to fill in.
@@ -62,7 +62,7 @@ def _add_config_option(parser: argparse.ArgumentParser, f: dataclasses.Field, tp
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m areal_lite.kit.serve",
+        prog="python -m areal_lite.kit.server",
         description=DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -99,7 +99,7 @@ async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) ->
     """(model, tokenizer, path) loaded on a daemon thread, or None if `stop` is set first. Raises a load error.
     Returns once that thread has ended, and with it the OpenMP team its loading made: the scheduler's must be the
     only one (scheduler.py, "One thread computes")."""
-    from areal_lite.kit.serve.weights import load_model
+    from areal_lite.kit.server.weights import load_model
 
     loop = asyncio.get_running_loop()
     load: asyncio.Future = loop.create_future()
@@ -135,8 +135,8 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from areal_lite.kit.serve.app import ServerState, build_app
-    from areal_lite.kit.serve.scheduler import Scheduler
+    from areal_lite.kit.server.app import ServerState, build_app
+    from areal_lite.kit.server.scheduler import Scheduler
 
     state = ServerState(args)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests (no wasted decode).
@@ -188,7 +188,7 @@ async def _serve(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.exit_with_parent:
-        from areal_lite.kit.procs import exit_with_parent
+        from areal_lite.kit.server.procs import exit_with_parent
 
         exit_with_parent(args.exit_with_parent, log=log)  # from the start: loading a model takes a while
     logging.basicConfig(
