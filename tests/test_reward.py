@@ -357,6 +357,23 @@ def test_wrapper_pool_start_is_not_charged_to_the_call(monkeypatch):
     assert longest_gap < 1.0  # the loop kept running while the pool started
 
 
+def test_start_workers_runs_the_pool_before_the_first_call(wrapper):
+    """`start_workers()` returns at once and starts the workers on a thread (kit.trainer.train starts them while the
+    server loads); the first call then uses that pool, and a wrapper shut down first starts nothing."""
+    thread = wrapper.start_workers()
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    pool = wrapper._pool
+    assert pool is not None and len(pool._processes) == wrapper.max_workers
+    assert all(psutil.pid_exists(pid) for pid in pool._processes)
+    assert asyncio.run(wrapper(2)) == 2.0
+    assert wrapper._pool is pool and wrapper.stats["pool_restarts"] == 0
+    closed = AsyncRewardWrapper(slow_reward)
+    closed.shutdown()
+    closed.start_workers().join(timeout=60)
+    assert closed._pool is None
+
+
 def test_wrapper_timeout_does_not_fail_concurrent_calls(wrapper):
     async def go():
         await wrapper.warmup()

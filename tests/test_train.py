@@ -19,6 +19,7 @@ The learning test must pass every time, so it rests on two measurements, not on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -278,3 +279,14 @@ def test_demo_prints_accuracy_by_minutes_of_training():
         {"step": 3, "time/step": 36.0, "time/eval": 6.0, "eval_accuracy": 0.96},
     ]
     assert accuracy_by_step(stats) == "0: 0.44 (0.0), 2: 0.80 (1.0), 4: 0.96 (2.0)"
+
+
+def test_cli_help_names_the_usage_and_every_field(capsys):
+    from areal_lite.kit.trainer.train import TrainConfig, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m areal_lite.kit.trainer.train --config FILE")
+    for field in ("total_train_steps", "actor.optimizer.lr", "gconfig.n_samples", "workflow", "turn_discount"):
+        assert f"\n{field} (" in out, field
+    assert len(out.splitlines()) > len(dataclasses.fields(TrainConfig))

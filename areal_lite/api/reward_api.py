@@ -352,6 +352,20 @@ class AsyncRewardWrapper:
             logger.warning("reward %s returned %r (%s), not a number; scoring 0.0", name, result, e)
             return 0.0
 
+    def start_workers(self) -> threading.Thread:
+        """Start the worker processes on a thread and return at once (kit extra; join the thread to wait).
+
+        Starting them takes seconds on a 2-core machine; started while a server loads its model, they are running by
+        the first call, which would otherwise pay for them inside its rollout (the first held-out evaluation)."""
+
+        def start() -> None:
+            with contextlib.suppress(RuntimeError):  # shut down before it started: nothing to do
+                self._get_pool()
+
+        thread = threading.Thread(target=start, name="reward-workers", daemon=True)
+        thread.start()
+        return thread
+
     async def warmup(self) -> None:
         """Start all workers now, so the first real calls don't pay process start-up inside their timeout."""
         loop = asyncio.get_running_loop()

@@ -40,12 +40,14 @@ import torch
 from areal_lite.api.cli_args import (
     GRPOConfig,
     InferenceEngineConfig,
+    describe,
     load_expr_config,
     reconcile_lora,
     reconcile_temperature,
 )
 from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.kit.trainer.rundir import RunDir, RunDirError, open_run_dir
 from areal_lite.utils.atomic import atomic_dir
@@ -61,6 +63,10 @@ if TYPE_CHECKING:
 __all__ = ["TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
 
 WORKFLOWS = ("rlvr", "reflection", "multiturn")
+USAGE = """usage: python -m areal_lite.kit.trainer.train --config FILE [key=value ...] [--resume]
+
+GRPO as configured in FILE (e.g. configs/arith_grpo_demo.yaml); key=value overrides any field, profile=cpu|gpu|auto
+picks the hardware profile. --resume continues the run from its newest checkpoint. The fields:"""
 
 
 @dataclass
@@ -459,15 +465,21 @@ def train(
     reconcile_temperature(config.actor, config.gconfig)  # a config built in Python skipped the loader
     reconcile_lora(config)
     run, meta = _open_run(config, resume, existing)
-    handle = engine = actor = logger = None
+    handle = engine = actor = logger = owned_rewards = None
     try:
         data = _load_run_data(config)
         reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
-        workflow = workflow or build_workflow(config, data.tokenizer, reward_fn)
-        # One evaluation workflow for the whole run: its reward worker pool starts once.
+        # One reward worker pool for the run, shared by training and evaluation, started now so that its start-up
+        # overlaps the server's model load: otherwise the first held-out evaluation pays for it.
+        if isinstance(reward_fn, AsyncRewardWrapper):
+            rewards = reward_fn
+        else:
+            rewards = owned_rewards = AsyncRewardWrapper(reward_fn)
+        rewards.start_workers()
+        workflow = workflow or build_workflow(config, data.tokenizer, rewards)
         system_prompt = getattr(config, "system_prompt", None)
         eval_workflow = RLVRWorkflow(
-            reward_fn, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
+            rewards, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
         )
         if server_addrs is None:
             handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run.path, "logs"))
@@ -493,6 +505,8 @@ def train(
             engine.destroy()
         if actor is not None:
             actor.destroy()
+        if owned_rewards is not None:
+            owned_rewards.shutdown()
         if handle is not None:
             handle.stop()
         run.close()
@@ -604,6 +618,10 @@ def _save_curve(config: GRPOConfig, history: List[Dict[str, Any]], run_dir: str)
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(argv):
+        print(USAGE)
+        print(describe(TrainConfig))  # every field with its one-line help
+        return 0
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
     config, path = load_expr_config(argv, TrainConfig)
