@@ -250,8 +250,8 @@ def test_scores_the_same_from_threads():
 
 
 def test_check_threads_end_with_their_callers():
-    def checkers() -> int:
-        return sum(t.name == "math-verify" for t in threading.enumerate())
+    def checkers() -> set:
+        return {t for t in threading.enumerate() if t.name == "math-verify"}
 
     before = checkers()
     for _ in range(20):
@@ -259,10 +259,9 @@ def test_check_threads_end_with_their_callers():
         caller.start()
         caller.join()
     gc.collect()
-    deadline = time.monotonic() + 5
-    while checkers() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert checkers() <= before
+    for checker in checkers() - before:  # each must end once its caller has: wait for that, up to 5 s
+        checker.join(timeout=5)
+    assert len(checkers()) <= len(before)
 
 
 def _score_in_child(queue) -> None:

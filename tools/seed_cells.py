@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED_FILES = {"000": "000_*.txt", "002": "002_*.txt"}
 
@@ -235,9 +237,8 @@ def apply_edits(seed: str, cells: list[str], fix_defects: bool) -> tuple[list[st
     return cells, applied
 
 
-def run_cells(cells: list[str], timeout: int) -> list[dict]:
+def run_cells(cells: list[str], timeout: int) -> tuple[list[dict], nbformat.NotebookNode]:
     """Execute the cells in one fresh kernel (cwd: the repository), each cell's outcome and wall time."""
-    import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
@@ -276,8 +277,6 @@ def main(argv: list[str] | None = None) -> int:
             r["expected"] = bool(r["error"] and want and want in r["error"]) if want else r["ok"]
         report[seed] = results
         if args.save:
-            import nbformat
-
             Path(args.save).mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, str(Path(args.save) / f"seed_{seed}.ipynb"))
         print_seed(seed, path.name, results)

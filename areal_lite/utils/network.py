@@ -17,23 +17,28 @@ import socket
 __all__ = ["find_free_port", "find_free_ports", "is_port_free"]
 
 
-def _bind(port: int, kind: int, host: str = "") -> socket.socket | None:
-    sock = socket.socket(socket.AF_INET, kind)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        return None
-    return sock
+def _hold(port: int) -> list[socket.socket] | None:
+    """TCP and UDP sockets bound to `port` on every interface, or None (nothing left open) when either bind fails."""
+    socks = []
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        sock = socket.socket(socket.AF_INET, kind)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            sock.close()
+            for s in socks:
+                s.close()
+            return None
+        socks.append(sock)
+    return socks
 
 
 def is_port_free(port: int) -> bool:
     """True when `port` can be bound for TCP and for UDP on every interface (AReaL's check)."""
-    socks = [_bind(port, socket.SOCK_STREAM), _bind(port, socket.SOCK_DGRAM)]
-    for sock in socks:
-        if sock is not None:
-            sock.close()
-    return all(sock is not None for sock in socks)
+    socks = _hold(port)
+    for sock in socks or ():
+        sock.close()
+    return socks is not None
 
 
 def find_free_ports(count: int, port_range: tuple = (10000, 32767), exclude_ports: set[int] | None = None) -> list[int]:
@@ -57,13 +62,9 @@ def find_free_ports(count: int, port_range: tuple = (10000, 32767), exclude_port
             if port in tried or port in exclude:
                 continue
             tried.add(port)
-            socks = [_bind(port, socket.SOCK_STREAM), _bind(port, socket.SOCK_DGRAM)]
-            if all(s is not None for s in socks):
+            socks = _hold(port)
+            if socks is not None:
                 held[port] = socks  # kept bound: the next draw cannot land on it
-            else:
-                for s in socks:
-                    if s is not None:
-                        s.close()
     finally:
         for socks in held.values():
             for s in socks:
