@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl areal-run areal-judge seed-cells lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -46,6 +46,7 @@ help:
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~30+ min; runs make trl first)"
+	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -102,7 +103,7 @@ TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
 test: lint
 	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.notebook.prepare; status=$$?; wait $$areal && exit $$status
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run" \
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run and not trl" \
 		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
 
@@ -111,7 +112,7 @@ test-zh: $(DEVSTAMP)
 		notebooks/zh --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg
 
 test-fast: $(DEVSTAMP)
-	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm and not areal_run"
+	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm and not areal_run and not trl"
 
 # A flaky test blocks every landing: to check a fix, run it many times, under the same load as `make test` (two workers
 # running repetitions side by side). Stops at the first failure. Not part of `make test`.
@@ -119,7 +120,7 @@ REPEAT ?= 3
 TESTS  ?= tests
 test-repeat: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
-	$(TEST_ENV) $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm and not areal_run" --count $(REPEAT) -x -q \
+	$(TEST_ENV) $(BIN)/python -m pytest $(TESTS) -m "not gpu and not vllm and not areal_run and not trl" --count $(REPEAT) -x -q \
 		-n $(TEST_WORKERS) --dist load -p no:cacheprovider
 
 # Opt-in, not part of `make test` (~2.5 min on 2 cores): (a) the property-based tests of tests/test_bad_requests.py with
@@ -173,7 +174,8 @@ vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
 	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks notebooks/en/[01]*.ipynb
 
-# TRL is opt-in too: its own venv (it brings its own transformers, accelerate, datasets), used by bench/vs_trl.py only.
+# TRL is opt-in too: its own venv (it brings its own transformers, accelerate, datasets), used by bench/vs_trl.py and
+# tests/test_trl_environment.py only.
 TRL_VENV ?= .venv-trl
 
 $(TRL_VENV)/.installed:
@@ -187,6 +189,11 @@ BENCH_TRL_ARGS ?= --repeats 3 --steps 16
 bench-trl: $(TRL_VENV)/.installed $(STAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	PYTHONPATH=. $(BIN)/python bench/vs_trl.py $(BENCH_TRL_ARGS) --trl-python $(TRL_VENV)/bin/python
+
+# Notebook 11's Warehouse class, unchanged, for two steps of TRL's GRPOTrainer(environment_factory=...) (~1 min).
+test-trl-env: $(TRL_VENV)/.installed $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
+	$(BIN)/python -m pytest tests/test_trl_environment.py -m trl -v -p no:cacheprovider
 
 # AReaL's own trainer on notebook 08's export, on this CPU (~5 min on 2 cores): 2 steps, then a run that resumes from
 # AReaL's checkpoint and trains step 3. Executes notebook 08 first when runs/areal_export has no export yet.

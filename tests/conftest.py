@@ -24,6 +24,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; run by `make test-gpu`")
     config.addinivalue_line("markers", "areal_run: trains under AReaL's own trainer (~5 min); run by `make areal-run`")
     config.addinivalue_line("markers", "vllm: starts a real vLLM server (needs `make vllm`); run by `make test-vllm`")
+    config.addinivalue_line("markers", "trl: runs TRL's GRPOTrainer (needs `make trl`); run by `make test-trl-env`")
 
 
 # Test files that take 30 s or more of one worker (measured with --durations on 2 cores), longest first. The order

@@ -43,6 +43,40 @@ def f1_counting(common: str) -> str:
     """
 
 
+# 11's three Warehouse methods (`reset` is given above the region): a wrong or right version changes some bodies.
+WAREHOUSE = {
+    "count": (
+        "def count(self, fruit: str) -> str:",
+        """
+        if fruit not in self.stock:
+            raise ValueError(f"there are no {fruit} here; the warehouse has {', '.join(sorted(self.stock))}")
+        return str(self.stock[fruit])
+        """,
+    ),
+    "report": (
+        "def report(self, number: int) -> str:",
+        """
+        self.reported = number
+        self.done = True
+        return "reported"
+        """,
+    ),
+    "get_reward": (
+        "def get_reward(self) -> float:",
+        "return 1.0 if self.reported == self.stock[self.asked] else 0.0",
+    ),
+}
+
+
+def warehouse(**bodies: str) -> str:
+    """A solution region for 11: the three methods, each the solution's unless `bodies` gives it another body."""
+    assert set(bodies) <= set(WAREHOUSE), f"no such method: {set(bodies) - set(WAREHOUSE)}"
+    return "\n\n".join(
+        header + "\n" + textwrap.indent(textwrap.dedent(bodies.get(name, body)).strip("\n"), " " * 4)
+        for name, (header, body) in WAREHOUSE.items()
+    )
+
+
 # Wrong bodies for the solution regions, by notebook: mistakes the check must catch.
 WRONG = {
     "02_rewards_and_tools": {
@@ -123,6 +157,56 @@ WRONG = {
         "ignores staleness": "return max_concurrent - running",
         "leaves running out of the staleness term": (
             "return min(max_concurrent - running, (eta + version + 1) * batch_size - accepted)"
+        ),
+    },
+    "11_environment": {
+        "count says 0 for a fruit that is not there": warehouse(count="return str(self.stock.get(fruit, 0))"),
+        "count raises KeyError, not ValueError": warehouse(count="return str(self.stock[fruit])"),
+        "rewards the amount of the first fruit in stock": warehouse(
+            get_reward="return 1.0 if self.reported == next(iter(self.stock.values())) else 0.0"
+        ),
+        "rewards the largest amount": warehouse(
+            get_reward="return 1.0 if self.reported == max(self.stock.values()) else 0.0"
+        ),
+        "rewards the amount counted last, not the one asked about": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"there are no {fruit} here")
+                self.counted = self.stock[fruit]
+                return str(self.counted)
+            """,
+            get_reward="return 1.0 if self.reported == getattr(self, 'counted', None) else 0.0",
+        ),
+        "report does not end the episode": warehouse(
+            report="""
+                self.reported = number
+                return "reported"
+            """
+        ),
+        "any report pays": warehouse(get_reward="return 1.0 if self.reported is not None else 0.0"),
+        "records the number as text": warehouse(
+            report="""
+                self.reported = str(number)
+                self.done = True
+                return "reported"
+            """
+        ),
+        "the answers in a class attribute, which reset does not clear": "answers = []\n\n"
+        + warehouse(
+            report="""
+                self.answers.append(number)
+                self.done = True
+                return "reported"
+            """,
+            get_reward="return 1.0 if self.stock[self.asked] in self.answers else 0.0",
+        ),
+        "the answers in an attribute that reset does not clear": warehouse(
+            report="""
+                self.answers = getattr(self, "answers", []) + [number]
+                self.done = True
+                return "reported"
+            """,
+            get_reward="return 1.0 if self.stock[self.asked] in getattr(self, 'answers', []) else 0.0",
         ),
     },
 }
@@ -215,6 +299,51 @@ RIGHT = {
             headroom = (eta + version + 1) * batch_size - (accepted + running)
             return free if free < headroom else headroom
         """,
+    },
+    "11_environment": {
+        "count returns an int": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"no {fruit}: there are {sorted(self.stock)}")
+                return self.stock[fruit]
+            """
+        ),
+        "count with stock.get": warehouse(
+            count="""
+                amount = self.stock.get(fruit)
+                if amount is None:
+                    raise ValueError(f"no {fruit} here")
+                return str(amount)
+            """
+        ),
+        "count turns the KeyError into a ValueError": warehouse(
+            count="""
+                try:
+                    return f"{self.stock[fruit]}"
+                except KeyError:
+                    raise ValueError(f"no {fruit}; try one of {list(self.stock)}") from None
+            """
+        ),
+        "get_reward with if / else": warehouse(
+            get_reward="""
+                if self.reported is not None and self.reported == self.stock[self.asked]:
+                    return 1.0
+                else:
+                    return 0.0
+            """
+        ),
+        "get_reward as float of the comparison": warehouse(
+            get_reward="return float(self.reported == self.stock[self.asked])"
+        ),
+        "report also keeps every report, in a list made on first use": warehouse(
+            report="""
+                if not hasattr(self, "reports"):
+                    self.reports = []
+                self.reports.append(number)
+                self.reported, self.done = number, True
+                return "reported"
+            """
+        ),
     },
 }
 

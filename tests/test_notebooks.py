@@ -35,6 +35,7 @@ EXPECTED = [
     "08_to_areal",
     "09_openai_agent",
     "10_lora",
+    "11_environment",
 ]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
@@ -141,11 +141,15 @@ class ChatTurnFragments:
         return f"ChatTurnFragments(end_of_turn={self.end_of_turn_text!r}, user_turn={self.user_turn_text!r})"
 
 
-def chat_turn_fragments(tokenizer, user_content: str, **template_kwargs) -> ChatTurnFragments:
+def chat_turn_fragments(
+    tokenizer, user_content: Union[str, Sequence[Mapping[str, Any]]], **template_kwargs
+) -> ChatTurnFragments:
     """Pre-tokenize, from the tokenizer's chat template, what follows an assistant message when a user replies.
 
     Rendered as text: T1 = template([user, assistant S]); T2 = template([user, assistant S, user R], generation
-    prompt). The end-of-turn text is what T1 has after S; the user turn is T2 minus its prefix T1.
+    prompt). The end-of-turn text is what T1 has after S; the user turn is T2 minus its prefix T1. `user_content`
+    may also be the messages that follow instead of one user message (e.g. `role="tool"` results, which a template
+    that renders tools wraps in its own way).
     """
     base = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": _SENTINEL}]
     t1 = _render(tokenizer, base, False, **template_kwargs)
@@ -153,7 +157,8 @@ def chat_turn_fragments(tokenizer, user_content: str, **template_kwargs) -> Chat
     if at < 0:
         raise ValueError("the chat template dropped the assistant message's content; cannot find the turn boundary")
     eot_text = t1[at + len(_SENTINEL) :]
-    t2 = _render(tokenizer, base + [{"role": "user", "content": user_content}], True, **template_kwargs)
+    following = [{"role": "user", "content": user_content}] if isinstance(user_content, str) else list(user_content)
+    t2 = _render(tokenizer, base + following, True, **template_kwargs)
     if not t2.startswith(t1):
         raise ValueError(
             "the chat template re-renders earlier turns when a user message is added, so a fixed fragment cannot be "

@@ -155,6 +155,10 @@ KIT_ONLY: Dict[str, str] = {
     "request_sampling": "a notebook exercise check; in tests, read `request.gconfig`",
     "run_cells_defining": "put the code you wrote in a module and import it (AReaL runs scripts, not notebooks)",
     "describe_line": "`lscpu` (or `/proc/cpuinfo`): AReaL logs no CPU description",
+    "EnvironmentWorkflow": "AReaL 1.0.4 has no environment class; this workflow runs under AReaL's engine and trainer "
+    "as it is (after `register_with_areal()`), and TRL 1.16 takes the environment class as `environment_factory`",
+    "inspect_environment": "TRL reads an environment's tools the same way (public methods, `get_json_schema`)",
+    "register_with_areal": "only needed for the kit's own workflows; one written against `areal.api` needs nothing",
 }
 
 
