@@ -102,6 +102,7 @@ _export("reward.clevr_count_70k", "clevr_count_70k_reward_fn")
 _export("reward.arithmetic", "arithmetic_reward_fn")
 _export("reward.math_answer", "extract_answer", "math_equal", "answer_reward")
 _export("reward.search_qa", "normalize_answer", "f1_score", "exact_match")
+_export("reward.judge", "GroupJudge", "pairwise_agreement")
 _export(
     "utils.data",
     "cycle_dataloader",

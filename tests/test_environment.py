@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 
 import pytest
@@ -236,7 +237,7 @@ def test_an_answer_without_a_call_ends_the_episode_and_max_turns_caps_it(tok):
     assert len(policy.requests) == 1 and log[0]["parse_errors"] == 1
 
 
-def test_a_failing_reward_scores_zero_and_a_failing_reset_rejects_one_episode(tok, caplog):
+def test_a_failing_reward_scores_zero_and_a_failing_reset_rejects_one_episode(tok, monkeypatch):
     class BadReward(Warehouse):
         def get_reward(self):
             raise KeyError("stock")
@@ -249,14 +250,24 @@ def test_a_failing_reward_scores_zero_and_a_failing_reset_rejects_one_episode(to
         def reset(self, seed, **kwargs):
             raise RuntimeError("no such warehouse")
 
+    from areal_lite.experimental.workflow import environment
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    own = logging.Logger("environment-test")  # a logger of its own: global logging set-ups cannot mute it
+    own.addHandler(handler)
+    monkeypatch.setattr(environment, "logger", own)
     for cls in (BadReward, NaNReward):
         log = []
         row, _ = run(workflow(tok, cls, log=log), ["<report>1</report>"], tok=tok)
         assert row["env_reward"].tolist() == [0.0] and log[0]["reward_error"]
-    assert "BadReward's reward failed, scored 0.0: KeyError" in caplog.text
     row, policy = run(workflow(tok, BadReset), ["<count>figs</count>"], tok=tok)
     assert row is None and not policy.requests
-    assert "BadReset.reset failed; episode rejected: RuntimeError: no such warehouse" in caplog.text
+    said = [r.getMessage() for r in records]
+    assert "BadReward's reward failed, scored 0.0: KeyError: 'stock'" in said
+    assert "NaNReward's reward failed, scored 0.0: ValueError: reward is nan" in said
+    assert "BadReset.reset failed; episode rejected: RuntimeError: no such warehouse" in said
 
 
 def test_per_turn_rewards_and_the_turn_discount_reach_the_tokens(tok):

@@ -158,6 +158,9 @@ KIT_ONLY: Dict[str, str] = {
     "EnvironmentWorkflow": "AReaL 1.0.4 has no environment class; this workflow runs under AReaL's engine and trainer "
     "as it is (after `register_with_areal()`), and TRL 1.16 takes the environment class as `environment_factory`",
     "inspect_environment": "TRL reads an environment's tools the same way (public methods, `get_json_schema`)",
+    "GroupJudge": "AReaL has no judge: call your judge model in the workflow's reward (AReaL's `AsyncRewardWrapper` "
+    "runs a reward per answer, so a relative judge belongs in a workflow that sees the whole group)",
+    "pairwise_agreement": "a few lines: count the pairs the judge orders as the true reward does",
     "register_with_areal": "only needed for the kit's own workflows; one written against `areal.api` needs nothing",
 }
 
