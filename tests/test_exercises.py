@@ -145,6 +145,35 @@ WRONG = {
                 discounted[i] = following
         """,
     },
+    "12_judge": {
+        "counts the pairs whose true rewards are equal, as ties": """
+            for i in range(len(truth)):
+                for j in range(i + 1, len(truth)):
+                    same = (judged[i] - judged[j]) * (truth[i] - truth[j])
+                    counts["agree" if same > 0 else "disagree" if same < 0 else "tie"] += 1
+        """,
+        "a tie counts as agreement": """
+            for i in range(len(truth)):
+                for j in range(i + 1, len(truth)):
+                    if truth[i] != truth[j]:
+                        same = (judged[i] - judged[j]) * (truth[i] - truth[j])
+                        counts["agree" if same >= 0 else "disagree"] += 1
+        """,
+        "counts every pair twice, (i, j) and (j, i)": """
+            for i in range(len(truth)):
+                for j in range(len(truth)):
+                    if i != j and truth[i] != truth[j]:
+                        same = (judged[i] - judged[j]) * (truth[i] - truth[j])
+                        counts["agree" if same > 0 else "disagree" if same < 0 else "tie"] += 1
+        """,
+        "the judge's order alone, not the truth's direction": """
+            for i in range(len(truth)):
+                for j in range(i + 1, len(truth)):
+                    if truth[i] != truth[j]:
+                        d = judged[i] - judged[j]
+                        counts["agree" if d > 0 else "disagree" if d < 0 else "tie"] += 1
+        """,
+    },
     "10_lora": {
         "scales by alpha": "return x @ weight.T + alpha * (x @ lora_A.T) @ lora_B.T",
         "scales by rank / alpha": "return x @ weight.T + (rank / alpha) * (x @ lora_A.T) @ lora_B.T",
@@ -276,6 +305,39 @@ RIGHT = {
             for i in reversed(range(len(rewards))):
                 following = (rewards[i] or 0.0) + turn_discount * following
                 discounted[i] = following
+        """,
+    },
+    "12_judge": {
+        "itertools.combinations": """
+            import itertools
+
+            for (ji, ti), (jj, tj) in itertools.combinations(zip(judged, truth), 2):
+                if ti != tj:
+                    same = (ji - jj) * (ti - tj)
+                    counts["agree" if same > 0 else "disagree" if same < 0 else "tie"] += 1
+        """,
+        "numpy signs": """
+            import numpy as np
+
+            for i in range(len(truth)):
+                for j in range(i + 1, len(truth)):
+                    t = np.sign(truth[i] - truth[j])
+                    if t:
+                        d = np.sign(judged[i] - judged[j])
+                        counts["tie" if d == 0 else "agree" if d == t else "disagree"] += 1
+        """,
+        "the right answer first, then the comparison": """
+            for i in range(len(truth)):
+                for j in range(i + 1, len(truth)):
+                    if truth[i] == truth[j]:
+                        continue
+                    better, worse = (i, j) if truth[i] > truth[j] else (j, i)
+                    if judged[better] > judged[worse]:
+                        counts["agree"] += 1
+                    elif judged[better] < judged[worse]:
+                        counts["disagree"] += 1
+                    else:
+                        counts["tie"] += 1
         """,
     },
     "10_lora": {

@@ -36,6 +36,7 @@ EXPECTED = [
     "09_openai_agent",
     "10_lora",
     "11_environment",
+    "12_judge",
 ]
 
 
