@@ -1,18 +1,20 @@
 """Notebook 11's `Warehouse`, unchanged, under TRL 1.16's `GRPOTrainer(environment_factory=...)` (`make test-trl-env`;
 marker `trl`, left out of `make test`).
 
-Needs TRL's own venv (`make trl`: `.venv-trl`); skipped without it. `tools/trl_environment.py` runs in that venv: it
-takes the class from the notebook source's code cell, gives TRL no reward function, and trains two steps on
-SmolLM2-135M-Instruct. Checked: both steps ran, TRL found the class's tools and used `get_reward` as the reward
-source, and every prompt carried the question `reset` returned. (The untrained model writes no Hermes tool call
-in TRL's format, so the rewards are 0: what is proven is the contract, not learning.)
+Needs TRL's own venv (`make trl`: `.venv-trl`); skipped without it. The class is the notebook source's code cell,
+written to a file as it is; `tools/trl_environment.py` runs in TRL's venv, gives TRL no reward function, and trains
+two steps on SmolLM2-135M-Instruct. Checked: both steps ran, TRL found the class's tools and used `get_reward` as
+the reward source, and every prompt carried the question `reset` returned. (The untrained model writes no Hermes
+tool call in TRL's format, so the rewards are 0: what is proven is the contract, not learning.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 
 import pytest
 
@@ -25,10 +27,24 @@ pytestmark = [
 ]
 
 
+def notebook_class_cell(name: str, cls: str) -> str:
+    """The code cell of notebook `name`'s source that defines class `cls` (read by the notebooks' own builder)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import build_notebooks
+
+    cells = build_notebooks.parse_source(os.path.join(ROOT, "notebooks", "src", f"{name}.nb.md"))
+    defines = re.compile(rf"^class {cls}\b", re.M)
+    found = [c["source"] for c in cells if c["kind"] == "code" and defines.search(c["source"])]
+    assert len(found) == 1, f"{name}: {len(found)} code cells define class {cls}"
+    return found[0]
+
+
 def test_the_notebook_environment_trains_two_steps_under_trl(smollm_path, tmp_path):
+    env_file = tmp_path / "warehouse.py"
+    env_file.write_text(notebook_class_cell("11_environment", "Warehouse") + "\n", encoding="utf-8")
     out = tmp_path / "trl.json"
     cmd = [TRL_PYTHON, "tools/trl_environment.py", "--model", smollm_path, "--seeds", "4", "--steps", "2",
-           "--env", "notebooks/src/11_environment.nb.md:Warehouse", "--out", str(out)]  # fmt: skip
+           "--env", f"{env_file}:Warehouse", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ,
                           "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,12 +1,12 @@
 """Run a TRL/OpenEnv-shaped environment class, unchanged, for a few steps of TRL's `GRPOTrainer(environment_factory=)`.
 
 Usage (TRL's own venv, `make trl-env`; CPU; no network):
-    .venv-trl/bin/python tools/trl_environment.py --model MODEL_DIR --env FILE:ClassName \
+    .venv-trl/bin/python tools/trl_environment.py --model MODEL_DIR --env FILE.py:ClassName \
         (--rows ROWS.json | --seeds N) [--steps 2] [--out OUT.json]
 
 Why: the environment class the notebook's learner writes (`reset(**row)` returning the question, public methods as
 tools, `get_reward()` as the reward) is meant to be the same class TRL trains with. This script proves it: it imports
-the class from its file (a `.py`, or a notebook source `.nb.md`: the code cell that defines it), builds a
+the class from its file (tests/test_trl_environment.py writes notebook 11's cell to one), builds a
 `datasets.Dataset` from ROWS.json (each row a `prompt` plus the fields `reset` takes; `--seeds N`: rows with an
 empty user turn and `seed` 0..N-1) and runs GRPOTrainer with `environment_factory=` the class, no `reward_funcs`.
 The class is not subclassed or wrapped; the factory only records the instances it creates.
@@ -24,7 +24,6 @@ import argparse
 import importlib.metadata as md
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -32,34 +31,16 @@ import types
 from pathlib import Path
 
 
-def notebook_cell(file: str, name: str) -> str:
-    """The code cell of a notebook source (`%% code` cells of a `.nb.md`) that defines class `name`."""
-    cells, current = [], None
-    for line in Path(file).read_text(encoding="utf-8").splitlines(keepends=True):
-        if line.startswith("%% "):
-            current = [] if line.split()[1] == "code" else None
-            if current is not None:
-                cells.append(current)
-        elif current is not None:
-            current.append(line)
-    defines = re.compile(rf"^class {re.escape(name)}\b", re.M)
-    found = [src for src in ("".join(c) for c in cells) if defines.search(src)]
-    if len(found) != 1:
-        raise SystemExit(f"{file}: expected one code cell defining class {name}, found {len(found)}")
-    return found[0]
-
-
 def load_class(spec: str):
-    """`path/to/file.py:ClassName` (or `.nb.md`) -> the class, executed from that file as a module."""
+    """`path/to/file.py:ClassName` -> the class, executed from that file as a module."""
     file, _, name = spec.rpartition(":")
     if not file or not name:
-        raise SystemExit(f"--env must be FILE:ClassName, got {spec!r}")
-    module_name = Path(file).name.split(".")[0]
+        raise SystemExit(f"--env must be FILE.py:ClassName, got {spec!r}")
+    module_name = Path(file).stem
     module = types.ModuleType(module_name)
     module.__file__ = file
     sys.modules[module_name] = module
-    source = notebook_cell(file, name) if file.endswith(".nb.md") else Path(file).read_text(encoding="utf-8")
-    exec(compile(source, file, "exec"), module.__dict__)
+    exec(compile(Path(file).read_text(encoding="utf-8"), file, "exec"), module.__dict__)
     return getattr(module, name)
 
 
