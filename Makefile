@@ -99,7 +99,13 @@ AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, ar
 # each barrier spins on a core the preempted thread needs: with one busy process beside it, the SmolLM2 invariance
 # test took 27.4-30.8 s with the default policy and 14.6-14.9 s with PASSIVE (10.4 s alone). One thread never waits;
 # the demo at two threads trained its 16 steps in 150.2 s (default) and 152.0 s (PASSIVE): no cost where none spins.
-TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+#
+# SMOKE=1 (the default): nbval runs every notebook top to bottom on a tiny budget ($AREAL_LITE_SMOKE: a notebook trains
+# one or two steps and evaluates a few held-out rows), which checks that every cell runs with the current code. The
+# committed outputs are full runs (tools/build_notebooks.py --execute never sets it). The full budgets take about as
+# long again as the rest of the suite; `make test SMOKE=0` runs them under nbval.
+SMOKE ?= 1
+TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE AREAL_LITE_SMOKE=$(SMOKE)
 
 test: lint
 	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.notebook.prepare; status=$$?; wait $$areal && exit $$status

@@ -174,6 +174,8 @@ def summarise_rollout(d: dict) -> dict:
         one = b["rows"]["embedded"].get("one_by_one")  # the embedded server sent requests one at a time
         if one and "one-by-one" in block["ratios"]:
             block["one_by_one_tok_s"] = one["tokens"] / one["wall_s"]
+        if "limit" in b:  # runs before the fraction of the limit was measured have none
+            block["limit"] = {k: b["limit"][k] for k in ("embedded_gflops", "peak_gflops", "fraction")}
         out["blocks"].append(block)
     return out
 
@@ -201,7 +203,14 @@ def latest_rollout(f: dict) -> list:
             one = "the kit's server, one request at a time"
             rows.append([b["threads"], one, f"{b['one_by_one_tok_s']:.1f}", times(b["ratios"]["one-by-one"]), "", ""])
     header = ["cores", "system", "tok/s: median (lowest-highest)", "embedded / this", "CPU-s per 1,000 tokens"]
-    return lines + table(header + ["lone request, s"], rows)
+    lines += table(header + ["lone request, s"], rows)
+    limits = [f"{b['threads']} core{'s' if b['threads'] > 1 else ''}: {b['limit']['embedded_gflops']:.1f} of "
+              f"{b['limit']['peak_gflops']:.1f} GFLOP/s = {b['limit']['fraction']:.1%}"
+              for b in f["blocks"] if "limit" in b]  # fmt: skip
+    if limits:
+        lines += ["", "The kit's embedded server against the limit (its workload's counted FLOPs / median wall time, "
+                  "over the GFLOP/s of a large `torch.mm` on the same cores): " + "; ".join(limits) + "."]  # fmt: skip
+    return lines
 
 
 def row_rollout(f: dict) -> list:
@@ -213,7 +222,9 @@ def row_rollout(f: dict) -> list:
             for n, r in b["rows"].items()
             if n != "embedded"
         ]
-        cells.append(f"{b['threads']} core{'s' if b['threads'] > 1 else ''}: {emb:.1f} against " + ", ".join(others))
+        limit = f" ({b['limit']['fraction']:.1%} of the limit)" if "limit" in b else ""
+        cores = f"{b['threads']} core{'s' if b['threads'] > 1 else ''}"
+        cells.append(f"{cores}: {emb:.1f}{limit} against " + ", ".join(others))
     return ["; ".join(cells)]
 
 

@@ -4,8 +4,8 @@ raw batched generate, on the same cores, in tokens/s and in CPU-seconds.
     PYTHONPATH=. .venv/bin/python bench/rollout_throughput.py [--model smollm2-135m-instruct|tiny|PATH]
         [--requests 32] [--max-new-tokens 64] [--threads 1,2] [--cores 0-1] [--dtype float32|bfloat16]
         [--distinct-starts] [--repeats 3] [--sequential-requests 4] [--vllm-python .venv-vllm/bin/python]
-        [--vllm-modes eager,compiled] [--baseline-tree DIR] [--no-raw] [--start-timeout 1800] [--settle 2]
-        [--json bench/results/rollout_throughput.json]
+        [--vllm-modes eager,compiled] [--baseline-tree DIR] [--no-raw] [--no-limit] [--start-timeout 1800]
+        [--settle 2] [--json bench/results/rollout_throughput.json]
 
 The workload is a rollout's: `--requests` chat prompts (62-72 tokens for SmolLM2, the first ~50 shared: the chat
 template's opening and a system prompt; `--distinct-starts` gives each its own from the fourth token) sent at once,
@@ -32,9 +32,12 @@ Printed per thread count: the cores each server's process tree may run on (read 
 then a table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and cores busy (CPU-s / wall-s), both
 medians, and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
 so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (issue 30's
-done-when). `--json` (default bench/results/rollout_throughput.json, '' for none) gets every run, the medians and
-spreads, the ratios, the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the
-arguments; `bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
+done-when); then the embedded server's fraction of the limit (bench/_limit.py, `--no-limit` skips it): the workload's
+FLOPs (counted from the model's config, the shared start once) / its median wall time, over the GFLOP/s of a large
+`torch.mm` measured in this process on the same cores and threads just before the systems start. `--json` (default
+bench/results/rollout_throughput.json, '' for none) gets every run, the medians and spreads, the ratios, the limit,
+the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the arguments;
+`bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
 
 Design decisions
 - Same cores, not just the same thread count: every server is started under `taskset -c CORES` (a launcher that sets
@@ -386,6 +389,41 @@ def phase_cpu(servers: list[Server]) -> dict[str, float]:
     return {s.name: tree_cpu_seconds(s.pid, table) for s in servers}
 
 
+def workload_flops(path: str, ids: list[list[int]], max_new_tokens: int) -> dict:
+    """bench/_limit.py's FLOP count of the timed workload: these prompts, their common start prefilled once (what
+    the embedded server's prefill shares; each prompt keeps its last token), `max_new_tokens` tokens each."""
+    from _limit import decode_flops
+    from transformers import AutoConfig
+
+    from areal_lite.utils.prefix import common_start
+
+    shared = common_start(ids, min_saved=0)
+    flops = decode_flops(AutoConfig.from_pretrained(path), len(ids), [len(p) for p in ids], max_new_tokens, shared)
+    return {**flops, "shared_prefix": shared, "tokens": len(ids) * max_new_tokens}
+
+
+def peak_on(cpus: list[int], threads: int, dtype: str) -> float:
+    """The limit: bench/_limit.py's torch.mm GFLOP/s at `threads` threads with this process bound to `cpus` (as the
+    raw generate runs), measured while no server runs; the affinity is restored after."""
+    import torch
+    from _limit import measure_peak_gflops
+
+    everywhere = os.sched_getaffinity(0)
+    bind_this_process(cpus)
+    try:
+        return measure_peak_gflops(threads, getattr(torch, dtype))
+    finally:
+        bind_this_process(everywhere)
+
+
+def against_limit(rows: dict, flops: dict, peak_gflops: float) -> dict:
+    """The embedded row against the limit: achieved GFLOP/s = its median tok/s x the workload's FLOPs per token (=
+    total FLOPs / median wall seconds, every run making the same tokens)."""
+    achieved = rows["embedded"]["tok_s"]["median"] * flops["total"] / flops["tokens"] / 1e9
+    return {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_gflops": achieved,
+            "fraction": achieved / peak_gflops}  # fmt: skip
+
+
 def timed(name: str, run: Callable[[], tuple[int, float]], servers: list[Server], settle: float) -> dict:
     """One timed phase of system `name`: tokens, wall seconds, CPU seconds of its process tree (this process's own
     CPU for the in-process raw generate), and the CPU seconds the other servers used meanwhile."""
@@ -502,6 +540,16 @@ def summarize(block: dict, repeats: int, vllm_note: str) -> None:
               f"other way up{lone}")  # fmt: skip
     if vllm_note:
         print(f"  {vllm_note}")
+    if "limit" in block:
+        from _limit import fraction_line
+
+        lim, f = block["limit"], block["limit"]["workload_flops"]
+        line = fraction_line(rows["embedded"]["tok_s"]["median"], f["total"], f["tokens"], lim["peak_gflops"])
+        print(f"  embedded vs the limit: {line}")
+        print(f"    workload {f['total'] / 1e9:.1f} GFLOP = prefill {f['prefill'] / 1e9:.2f} (shared start "
+              f"{f['shared_prefix']} tokens once) + decode {f['decode'] / 1e9:.2f}; attention "
+              f"{f['attention'] / 1e9:.2f} of it; {f['per_token_matmul'] / 1e9:.3f} GFLOP of matmuls per generated "
+              "token")  # fmt: skip
     target, bar = DONE_WHEN
     if target in rat:
         ok = "yes" if rat[target]["tok_s"] >= bar else "NO"
@@ -534,6 +582,7 @@ def main() -> Optional[int]:
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM rows: eager, compiled or both ('' none)")
     ap.add_argument("--baseline-tree", default="", help="source tree of a second embedded server to compare with")
     ap.add_argument("--no-raw", action="store_true", help="skip the in-process raw generate")
+    ap.add_argument("--no-limit", action="store_true", help="skip the torch.mm peak and the fraction of the limit")
     ap.add_argument("--start-timeout", type=float, default=1800, help="seconds a server may take to start "
                     "(vLLM's compiled mode compiles then)")  # fmt: skip
     ap.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each timed phase")
@@ -559,6 +608,7 @@ def main() -> Optional[int]:
     path = bench_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = prompts(tokenizer, args.requests, args.distinct_starts)
+    flops = None if args.no_limit else workload_flops(path, ids, args.max_new_tokens)
     have_vllm = os.path.exists(args.vllm_python)
     vllm_note = ""
     if not args.vllm_modes:
@@ -591,8 +641,13 @@ def main() -> Optional[int]:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as log_dir:
         for threads in thread_counts:
             print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)
+            peak = None if flops is None else peak_on(args.cores[:threads], threads, args.dtype)
+            if peak is not None:
+                print(f"  limit: torch.mm {args.dtype} {peak:.1f} GFLOP/s", flush=True)
             block = measure(args, path, ids, threads, log_dir)
             block["ratios"] = ratios(block["rows"])
+            if peak is not None:
+                block["limit"] = against_limit(block["rows"], flops, peak)
             result["blocks"].append(block)
             result["load_average_end"] = os.getloadavg()[0]
             if args.json:

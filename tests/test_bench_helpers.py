@@ -91,3 +91,88 @@ def test_update_speed_baseline_worker_times_another_trees_update(tiny_model_path
     assert worker.proc.returncode == 0 and not os.path.exists(worker.tmp.name)  # its batch file is gone too
     with pytest.raises(RuntimeError, match="the baseline worker exited"):
         us.BaselineTree(ROOT, batch, str(tmp_path / "no-such-model"), 1)
+
+
+# bench/_limit.py: the workload's FLOPs and the measured matmul limit ------------------------------------------------
+
+limit = load_bench("_limit")
+
+
+def smollm2_config():
+    """SmolLM2-135M's shape (no download): hidden 576, MLP 1536, 30 layers, 9 heads of 64, 3 KV heads."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
+
+
+# Written out from the shape, by hand: multiply-adds of one token through one layer (q, k, v, o, gate/up/down), the LM
+# head, and attention per (token, key) pair over the 30 layers (scores and weighted values), each x 2 FLOPs.
+LAYER = 2 * (576 * 576 + 2 * 576 * (3 * 64) + 576 * 576 + 3 * 576 * 1536)
+HEAD = 2 * 576 * 49152
+PER_KEY = 2 * 2 * 9 * 64 * 30
+
+
+def test_decode_flops_of_smollm2_by_hand():
+    f = limit.decode_flops(smollm2_config(), rows=4, prompt_len=10, new_tokens=5)
+    assert f["per_token_matmul"] == 30 * LAYER + HEAD == 268_959_744  # 2 x 134.5M multiply-adds
+    assert abs(f["per_token_matmul"] / (2 * 134.5e6) - 1) < 0.001
+    # prefill: 4 rows x 10 prompt tokens through the layers, the LM head on each row's last one, token i over i keys
+    assert f["prefill"] == 4 * 10 * 30 * LAYER + 4 * HEAD + 4 * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9 + 10) * PER_KEY
+    # decode: 4 more steps per row (the 5th token is sampled, never fed back), over 11, 12, 13 then 14 keys
+    assert f["decode"] == 4 * 4 * (30 * LAYER + HEAD) + 4 * (11 + 12 + 13 + 14) * PER_KEY
+    assert f["total"] == f["prefill"] + f["decode"]
+    assert f["attention"] == 4 * (55 + 50) * PER_KEY
+    # one length per row: the same as summing the rows apart
+    mixed = limit.decode_flops(smollm2_config(), rows=2, prompt_len=[10, 12], new_tokens=5)
+    ones = [limit.decode_flops(smollm2_config(), rows=1, prompt_len=n, new_tokens=5) for n in (10, 12)]
+    assert mixed["total"] == sum(o["total"] for o in ones)
+
+
+def test_a_shared_prefix_saves_prefill_only():
+    config = smollm2_config()
+    alone = limit.decode_flops(config, rows=4, prompt_len=10, new_tokens=5)
+    shared = limit.decode_flops(config, rows=4, prompt_len=10, new_tokens=5, shared_prefix=6)
+    assert shared["decode"] == alone["decode"]
+    # the 3 rows after the first skip their 6 shared tokens: layers and the attention of positions 0-5 (1..6 keys)
+    assert alone["prefill"] - shared["prefill"] == 3 * 6 * 30 * LAYER + 3 * (1 + 2 + 3 + 4 + 5 + 6) * PER_KEY
+    with pytest.raises(ValueError):  # each row keeps its last prompt token: its logits sample the first new one
+        limit.decode_flops(config, rows=4, prompt_len=10, new_tokens=5, shared_prefix=10)
+
+
+def test_attention_grows_with_the_context():
+    config = smollm2_config()
+    short = limit.decode_flops(config, rows=2, prompt_len=10, new_tokens=8)
+    long = limit.decode_flops(config, rows=2, prompt_len=100, new_tokens=8)
+    assert long["per_token_matmul"] == short["per_token_matmul"]
+    assert long["decode"] - short["decode"] == 2 * 7 * 90 * PER_KEY  # 7 steps per row, each over 90 more keys
+
+
+def test_measure_peak_gflops_is_quick_and_restores_the_thread_count():
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    t0 = time.perf_counter()
+    peak = limit.measure_peak_gflops(1, seconds=0.2, n=256)
+    assert 0 < peak < 1e5 and time.perf_counter() - t0 < 3
+    assert torch.get_num_threads() == before
+    line = limit.fraction_line(100.0, 1e12, 2048, peak)
+    assert "fraction of the limit" in line and f"{100 * 1e12 / 2048 / 1e9:.1f} GFLOP/s" in line
+
+
+def test_report_shows_the_fraction_of_the_limit_when_a_run_has_it():
+    import copy
+    import json
+
+    report = load_bench("report")
+    with open(os.path.join(ROOT, "bench", "results", "rollout_throughput.json"), encoding="utf-8") as f:
+        old = json.load(f)
+    new = copy.deepcopy(old)
+    for b in new["blocks"]:
+        b["limit"] = {"peak_gflops": 100.0, "workload_flops": {}, "embedded_gflops": 25.0, "fraction": 0.25}
+    text = "\n".join(report.latest_rollout(report.summarise_rollout(new)))
+    assert "against the limit" in text and "25.0 of 100.0 GFLOP/s = 25.0%" in text
+    assert "(25.0% of the limit)" in report.row_rollout(report.summarise_rollout(new))[0]
+    assert "limit" not in "\n".join(report.latest_rollout(report.summarise_rollout(old)))  # older files: as before

@@ -292,6 +292,16 @@ def test_finalize_keeps_readable_outputs_and_the_final_state_of_progress_bars():
     assert [c.execution_count for c in nb.cells if c.cell_type == "code"] == [1, 2, 3]
 
 
+def test_a_reference_run_is_never_a_smoke_run(tmp_path, monkeypatch):
+    """`make test` sets AREAL_LITE_SMOKE (notebooks train a step or two); the committed outputs must be full runs
+    even when the variable is set in the shell that runs the build tool, and the shell keeps it afterwards."""
+    tool = _build_tool()
+    monkeypatch.setenv("AREAL_LITE_SMOKE", "1")
+    nb = tool.execute(_tiny_notebook(tool, ['import os; print(os.environ.get("AREAL_LITE_SMOKE"))']), str(tmp_path))
+    assert nb.cells[1].outputs[0].text == "None\n"
+    assert os.environ["AREAL_LITE_SMOKE"] == "1"
+
+
 def test_unknown_code_cell_option_is_an_error(tmp_path):
     src = tmp_path / "x.nb.md"
     src.write_text("%% code headlin\nprint(1)\n", encoding="utf-8")

@@ -216,15 +216,15 @@ def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat
     """Run in a fresh kernel in the notebook's own folder (configs are found by relative path, as for a learner)."""
     from nbclient import NotebookClient
 
-    # CI sets MPLBACKEND=Agg; the kernel must keep Jupyter's inline backend, or no plot would reach the outputs
-    env_backend = os.environ.pop("MPLBACKEND", None)
+    # CI sets MPLBACKEND=Agg; the kernel must keep Jupyter's inline backend, or no plot would reach the outputs.
+    # `make test` sets AREAL_LITE_SMOKE (tiny budgets); a reference run is always the full notebook.
+    unset = {key: os.environ.pop(key) for key in ("MPLBACKEND", "AREAL_LITE_SMOKE") if key in os.environ}
     try:
         tik = time.perf_counter()
         NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": cwd}}).execute()
         wall = time.perf_counter() - tik
     finally:
-        if env_backend is not None:
-            os.environ["MPLBACKEND"] = env_backend
+        os.environ.update(unset)
     slow = {c.id: round(s, 1) for c in nb.cells if c.cell_type == "code" and (s := _cell_seconds(c) or 0) >= 5}
     nb.metadata["areal_lite"] = {
         "code_sha256": code_fingerprint(nb),

@@ -1,0 +1,101 @@
+"""How close a generation run comes to the CPU's compute limit: the workload's FLOPs over the FLOP/s of a big matmul.
+
+- FLOPs are counted, not profiled: 2 per multiply-add of every matmul a Llama-style decoder runs (q/k/v/o, the gated
+  MLP, the LM head, attention's scores and weighted values). Norms, rotary, biases, softmax, activations and sampling
+  are left out: they are O(hidden) per token against O(hidden^2) for the matmuls, well under 1% for SmolLM2.
+- The count is the least work the workload needs: the prompts' shared start once, each row's own prompt tokens once,
+  the LM head only where a token is sampled. A server that repeats work (a shared start prefilled per batch, padding)
+  gets no credit for it: that shows as a lower fraction, which is the point.
+- The limit is measured, not read off a datasheet: `torch.mm` of two large square matrices in this process, at the
+  thread count and on the cores the systems get. It runs the same kernels (oneDNN/MKL) as the model's linear layers
+  and picks AVX2 or AVX-512 as they do, so it is what this CPU attains, not a clock x width figure it never reaches.
+- It is a compute ceiling, not a roofline: a decode step's matmuls are skinny (a few rows x the weights) and may be
+  bound by memory bandwidth well below it. A fraction near 1 is not to be expected; its trend is what to watch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence, Union
+
+import torch
+
+
+def _keys(first: int, end: int) -> int:
+    """Keys attended over by the tokens at positions first .. end - 1 (position i attends to i + 1 keys)."""
+    return (end * (end + 1) - first * (first + 1)) // 2
+
+
+def decode_flops(config, rows: int, prompt_len: Union[int, Sequence[int]], new_tokens: int,
+                 shared_prefix: int = 0) -> dict:  # fmt: skip
+    """FLOPs of sampling `new_tokens` tokens for each of `rows` rows from prompts of `prompt_len` tokens (or one length
+    per row), whose first `shared_prefix` tokens are the same in every row and are prefilled once, with the Llama-style
+    decoder `config` describes (a transformers config).
+
+    Prefill runs every prompt token through the layers (the shared start once) and the LM head on each row's last
+    prompt token, which samples the row's first token. Decode runs `new_tokens - 1` steps per row: the previous token
+    through the layers and the LM head; the last sampled token is never fed back. So every generated token costs one
+    LM head and one pass through the layers (the first one's pass is its row's last prompt position, in prefill).
+    Attention for a token at position i, per layer: 2 * 2 * heads * head_dim * (i + 1) (scores, then weighted values).
+
+    Returns {"prefill", "decode", "total", "attention" (the part of total in attention), "per_token_matmul" (one
+    generated token's matmuls, attention excluded: 2 * (layers * per-layer weights + hidden * vocab))}."""
+    lens = [prompt_len] * rows if isinstance(prompt_len, int) else list(prompt_len)
+    if len(lens) != rows or new_tokens < 1 or not 0 <= shared_prefix < min(lens):
+        # every row keeps its last prompt token of its own: that position's logits sample the row's first token
+        raise ValueError(f"rows {rows}, prompt lengths {lens}, new_tokens {new_tokens}, shared_prefix {shared_prefix}")
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # older configs: no grouped-query attention
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    # multiply-adds of one token through one layer: q, k, v (k and v narrower under GQA), o, gate, up, down
+    per_layer = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+    per_layer += 3 * hidden * inter
+    body = 2 * layers * per_layer  # FLOPs of one token through every layer's matmuls
+    head = 2 * hidden * config.vocab_size  # the LM head, once per sampled token (a tied embedding counts here only)
+    per_key = 2 * 2 * heads * head_dim * layers  # attention FLOPs per (token, key) pair over all layers
+
+    prefill_tokens = shared_prefix + sum(n - shared_prefix for n in lens)
+    prefill_keys = _keys(0, shared_prefix) + sum(_keys(shared_prefix, n) for n in lens)
+    decode_keys = sum(_keys(n, n + new_tokens - 1) for n in lens)
+    prefill = prefill_tokens * body + rows * head + prefill_keys * per_key
+    decode = rows * (new_tokens - 1) * (body + head) + decode_keys * per_key
+    return {"prefill": prefill, "decode": decode, "total": prefill + decode,
+            "attention": (prefill_keys + decode_keys) * per_key, "per_token_matmul": body + head}  # fmt: skip
+
+
+def measure_peak_gflops(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 2.0, n: int = 1024) -> float:
+    """GFLOP/s of `torch.mm` on two n x n `dtype` matrices at `threads` torch threads, in this process (bind it to the
+    cores first: the caller's affinity is used as is). One warm-up product (thread pool start, kernel selection),
+    then products for about `seconds`. torch's thread count is restored afterwards.
+
+    Measured rather than taken from a datasheet because the model's linear layers go through the same path (ATen ->
+    oneDNN/MKL) and pick the same vector ISA (AVX2 or AVX-512, bf16 native or emulated), so this is the matmul speed
+    that code can attain on these cores; a peak from clock x vector width is never reached and says nothing about
+    bf16 emulated on AVX2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        out = torch.empty(n, n, dtype=dtype)
+        with torch.inference_mode():
+            torch.mm(a, b, out=out)
+            reps, t0 = 0, time.perf_counter()
+            while True:
+                torch.mm(a, b, out=out)  # out=: no allocation in the timed loop
+                reps += 1
+                elapsed = time.perf_counter() - t0
+                if elapsed >= seconds:
+                    break
+        return 2 * n**3 * reps / elapsed / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def fraction_line(tokens_per_s: float, flops: float, tokens: int, peak_gflops: float) -> str:
+    """One printed line: the achieved GFLOP/s (tokens/s x the workload's FLOPs per token) against the limit."""
+    achieved = tokens_per_s * flops / tokens / 1e9
+    per_token = flops / tokens / 1e9
+    return (f"{achieved:.1f} GFLOP/s = {tokens_per_s:.1f} tok/s x {per_token:.3f} GFLOP/token; limit (torch.mm "
+            f"peak) {peak_gflops:.1f} GFLOP/s; fraction of the limit {achieved / peak_gflops:.3f}")  # fmt: skip
