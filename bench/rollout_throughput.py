@@ -264,15 +264,21 @@ class Server:
         self.proc.stop(timeout=30)
 
 
+def server_module(tree: str) -> str:
+    """The embedded server's package in source tree `tree`: it moved as the kit grew, and a baseline tree may be an
+    older layout."""
+    for module in ("areal_lite.kit.server", "areal_lite.kit.serve", "areal_lite.serve"):
+        if os.path.isfile(os.path.join(tree, *module.split("."), "__main__.py")):
+            return module
+    raise SystemExit(f"no embedded server package (areal_lite/kit/server, ...) with a __main__.py in {tree}")
+
+
 class EmbeddedServer(Server):
     def __init__(self, name: str, tree: str, path: str, threads: int, cpus: list[int], dtype: Optional[str],
                  max_running: int, log_dir: str):  # fmt: skip
         port = find_free_port()
         env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(threads))
-        # a baseline tree older than the kit package has the server at areal_lite/serve
-        kit = os.path.isdir(os.path.join(tree, "areal_lite", "kit", "serve"))
-        module = "areal_lite.kit.server" if kit else "areal_lite.serve"
-        cmd = [sys.executable, "-m", module, "--model-path", path, "--port", str(port), "--threads",
+        cmd = [sys.executable, "-m", server_module(tree), "--model-path", path, "--port", str(port), "--threads",
                str(threads), "--max-running-requests", str(max_running), "--log-level", "warning"]  # fmt: skip
         if dtype:
             cmd += ["--dtype", dtype]

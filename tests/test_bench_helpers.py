@@ -25,6 +25,20 @@ def test_cpu_lists_round_trip():
     assert bench.parse_cpu_list(bench.format_cpu_list([0, 2, 3, 4, 9])) == [0, 2, 3, 4, 9]
 
 
+def test_the_embedded_server_is_started_from_this_trees_package(tmp_path):
+    """The bench starts `python -m <package>` in a source tree; the package moved as the kit grew."""
+    module = bench.server_module(ROOT)
+    probe = f"import importlib.util as u; print(u.find_spec('{module}.__main__'))"
+    found = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert module.startswith("areal_lite.") and found.stdout.strip() != "None"
+    old = tmp_path / "areal_lite" / "serve"
+    old.mkdir(parents=True)
+    (old / "__main__.py").write_text("")
+    assert bench.server_module(str(tmp_path)) == "areal_lite.serve"
+    with pytest.raises(SystemExit, match="no embedded server package"):
+        bench.server_module(str(tmp_path / "areal_lite"))
+
+
 @linux_only
 @pytest.mark.parametrize("taskset", [True, False], ids=["taskset", "python-launcher"])
 def test_bound_command_runs_on_the_cores_given(monkeypatch, taskset):
