@@ -31,6 +31,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "vs_trl": "The kit against TRL's GRPOTrainer (`bench/vs_trl.py`)",
     "rollout_throughput": "Rollout throughput, prompts with a shared start (`bench/rollout_throughput.py`)",
     "rollout_throughput_distinct_starts": "Rollout throughput, `--distinct-starts` (`bench/rollout_throughput.py`)",
+    "rollout_throughput_demo": "Rollout throughput, the demo's rollout: 16 new tokens (`bench/rollout_throughput.py`)",
     "update_speed": "One PPO update (`bench/update_speed.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
 }
