@@ -93,9 +93,18 @@ def measure_peak_gflops(threads: int, dtype: torch.dtype = torch.float32, second
         torch.set_num_threads(before)
 
 
-def fraction_line(tokens_per_s: float, flops: float, tokens: int, peak_gflops: float) -> str:
-    """One printed line: the achieved GFLOP/s (tokens/s x the workload's FLOPs per token) against the limit."""
-    achieved = tokens_per_s * flops / tokens / 1e9
-    per_token = flops / tokens / 1e9
-    return (f"{achieved:.1f} GFLOP/s = {tokens_per_s:.1f} tok/s x {per_token:.3f} GFLOP/token; limit (torch.mm "
-            f"peak) {peak_gflops:.1f} GFLOP/s; fraction of the limit {achieved / peak_gflops:.3f}")  # fmt: skip
+def against_limit(tokens_per_s: float, flops: dict, peak_gflops: float) -> dict:
+    """A generation run against the limit: achieved GFLOP/s = `tokens_per_s` x the workload's FLOPs per token (=
+    total FLOPs / wall seconds, for a run that makes the workload's tokens); `flops` as `decode_flops` returns it,
+    with the workload's generated "tokens" added."""
+    achieved = tokens_per_s * flops["total"] / flops["tokens"] / 1e9
+    return {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_tok_s": tokens_per_s,
+            "embedded_gflops": achieved, "fraction": achieved / peak_gflops}  # fmt: skip
+
+
+def fraction_line(limit: dict) -> str:
+    """One printed line from `against_limit`'s result."""
+    per_token = limit["workload_flops"]["total"] / limit["workload_flops"]["tokens"] / 1e9
+    return (f"{limit['embedded_gflops']:.1f} GFLOP/s = {limit['embedded_tok_s']:.1f} tok/s x {per_token:.3f} "
+            f"GFLOP/token; limit (torch.mm peak) {limit['peak_gflops']:.1f} GFLOP/s; fraction of the limit "
+            f"{limit['fraction']:.3f}")  # fmt: skip

@@ -205,13 +205,17 @@ def latest_rollout(f: dict) -> list:
             rows.append([b["threads"], one, f"{b['one_by_one_tok_s']:.1f}", times(b["ratios"]["one-by-one"]), "", ""])
     header = ["cores", "system", "tok/s: median (lowest-highest)", "embedded / this", "CPU-s per 1,000 tokens"]
     lines += table(header + ["lone request, s"], rows)
-    limits = [f"{b['threads']} core{'s' if b['threads'] > 1 else ''}: {b['limit']['embedded_gflops']:.1f} of "
+    limits = [f"{cores_label(b['threads'])}: {b['limit']['embedded_gflops']:.1f} of "
               f"{b['limit']['peak_gflops']:.1f} GFLOP/s = {b['limit']['fraction']:.1%}"
               for b in f["blocks"] if "limit" in b]  # fmt: skip
     if limits:
         lines += ["", "The kit's embedded server against the limit (its workload's counted FLOPs / median wall time, "
                   "over the GFLOP/s of a large `torch.mm` on the same cores): " + "; ".join(limits) + "."]  # fmt: skip
     return lines
+
+
+def cores_label(n: int) -> str:
+    return f"{n} core{'s' if n > 1 else ''}"
 
 
 def row_rollout(f: dict) -> list:
@@ -224,8 +228,7 @@ def row_rollout(f: dict) -> list:
             if n != "embedded"
         ]
         limit = f" ({b['limit']['fraction']:.1%} of the limit)" if "limit" in b else ""
-        cores = f"{b['threads']} core{'s' if b['threads'] > 1 else ''}"
-        cells.append(f"{cores}: {emb:.1f}{limit} against " + ", ".join(others))
+        cells.append(f"{cores_label(b['threads'])}: {emb:.1f}{limit} against " + ", ".join(others))
     return ["; ".join(cells)]
 
 

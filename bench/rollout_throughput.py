@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import glob
 import json
@@ -208,6 +209,18 @@ def bind_this_process(cpus) -> None:
             pass
 
 
+@contextlib.contextmanager
+def bound_to(cpus):
+    """This process on `cpus` inside the block, back where it was after (the client threads of the server runs are
+    not bound)."""
+    everywhere = os.sched_getaffinity(0)
+    bind_this_process(cpus)
+    try:
+        yield
+    finally:
+        bind_this_process(everywhere)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # the systems
 
@@ -344,19 +357,14 @@ class RawGenerate:
         self.mask = torch.tensor([[0] * (self.L - len(p)) + [1] * len(p) for p in ids])
 
     def run(self, max_new_tokens: int) -> tuple[int, float]:
-        everywhere = os.sched_getaffinity(0)
-        bind_this_process(self.cpus)
-        try:
-            with self.torch.inference_mode():
-                t0 = time.perf_counter()
-                out = self.model.generate(
-                    input_ids=self.input_ids, attention_mask=self.mask, max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                    pad_token_id=self.pad,
-                )  # fmt: skip
-                dt = time.perf_counter() - t0
-        finally:
-            bind_this_process(everywhere)  # the client threads of the server runs are not bound
+        with bound_to(self.cpus), self.torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(
+                input_ids=self.input_ids, attention_mask=self.mask, max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                pad_token_id=self.pad,
+            )  # fmt: skip
+            dt = time.perf_counter() - t0
         return (out.shape[1] - self.L) * out.shape[0], dt
 
 
@@ -414,20 +422,8 @@ def peak_on(cpus: list[int], threads: int, dtype: str) -> float:
     import torch
     from _limit import measure_peak_gflops
 
-    everywhere = os.sched_getaffinity(0)
-    bind_this_process(cpus)
-    try:
+    with bound_to(cpus):
         return measure_peak_gflops(threads, getattr(torch, dtype))
-    finally:
-        bind_this_process(everywhere)
-
-
-def against_limit(rows: dict, flops: dict, peak_gflops: float) -> dict:
-    """The embedded row against the limit: achieved GFLOP/s = its median tok/s x the workload's FLOPs per token (=
-    total FLOPs / median wall seconds, every run making the same tokens)."""
-    achieved = rows["embedded"]["tok_s"]["median"] * flops["total"] / flops["tokens"] / 1e9
-    return {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_gflops": achieved,
-            "fraction": achieved / peak_gflops}  # fmt: skip
 
 
 def timed(name: str, run: Callable[[], tuple[int, float]], servers: list[Server], settle: float) -> dict:
@@ -549,9 +545,8 @@ def summarize(block: dict, repeats: int, vllm_note: str) -> None:
     if "limit" in block:
         from _limit import fraction_line
 
-        lim, f = block["limit"], block["limit"]["workload_flops"]
-        line = fraction_line(rows["embedded"]["tok_s"]["median"], f["total"], f["tokens"], lim["peak_gflops"])
-        print(f"  embedded vs the limit: {line}")
+        f = block["limit"]["workload_flops"]
+        print(f"  embedded vs the limit: {fraction_line(block['limit'])}")
         print(f"    workload {f['total'] / 1e9:.1f} GFLOP = prefill {f['prefill'] / 1e9:.2f} (shared start "
               f"{f['shared_prefix']} tokens once) + decode {f['decode'] / 1e9:.2f}; attention "
               f"{f['attention'] / 1e9:.2f} of it; {f['per_token_matmul'] / 1e9:.3f} GFLOP of matmuls per generated "
@@ -653,7 +648,9 @@ def main() -> Optional[int]:
             block = measure(args, path, ids, threads, log_dir)
             block["ratios"] = ratios(block["rows"])
             if peak is not None:
-                block["limit"] = against_limit(block["rows"], flops, peak)
+                from _limit import against_limit
+
+                block["limit"] = against_limit(block["rows"]["embedded"]["tok_s"]["median"], flops, peak)
             result["blocks"].append(block)
             result["load_average_end"] = os.getloadavg()[0]
             if args.json:

@@ -172,7 +172,7 @@ def test_measure_peak_gflops_is_quick_and_restores_the_thread_count():
     peak = limit.measure_peak_gflops(1, seconds=0.2, n=256)
     assert 0 < peak < 1e5 and time.perf_counter() - t0 < 3
     assert torch.get_num_threads() == before
-    line = limit.fraction_line(100.0, 1e12, 2048, peak)
+    line = limit.fraction_line(limit.against_limit(100.0, {"total": 1e12, "tokens": 2048}, peak))
     assert "fraction of the limit" in line and f"{100 * 1e12 / 2048 / 1e9:.1f} GFLOP/s" in line
 
 
