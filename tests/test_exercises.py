@@ -17,17 +17,15 @@ import io
 import json
 import os
 import re
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
+from _sources import code_cells
 
 from areal_lite.api.io_struct import ModelResponse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import build_notebooks  # noqa: E402
 
 REGION = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION.*?^[ \t]*# END SOLUTION[ \t]*$", re.M | re.S)
 
@@ -445,11 +443,6 @@ RIGHT_SEARCH_LOOP = {
         ("loss_mask += [0] * len(info)", "loss_mask = loss_mask + [0 for _ in info]"),
     ],
 }
-
-
-def code_cells(name: str) -> list[str]:
-    cells = build_notebooks.parse_source(os.path.join(ROOT, "notebooks", "src", name + ".nb.md"))
-    return [c["source"] for c in cells if c["kind"] == "code"]
 
 
 def exercise(name: str, index: int = 0) -> tuple[str, str, str]:

@@ -63,12 +63,9 @@ def test_en_zh_parity(en):
 
 
 def _build_tool():
-    tools = os.path.join(ROOT, "tools")
-    if tools not in sys.path:  # called by every parametrized test: add the folder once
-        sys.path.insert(0, tools)
-    import build_notebooks
+    import _sources
 
-    return build_notebooks
+    return _sources.build_notebooks
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: os.path.relpath(p, ROOT))

@@ -14,9 +14,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+from _sources import code_cells
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_PYTHON = os.path.join(ROOT, os.environ.get("TRL_VENV", ".venv-trl"), "bin", "python")
@@ -29,12 +29,8 @@ pytestmark = [
 
 def notebook_class_cell(name: str, cls: str) -> str:
     """The code cell of notebook `name`'s source that defines class `cls` (read by the notebooks' own builder)."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import build_notebooks
-
-    cells = build_notebooks.parse_source(os.path.join(ROOT, "notebooks", "src", f"{name}.nb.md"))
     defines = re.compile(rf"^class {cls}\b", re.M)
-    found = [c["source"] for c in cells if c["kind"] == "code" and defines.search(c["source"])]
+    found = [source for source in code_cells(name) if defines.search(source)]
     assert len(found) == 1, f"{name}: {len(found)} code cells define class {cls}"
     return found[0]
 
