@@ -101,3 +101,44 @@ def test_docs_cover_the_optional_routes():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     for page in sorted(pages):
         assert f"docs/{page}" in readme, f"README.md does not link docs/{page}"
+
+
+def _reference_minutes() -> dict:
+    """{"01": (Xeon minutes, AVX2 estimate)} from each committed notebook's reference run, as the READMEs state them:
+    the wall time in minutes to one decimal, and that time scaled by 2.2 and rounded up."""
+    import json
+    import math
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[01]*.ipynb"))):
+        seconds = json.load(open(path, encoding="utf-8"))["metadata"]["areal_lite"]["reference_run"]["wall_seconds"]
+        out[os.path.basename(path)[:2]] = (
+            f"{seconds / 60:.1f}",
+            f"{math.ceil(round(seconds / 60 * 2.2 * 10, 6)) / 10:.1f}",
+        )
+    return out
+
+
+def test_notebook_minutes_are_the_reference_runs():
+    """The CPU minutes a teacher plans with (README's table, the workshop guide's table and timing plan) are the
+    committed reference runs' wall times, not typed guesses that drift as the notebooks change."""
+    expected = _reference_minutes()
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    guide = open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read()
+    found = {
+        "README.md": {
+            n: (a, b) for n, a, b in re.findall(r"^\| `(\d\d)_\w+` \|.*\| ([\d.]+)–([\d.]+) \|$", readme, re.M)
+        },
+        "notebooks/README.md": {
+            n: (a, b) for n, a, b in re.findall(r"^\| \[(\d\d)_\w+\]\(en/.*?\| ([\d.]+)–([\d.]+) min \|", guide, re.M)
+        },
+    }
+    plan = {}
+    for block, slow in re.findall(r"^\| \d:\d\d \| ([^|]*) \| ~([\d.]+) min \|", guide, re.M):
+        plan[re.search(r"\b(\d\d)\b", block).group(1)] = slow
+    assert found["README.md"].keys() == found["notebooks/README.md"].keys() == plan.keys() == expected.keys()
+    for doc, table in found.items():
+        wrong = {n: (table[n], expected[n]) for n in expected if table[n] != expected[n]}
+        assert not wrong, f"{doc}: (stated, reference run) minutes differ: {wrong}"
+    wrong = {n: (plan[n], expected[n][1]) for n in expected if plan[n] != expected[n][1]}
+    assert not wrong, f"notebooks/README.md timing plan: (stated, reference run x 2.2) minutes differ: {wrong}"
