@@ -33,6 +33,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "rollout_throughput_distinct_starts": "Rollout throughput, `--distinct-starts` (`bench/rollout_throughput.py`)",
     "rollout_throughput_demo": "Rollout throughput, the demo's rollout: 16 new tokens (`bench/rollout_throughput.py`)",
     "update_speed": "One PPO update (`bench/update_speed.py`)",
+    "eval_cost": "A held-out evaluation against a step's generation (`bench/eval_cost.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
 }
 MACHINE_COLUMNS = ["date", "commit", "CPU", "vector ISA", "cores"]
@@ -268,6 +269,32 @@ def row_update_speed(f: dict) -> list:
     return secs[:1] + [times(default.get("vs_rows_whole")), vs_base] + secs[1:]
 
 
+# eval_cost --------------------------------------------------------------------------------------------------------
+
+
+def summarise_eval_cost(d: dict) -> dict:
+    out = {k: d["summary"][k] for k in ("time_ratio", "work_ratio")}
+    for kind in ("eval", "gen"):
+        run = d["runs"][kind][0]
+        out[kind] = {**d["summary"][kind], **{k: run[k] for k in ("rows", "distinct_prompts", "decode_steps")}}
+    return out
+
+
+def latest_eval_cost(f: dict) -> list:
+    rows = [
+        [label, spread(r["seconds"], "{:.2f}"), f"{r['rows']} from {r['distinct_prompts']}", f"{r['gflop']:.0f}",
+         f"{r['gflop_per_s']:.0f}"]
+        for label, r in (("evaluation (greedy)", f["eval"]), ("a step's generation", f["gen"]))
+    ]  # fmt: skip
+    lines = [f"Evaluation takes {times(f['time_ratio'])} a step's generation's time for {times(f['work_ratio'])} "
+             "its work (matmul FLOPs); equal GFLOP/s mean it costs what its work costs.", ""]  # fmt: skip
+    return lines + table(["workload", "s: median (lowest-highest)", "rows from prompts", "GFLOP", "GFLOP/s"], rows)
+
+
+def row_eval_cost(f: dict) -> list:
+    return [times(f["time_ratio"]), times(f["work_ratio"])]
+
+
 # async_vs_sync (no results file: its runs are history only) --------------------------------------------------------
 
 
@@ -285,6 +312,7 @@ KINDS = {
         ["default, s", "× rows whole", "× baseline", "LoRA r16, s", "bf16 autocast, s"],
         row_update_speed,
     ),
+    "eval_cost": (summarise_eval_cost, latest_eval_cost, ["time, eval / gen", "work, eval / gen"], row_eval_cost),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
 }
 

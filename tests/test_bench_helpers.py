@@ -1,5 +1,6 @@
 """The bench scripts' helpers: rollout_throughput's /proc helpers (CPU lists, binding a server to cores, the CPU time
-of a process tree) and update_speed's worker that times another source tree's update."""
+of a process tree), update_speed's worker that times another source tree's update, the FLOP counts of _limit and
+eval_cost, and report.py's tables."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from _bench import ROOT, load_bench
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, uses sched_setaffinity")
@@ -190,3 +192,23 @@ def test_report_shows_the_fraction_of_the_limit_when_a_run_has_it():
     assert "against the limit" in text and "25.0 of 100.0 GFLOP/s = 25.0%" in text
     assert "(25.0% of the limit)" in report.row_rollout(report.summarise_rollout(new))[0]
     assert "limit" not in "\n".join(report.latest_rollout(report.summarise_rollout(old)))  # older files: as before
+
+
+def test_eval_cost_counts_the_work_the_server_ran():
+    """Prefill runs each distinct prompt once and their shared start once; decode every answer token but the last."""
+    eval_cost = load_bench("eval_cost")
+    start, a, b = list(range(100, 109)), [1, 2, 3], [4, 5, 6]  # two 12-token prompts sharing their first 9 tokens
+    rows = [(start + a, 4), (start + a, 4), (start + b, 2)]  # the first two are one prompt sampled twice
+    width = 16
+    ids = torch.zeros(3, width, dtype=torch.long)
+    attn, loss = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (prompt, answer) in enumerate(rows):
+        n = len(prompt) + answer
+        ids[i, :n] = torch.tensor(prompt + [7] * answer)
+        attn[i, :n] = 1
+        loss[i, len(prompt) : n] = 1
+    w = eval_cost.work({"input_ids": ids, "attention_mask": attn, "loss_mask": loss}, smollm2_config())
+    assert (w["rows"], w["distinct_prompts"], w["shared_start"]) == (3, 2, 9)
+    assert (w["prefill_positions"], w["decode_positions"]) == (9 + 3 + 3, 3 + 3 + 1)
+    # every position through the layers; the LM head on each distinct prompt's last position and each decode step
+    assert w["gflop"] * 1e9 == pytest.approx((15 + 7) * 30 * LAYER + (2 + 7) * HEAD)

@@ -60,7 +60,10 @@ if TYPE_CHECKING:
 
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
 
-__all__ = ["TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "batch_stats"]
+__all__ = [
+    "TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "evaluation_batch",
+    "batch_stats",
+]  # fmt: skip
 
 WORKFLOWS = ("rlvr", "reflection", "multiturn")
 USAGE = """usage: python -m areal_lite.kit.trainer.train --config FILE [key=value ...] [--resume]
@@ -150,10 +153,26 @@ def evaluate(
     Runs through a fresh engine client, so its episodes never count against a training engine's staleness bound.
     `version` is the servers' weight version (with `rollout.use_lora` the requests name that version's adapter).
     """
-    from areal_lite.engine.sglang_remote import RemoteSGLangEngine
-
     if not rows:
         return {}
+    batch = evaluation_batch(addrs, rows, workflow, rollout, version)
+    return {
+        "eval_accuracy": float(batch["rewards"].float().mean()),
+        "eval_response_length": float(batch["loss_mask"].sum(-1).float().mean()),
+    }
+
+
+def evaluation_batch(
+    addrs: Sequence[str],
+    rows: Sequence[dict],
+    workflow: RolloutWorkflow,
+    rollout: InferenceEngineConfig,
+    version: int = 0,
+) -> Dict[str, torch.Tensor]:
+    """`evaluate`'s episodes as one padded batch: every row at once, on a fresh client (bench/eval_cost.py counts
+    their work from it)."""
+    from areal_lite.engine.sglang_remote import RemoteSGLangEngine
+
     n = len(rows)
     cfg = dataclasses.replace(
         rollout, consumer_batch_size=n, max_concurrent_rollouts=n, max_head_offpolicyness=0, queue_size=None
@@ -161,13 +180,9 @@ def evaluate(
     engine = RemoteSGLangEngine(cfg).initialize(addr=list(addrs))
     engine.set_version(version)
     try:
-        batch = concat_padded_tensors(engine.rollout_batch(list(rows), workflow))
+        return concat_padded_tensors(engine.rollout_batch(list(rows), workflow))
     finally:
         engine.destroy()
-    return {
-        "eval_accuracy": float(batch["rewards"].float().mean()),
-        "eval_response_length": float(batch["loss_mask"].sum(-1).float().mean()),
-    }
 
 
 def batch_stats(batch: Dict[str, torch.Tensor], version: int) -> Dict[str, float]:
