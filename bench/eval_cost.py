@@ -96,7 +96,10 @@ def main(argv: list | None = None) -> int:
     rewards = AsyncRewardWrapper(resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type))
     rewards.start_workers().join()
     workflow = build_workflow(config, data.tokenizer, rewards)
-    eval_workflow = RLVRWorkflow(rewards, config.eval_gconfig.new(n_samples=1), data.tokenizer)
+    system_prompt = getattr(config, "system_prompt", None)  # as `train` builds its evaluation workflow
+    eval_workflow = RLVRWorkflow(
+        rewards, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
+    )
     model_config = AutoConfig.from_pretrained(resolve_model_path(config.actor.path))
     server = launch_server(config, backend="embedded")
     addr = server.wait_ready(timeout=config.rollout.setup_timeout).address
