@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test notebook-times test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -36,6 +36,7 @@ help:
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
+	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~25 min on a Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make vllm      - opt-in: the vLLM backend's own venv (.venv-vllm, ~2.5 GB)"
@@ -144,10 +145,19 @@ soak: $(DEVSTAMP)
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
 
-# vs_trl.py needs TRL's venv: `make bench-trl`; report.py is no benchmark (`make bench-report`).
+# vs_trl.py needs TRL's venv: `make bench-trl`; notebook_times.py runs every notebook (`make notebook-times`);
+# report.py is no benchmark (`make bench-report`).
 bench: $(STAMP)
-	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/report.py) continue;; esac; \
+	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/notebook_times.py|bench/report.py) continue;; esac; \
 	  echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+# Every notebook top to bottom, alone, full budget, timed on this CPU (about 25 min on a 2-core Xeon, 55 on an
+# AVX2-only CPU): bench/results/notebook_times.json. NOTEBOOKS="05 06" times some of them. On an AVX2-only CPU its
+# minutes replace the READMEs' estimate for such a CPU (tests/test_docs.py says which figure each table must give).
+NOTEBOOKS ?=
+notebook-times: $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
+	PYTHONPATH=. $(BIN)/python bench/notebook_times.py $(NOTEBOOKS)
 
 # bench/RESULTS.md is generated from bench/results/*.json and bench/results/history/*.json (bench/report.py, standard
 # library only, so no venv needed); tests/test_bench_report.py fails when the committed file is not what this writes.

@@ -34,6 +34,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "rollout_throughput_demo": "Rollout throughput, the demo's rollout: 16 new tokens (`bench/rollout_throughput.py`)",
     "update_speed": "One PPO update (`bench/update_speed.py`)",
     "eval_cost": "A held-out evaluation against a step's generation (`bench/eval_cost.py`)",
+    "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
 }
 MACHINE_COLUMNS = ["date", "commit", "CPU", "vector ISA", "cores"]
@@ -295,6 +296,22 @@ def row_eval_cost(f: dict) -> list:
     return [times(f["time_ratio"]), times(f["work_ratio"])]
 
 
+# notebook_times ---------------------------------------------------------------------------------------------------
+
+
+def summarise_notebook_times(d: dict) -> dict:
+    return {"minutes": {name: r["seconds"] / 60 for name, r in sorted(d["notebooks"].items())}}
+
+
+def latest_notebook_times(f: dict) -> list:
+    rows = [[name, f"{m:.1f}"] for name, m in f["minutes"].items()]
+    return table(["notebook", "minutes"], rows + [["all", f"{sum(f['minutes'].values()):.1f}"]])
+
+
+def row_notebook_times(f: dict) -> list:
+    return [str(len(f["minutes"])), f"{sum(f['minutes'].values()):.1f}"]
+
+
 # async_vs_sync (no results file: its runs are history only) --------------------------------------------------------
 
 
@@ -313,6 +330,7 @@ KINDS = {
         row_update_speed,
     ),
     "eval_cost": (summarise_eval_cost, latest_eval_cost, ["time, eval / gen", "work, eval / gen"], row_eval_cost),
+    "notebook_times": (summarise_notebook_times, latest_notebook_times, ["notebooks", "minutes"], row_notebook_times),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
 }
 

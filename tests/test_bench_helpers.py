@@ -212,3 +212,13 @@ def test_eval_cost_counts_the_work_the_server_ran():
     assert (w["prefill_positions"], w["decode_positions"]) == (9 + 3 + 3, 3 + 3 + 1)
     # every position through the layers; the LM head on each distinct prompt's last position and each decode step
     assert w["gflop"] * 1e9 == pytest.approx((15 + 7) * 30 * LAYER + (2 + 7) * HEAD)
+
+
+def test_report_lists_notebook_times_in_minutes():
+    report = load_bench("report")
+    record = {"notebooks": {"02_rewards": {"seconds": 30.0}, "01_setup": {"seconds": 45.0}}}
+    figures = report.summarise_notebook_times(record)
+    assert list(figures["minutes"]) == ["01_setup", "02_rewards"]
+    text = "\n".join(report.latest_notebook_times(figures))
+    assert "| 01_setup | 0.8 |" in text and "| 02_rewards | 0.5 |" in text and "| all | 1.2 |" in text
+    assert report.row_notebook_times(figures) == ["2", "1.2"]

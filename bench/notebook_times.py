@@ -1,0 +1,85 @@
+"""Each notebook's wall time on this machine, run as a learner runs it: top to bottom, alone, in a fresh kernel.
+
+    PYTHONPATH=. .venv/bin/python bench/notebook_times.py [NAME ...] [--json bench/results/notebook_times.json]
+    make notebook-times        (prepares the model and data first; about 25 min on a 2-core Xeon, 55 on AVX2)
+
+Runs the English notebooks (all, or those whose name contains a NAME) one after another with the build tool's
+`execute` (nbclient, a fresh kernel, full budgets: `AREAL_LITE_SMOKE` unset), each in a scratch copy of the
+repository's layout and from no earlier run, and records the wall seconds of each with the date, commit, CPU model,
+cores and vector ISA. Nothing is written back: the committed outputs stay the reference run's. A results file from
+the same CPU keeps the notebooks this run did not time, so a slow machine can time them in parts.
+
+Why: the READMEs give each notebook's CPU minutes as a range, from the reference run (the Xeon that built the
+notebooks) to an AVX2-only CPU. With a results file from an AVX2-only CPU, the second figure is its measured time;
+without one, the reference time scaled by 2.2 (the ratio measured between such a CPU and the Xeon on `make demo`
+and the whole suite). tests/test_docs.py holds the READMEs to whichever applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "tools")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from _machine import describe, git_state  # noqa: E402  (bench/ is on sys.path when a bench script runs)
+
+DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "notebook_times.json")
+
+
+def main(argv: list | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="time the notebooks whose name contains one of these (default: all)")
+    ap.add_argument("--json", default=DEFAULT_JSON, help="results file ('' for none)")
+    args = ap.parse_args(argv)
+
+    import nbformat
+    from build_notebooks import execute
+
+    paths = sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[0-9][0-9]_*.ipynb")))
+    paths = [p for p in paths if not args.names or any(n in os.path.basename(p) for n in args.names)]
+    machine, tree = describe(), git_state(ROOT)
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU runs torch's AVX2 kernels there: a proxy, not an AVX2-only CPU
+    result = {
+        "bench": "notebook_times",
+        **machine,
+        "forced_isa": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+        "notebooks": {},
+    }
+    if args.json and os.path.exists(args.json):
+        with open(args.json, encoding="utf-8") as f:
+            old = json.load(f)
+        if all(old.get(k) == result[k] for k in ("cpu_model", "vector_isa", "forced_isa")):
+            result["notebooks"] = old.get("notebooks", {})  # the same CPU: keep what this run does not time
+    for path in paths:
+        name = os.path.basename(path)[: -len(".ipynb")]
+        print(f"{name} ...", flush=True)
+        # A scratch tree shaped like the repository (the notebooks read ../../configs and write runs/ and ../../runs):
+        # each notebook starts from no earlier run, and a learner's own runs stay where they are.
+        with tempfile.TemporaryDirectory(prefix="notebook-times-") as scratch:
+            os.symlink(os.path.join(ROOT, "configs"), os.path.join(scratch, "configs"))
+            folder = os.path.join(scratch, "notebooks", "en")
+            os.makedirs(folder)
+            nb = execute(nbformat.read(path, as_version=4), folder)
+        seconds = nb.metadata["areal_lite"]["reference_run"]["wall_seconds"]
+        print(f"  {seconds:.1f} s ({seconds / 60:.1f} min)", flush=True)
+        result["notebooks"][name] = {"seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **tree}
+    latest = max(result["notebooks"].values(), key=lambda r: r["date"], default={"date": "", "commit": ""})
+    result.update(date=latest["date"], commit=latest.get("commit", ""), dirty=latest.get("dirty", False))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
