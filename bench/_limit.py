@@ -26,6 +26,20 @@ def _keys(first: int, end: int) -> int:
     return (end * (end + 1) - first * (first + 1)) // 2
 
 
+def matmul_flops(config) -> tuple[int, int, int]:
+    """FLOPs of (one token through every layer's matmuls, one LM-head call, attention per (token, key) pair over all
+    layers) for the Llama-style decoder `config` describes (a transformers config)."""
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # older configs: no grouped-query attention
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    # multiply-adds of one token through one layer: q, k, v (k and v narrower under GQA), o, gate, up, down
+    per_layer = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+    per_layer += 3 * hidden * inter
+    # the LM head counts once per sampled token (a tied embedding counts here only); attention: scores, then values
+    return 2 * layers * per_layer, 2 * hidden * config.vocab_size, 2 * 2 * heads * head_dim * layers
+
+
 def decode_flops(config, rows: int, prompt_len: Union[int, Sequence[int]], new_tokens: int,
                  shared_prefix: int = 0) -> dict:  # fmt: skip
     """FLOPs of sampling `new_tokens` tokens for each of `rows` rows from prompts of `prompt_len` tokens (or one length
@@ -44,17 +58,7 @@ def decode_flops(config, rows: int, prompt_len: Union[int, Sequence[int]], new_t
     if len(lens) != rows or new_tokens < 1 or not 0 <= shared_prefix < min(lens):
         # every row keeps its last prompt token of its own: that position's logits sample the row's first token
         raise ValueError(f"rows {rows}, prompt lengths {lens}, new_tokens {new_tokens}, shared_prefix {shared_prefix}")
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # older configs: no grouped-query attention
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    # multiply-adds of one token through one layer: q, k, v (k and v narrower under GQA), o, gate, up, down
-    per_layer = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
-    per_layer += 3 * hidden * inter
-    body = 2 * layers * per_layer  # FLOPs of one token through every layer's matmuls
-    head = 2 * hidden * config.vocab_size  # the LM head, once per sampled token (a tied embedding counts here only)
-    per_key = 2 * 2 * heads * head_dim * layers  # attention FLOPs per (token, key) pair over all layers
-
+    body, head, per_key = matmul_flops(config)
     prefill_tokens = shared_prefix + sum(n - shared_prefix for n in lens)
     prefill_keys = _keys(0, shared_prefix) + sum(_keys(shared_prefix, n) for n in lens)
     decode_keys = sum(_keys(n, n + new_tokens - 1) for n in lens)

@@ -12,8 +12,8 @@ beside the server's load.
 
 Work is counted from what ran: the server's `/server_info` counters (prefill batches, decode steps, tokens
 sampled) and the rows' prompts and answers. Matmul FLOPs per position through the layers and per LM-head call come
-from the model's config (`bench/_limit.decode_flops`'s `per_token_matmul`); prefill runs each distinct prompt once and
-the start all prompts share once (the server's `fastpath.shared_start`); decode runs every answer token but the last.
+from the model's config (`bench/_limit.matmul_flops`); prefill runs each distinct prompt once and the start all
+prompts share once (the server's `fastpath.shared_start`); decode runs every answer token but the last.
 Attention (a few percent at these lengths) is left out. Printed and written to `--json`: seconds (median,
 lowest-highest) and GFLOP of each, the time ratio eval / generation against the work ratio, and GFLOP/s of each:
 equal rates mean the evaluation costs what its work costs.
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from _limit import decode_flops  # noqa: E402  (bench/ is on sys.path when a bench script runs)
+from _limit import matmul_flops  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 from _machine import describe, git_state  # noqa: E402
 
 COUNTERS = ("prefill_batches", "prompt_tokens", "decode_steps", "generated_tokens")
@@ -58,9 +58,8 @@ def work(batch: dict, model_config) -> dict:
     shared = shared_start([list(p) for p in distinct]) if len(distinct) > 1 else 0
     prefill = shared + sum(len(p) - shared for p in distinct)
     decode = sum(max(a - 1, 0) for a in answers)  # the first token of a row comes from prefill; the last is not fed
-    per = decode_flops(model_config, 1, 2, 1)["per_token_matmul"]  # one position through the layers + LM head
-    head = 2 * model_config.hidden_size * model_config.vocab_size
-    gflop = ((prefill + decode) * (per - head) + (len(distinct) + decode) * head) / 1e9
+    body, head, _ = matmul_flops(model_config)  # one position through the layers; one LM-head call
+    gflop = ((prefill + decode) * body + (len(distinct) + decode) * head) / 1e9
     return {"rows": len(prompts), "distinct_prompts": len(distinct), "shared_start": shared,
             "prefill_positions": prefill, "decode_positions": decode, "gflop": gflop}  # fmt: skip
 
