@@ -87,6 +87,8 @@ def test_lifecycle(tiny_model_path, tmp_path):
     finally:
         handle.stop()
     assert not alive(handle.pid)
+    # SIGTERM is a clean stop: exit code 0 (not the signal's), the log flushed to its last line
+    assert handle.proc.returncode == 0 and handle.tail(5).rstrip().endswith("shutting down")
     assert handle.address not in os.environ.get(ENV_ADDRS, "").split(",")
     handle.stop()  # idempotent
     assert "exited" in repr(handle)

@@ -210,3 +210,29 @@ def test_child_dies_with_its_parent(tmp_path, how):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_exit_now_keeps_the_exit_code_and_loses_no_output(tmp_path):
+    """What a stopping server leaves must all arrive: block-buffered stdout, its log handler's records, its atexit
+    handlers (in their usual last-in-first-out order), and the code it exits with."""
+    log, marks = tmp_path / "server.log", tmp_path / "atexit.txt"
+    code = f"""
+import atexit, logging, sys
+from areal_lite.kit.server.procs import exit_now
+logging.basicConfig(filename={str(log)!r}, level=logging.INFO)
+atexit.register(lambda: open({str(marks)!r}, "a").write("registered first, runs last\\n"))
+atexit.register(lambda: open({str(marks)!r}, "a").write("registered last, runs first\\n"))
+logging.getLogger("server").info("shutting down")
+print("buffered line")  # stdout is a file here: block-buffered, not yet written
+sys.stderr.write("unflushed stderr\\n")
+exit_now(3)
+print("never printed")
+"""
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.run([PY, "-c", code], stdout=o, stderr=e, timeout=60)
+    assert proc.returncode == 3
+    assert out.read_text() == "buffered line\n"
+    assert err.read_text() == "unflushed stderr\n"
+    assert "shutting down" in log.read_text()
+    assert marks.read_text().splitlines() == ["registered last, runs first", "registered first, runs last"]

@@ -1,7 +1,6 @@
 """`python -m areal_lite.kit.server --model-path PATH_OR_ALIAS ...`: run the embedded server (see `--help`)."""
 
-import sys
-
 from areal_lite.kit.server.cli import main
+from areal_lite.kit.server.procs import exit_now
 
-sys.exit(main())
+exit_now(main())  # main() has stopped serving and joined its threads (procs.exit_now says why)

@@ -29,13 +29,14 @@ import queue
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, TypeVar
 
 from areal_lite.utils.lifeline import PR_SET_PDEATHSIG, prctl_function
 from areal_lite.utils.network import find_free_port, find_free_ports  # re-exported: the launcher's names
@@ -50,6 +51,7 @@ __all__ = [
     "server_log_path",
     "spawn",
     "exit_with_parent",
+    "exit_now",
 ]
 
 logger = logging.getLogger(__name__)
@@ -188,6 +190,22 @@ def exit_with_parent(parent_pid: int, interval: float = 1.0, log: Optional[loggi
     thread = threading.Thread(target=watch, name="areal-lite-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def exit_now(code: int) -> NoReturn:
+    """Call last in a child server that has stopped serving: run the `atexit` handlers (logging's flush among them),
+    flush stdout and stderr, then end the process with `code`, skipping the interpreter's teardown of every module
+    and object. Why: freeing torch's and transformers' modules one by one takes longer than to stop serving, and
+    every `ServerProcess.stop()` waits for it. The caller must have closed its files and joined its threads."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):  # closed or replaced by a caller: nothing to flush
+                pass
+        os._exit(code)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -9,12 +9,12 @@ The notebooks spell out the same loop cell by cell; `train(config)` runs it in-p
 
 Design decisions
 - `TrainConfig` is a `GRPOConfig` plus the choices a script needs (workflow, reward): any GRPOConfig YAML loads.
-- The server is a child process (`launch_server`) that dies with the trainer; `server_addrs=` reuses running ones.
+- The server is a child process (`launch_server`) that dies with the trainer, launched first and awaited last (its
+  model load overlaps the trainer's set-up); `server_addrs=` reuses running ones.
 - Weights go through disk, to a RAM folder the run owns (`utils.weight_dirs`); both sides' versions are bumped
   before `resume()`, so every later rollout is tagged with the new one (`_sync_weights`).
-- Async (`async_training=true`): `prepare_batch` under eta = `rollout.max_head_offpolicyness`; the decoupled loss
-  corrects for the lag.
-- Evaluation is greedy, through its own engine client (`evaluate`): it never counts against the staleness bound.
+- Async (`async_training=true`): `prepare_batch` under eta = `rollout.max_head_offpolicyness`, the lag corrected
+  by the decoupled loss. Evaluation is greedy, through its own engine client: outside the staleness bound.
 - A run folder is never silently reused (`kit.trainer.rundir`); `--resume` continues from the newest checkpoint at
   the same step and data position. LoRA (`actor.use_lora`): each sync writes the adapter alone (`_start_weights`).
 - Statistics: one JSON line per step in `stats.jsonl` (`StatsLogger`), optionally TensorBoard and W&B.
@@ -482,10 +482,14 @@ def train(
     run, meta = _open_run(config, resume, existing)
     handle = engine = actor = logger = owned_rewards = None
     try:
+        if server_addrs is None:
+            # First: the server loads its model while this process loads the data, the reward pool and the trainer's
+            # model, and is waited for only when the trainer is ready too.
+            handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run.path, "logs"))
         data = _load_run_data(config)
         reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
         # One reward worker pool for the run, shared by training and evaluation, started now so that its start-up
-        # overlaps the server's model load: otherwise the first held-out evaluation pays for it.
+        # overlaps the server's model load too: otherwise the first held-out evaluation pays for it.
         if isinstance(reward_fn, AsyncRewardWrapper):
             rewards = reward_fn
         else:
@@ -496,12 +500,11 @@ def train(
         eval_workflow = RLVRWorkflow(
             rewards, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
         )
-        if server_addrs is None:
-            handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run.path, "logs"))
+        actor = FSDPPPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
+        if handle is not None:
             server_addrs = [handle.wait_ready(timeout=config.rollout.setup_timeout).address]
         server_addrs = list(server_addrs)
         engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
-        actor = FSDPPPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
         actor.skip_silent_rows = getattr(config, "skip_silent_rows", True)
         start = _start_weights(run.checkpoint, handle is not None, actor, engine, data.dataloader, meta)
         logger = StatsLogger(config, run.path, start)
