@@ -1,13 +1,33 @@
 """What a benchmark's results file records about where it ran: the machine (CPU model, cores, vector ISA: the package's
-own `areal_lite.utils.machine`, re-exported here) and the source tree's commit."""
+own `areal_lite.utils.machine`), the ISA switches set in its environment, and the source tree's commit.
+
+An AVX2 proxy: `AVX2_PROXY_ENV` holds each library's own switch to its AVX2 kernels (torch's kernels, MKL's matmuls,
+oneDNN's packed linears: the server's decode runs on all three). Set together on an AVX-512 CPU, they run a bench on
+the code an AVX2-only CPU runs, with the Xeon's memory, caches and clocks: a first look, not that CPU's figures.
+"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
-from areal_lite.utils.machine import cpu_model, describe, vector_isa
+from areal_lite.utils.machine import cpu_model, vector_isa
+from areal_lite.utils.machine import describe as _describe
 
-__all__ = ["cpu_model", "describe", "git_state", "vector_isa"]
+__all__ = ["AVX2_PROXY_ENV", "cpu_model", "describe", "forced_isa", "git_state", "vector_isa"]
+
+AVX2_PROXY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def forced_isa() -> str:
+    """The ISA switches of `AVX2_PROXY_ENV` set here, e.g. "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"; "" if
+    none (the CPU runs its own best kernels)."""
+    return " ".join(f"{k}={os.environ[k]}" for k in AVX2_PROXY_ENV if os.environ.get(k))
+
+
+def describe() -> dict:
+    """{"cpu_model", "cores", "vector_isa"} (`areal_lite.utils.machine.describe`) and "forced_isa" (`forced_isa`)."""
+    return {**_describe(), "forced_isa": forced_isa()}
 
 
 def git_state(tree: str) -> dict:

@@ -47,13 +47,8 @@ def main(argv: list | None = None) -> int:
     paths = sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[0-9][0-9]_*.ipynb")))
     paths = [p for p in paths if not args.names or any(n in os.path.basename(p) for n in args.names)]
     machine, tree = describe(), git_state(ROOT)
-    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU runs torch's AVX2 kernels there: a proxy, not an AVX2-only CPU
-    result = {
-        "bench": "notebook_times",
-        **machine,
-        "forced_isa": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-        "notebooks": {},
-    }
+    # forced_isa: an AVX2 proxy's switches (bench/_machine.py), "" where the CPU runs its own best kernels
+    result = {"bench": "notebook_times", **machine, "notebooks": {}}
     if args.json and os.path.exists(args.json):
         with open(args.json, encoding="utf-8") as f:
             old = json.load(f)

@@ -10,8 +10,8 @@ file (a record typed from older notes may hold fewer), "note" what differed and 
 `--archive NAME` appends the current results file's record to its history, so no figure is ever typed.
 RESULTS.md: per bench, its latest run (machine, date, commit, headline table), then "Earlier runs", newest first.
 The text depends on the files alone (fixed order, no clock): `--check` exits 1 when the file differs from it.
-Results files before `vector_isa` was recorded: "not recorded"; `cores` falls back to "cpus", "cpu_count" or, for
-update_speed's, the threads it ran with (all on 2-core machines).
+Results files before `vector_isa` was recorded: "not recorded"; a run with `forced_isa` set: "(AVX2 proxy)"; `cores`
+falls back to "cpus", "cpu_count" or, for update_speed's, the threads it ran with (all on 2-core machines).
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def machine(data: dict) -> dict:
         "dirty": dirty,
         "date": when(data.get("date", "")),
         "cpu_model": data.get("cpu_model") or data.get("cpu") or "not recorded",
-        "vector_isa": data.get("vector_isa") or "not recorded",
+        # an AVX2 proxy (bench/_machine.py) says so: its figures are not the AVX-512 CPU's own
+        "vector_isa": (data.get("vector_isa") or "not recorded") + (" (AVX2 proxy)" if data.get("forced_isa") else ""),
         "cores": cores,
     }
 

@@ -27,6 +27,18 @@ def test_cpu_lists_round_trip():
     assert bench.parse_cpu_list(bench.format_cpu_list([0, 2, 3, 4, 9])) == [0, 2, 3, 4, 9]
 
 
+def test_the_avx2_proxy_is_recorded_and_documented_as_one_switch_set(monkeypatch):
+    machine = load_bench("_machine")
+    for name in machine.AVX2_PROXY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert machine.describe()["forced_isa"] == ""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert machine.describe()["forced_isa"] == "ONEDNN_MAX_CPU_ISA=AVX2"  # one switch alone is still a proxy
+    line = " ".join(f"{k}={v}" for k, v in machine.AVX2_PROXY_ENV.items())
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        assert line in f.read()  # the command the docs give sets every switch the benches record
+
+
 def test_the_embedded_server_is_started_from_this_trees_package(tmp_path):
     """The bench starts `python -m <package>` in a source tree; the package moved as the kit grew."""
     module = bench.server_module(ROOT)

@@ -109,6 +109,15 @@ def test_latest_run_first_with_its_machine_then_earlier_runs_newest_first(result
     assert report.render(str(results)) == text  # nothing from the clock or the file system's order
 
 
+def test_an_avx2_proxy_run_says_so(results):
+    """A run on an AVX-512 CPU told to use AVX2 kernels (bench/_machine.py's AVX2_PROXY_ENV) is not that CPU's own."""
+    proxy = vs_trl_run("e" * 40, "2026-12-03 10:00:00", [80.0], [300.0])
+    proxy["forced_isa"] = "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2"
+    write(results / "vs_trl.json", proxy)
+    assert "Test CPU 9000, AVX512 + BF16 (AVX2 proxy), 4 cores" in report.render(str(results))
+    assert "(AVX2 proxy)" not in report.machine({**proxy, "forced_isa": ""})["vector_isa"]
+
+
 def test_check_says_when_the_file_is_stale_and_archive_keeps_a_run_once(results, capsys):
     out = str(results / "RESULTS.md")
     args = ["--results", str(results), "--out", out]
