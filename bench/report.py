@@ -32,8 +32,10 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "rollout_throughput": "Rollout throughput, prompts with a shared start (`bench/rollout_throughput.py`)",
     "rollout_throughput_distinct_starts": "Rollout throughput, `--distinct-starts` (`bench/rollout_throughput.py`)",
     "rollout_throughput_demo": "Rollout throughput, the demo's rollout: 16 new tokens (`bench/rollout_throughput.py`)",
+    "rollout_throughput_demo_avx2_proxy": "The demo's rollout, AVX2 proxy (`bench/rollout_throughput.py`)",
     "update_speed": "One PPO update (`bench/update_speed.py`)",
     "eval_cost": "A held-out evaluation against a step's generation (`bench/eval_cost.py`)",
+    "eval_cost_avx2_proxy": "A held-out evaluation against a step's generation, AVX2 proxy (`bench/eval_cost.py`)",
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
 }

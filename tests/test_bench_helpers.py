@@ -33,7 +33,9 @@ def test_the_avx2_proxy_is_recorded_and_documented_as_one_switch_set(monkeypatch
         monkeypatch.delenv(name, raising=False)
     assert machine.describe()["forced_isa"] == ""
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert machine.describe()["forced_isa"] == "ONEDNN_MAX_CPU_ISA=AVX2"  # one switch alone is still a proxy
+    record = machine.describe()
+    assert record["forced_isa"] == "ONEDNN_MAX_CPU_ISA=AVX2"  # one switch alone is still a proxy
+    assert "BF16" not in record["vector_isa"] and "AMX" not in record["vector_isa"]  # oneDNN's, and switched off
     line = " ".join(f"{k}={v}" for k, v in machine.AVX2_PROXY_ENV.items())
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
         assert line in f.read()  # the command the docs give sets every switch the benches record
