@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test notebook-times test-zh test-fast test-repeat soak test-gpu vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test notebook-times test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -39,6 +39,8 @@ help:
 	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~25 min on a Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
+	@echo "make gpu-stage - the GPU check for an offline GPU machine, staged in parts (.gpu-stage/; docs/gpu.md)"
+	@echo "make gpu-dry-run - that GPU check's steps here, on the CPU, notebooks on their smoke budget (~6 min)"
 	@echo "make vllm      - opt-in: the vLLM backend's own venv (.venv-vllm, ~2.5 GB)"
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
 	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 08's export, 2 steps + a resumed one (~5 min)"
@@ -170,6 +172,15 @@ exercises: $(STAMP)
 
 test-gpu:
 	bash tools/test_gpu.sh
+
+# The GPU check for a GPU machine that reaches no index or hub and takes a few tens of MiB a call (docs/gpu.md).
+gpu-stage: $(DEVSTAMP)
+	$(BIN)/python tools/gpu_check.py stage
+
+gpu-dry-run: gpu-stage
+	parts="$$(ls -d .gpu-stage/part-* | sort)"; last="$$(echo "$$parts" | tail -n 1)"; \
+	for p in $$parts; do [ "$$p" = "$$last" ] || $(BIN)/python tools/gpu_check.py receive "$$p" || exit 1; done; \
+	$(BIN)/python tools/gpu_check.py run "$$last" --dry-run --smoke --out runs/gpu-dry-run
 
 # vLLM is opt-in: its own venv (it pins its own transformers), never part of `make test` (marker `vllm`).
 VLLM_VENV ?= .venv-vllm

@@ -37,6 +37,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "eval_cost": "A held-out evaluation against a step's generation (`bench/eval_cost.py`)",
     "eval_cost_avx2_proxy": "A held-out evaluation against a step's generation, AVX2 proxy (`bench/eval_cost.py`)",
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
+    "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
 }
 MACHINE_COLUMNS = ["date", "commit", "CPU", "vector ISA", "cores"]
@@ -315,6 +316,30 @@ def row_notebook_times(f: dict) -> list:
     return [str(len(f["minutes"])), f"{sum(f['minutes'].values()):.1f}"]
 
 
+# gpu (tools/gpu_check.py) -----------------------------------------------------------------------------------------
+
+
+def summarise_gpu(d: dict) -> dict:
+    tests = d.get("tests", {})
+    return {"gpu": d.get("gpu") or "none (dry run on the CPU)", "torch": d.get("torch", ""),
+            "tests": {k: tests.get(k, 0) for k in ("passed", "failed", "skipped")} | {"rc": tests.get("rc")},
+            "notebooks": {n: {"seconds": r["seconds"], "ok": r["rc"] == 0} for n, r in sorted(d["notebooks"].items())},
+            "smoke": bool(d.get("smoke"))}  # fmt: skip
+
+
+def latest_gpu(f: dict) -> list:
+    t, budget = f["tests"], "the smoke" if f["smoke"] else "full"
+    tests = f"`tests/test_gpu.py`: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped."
+    lines = [f"GPU: {f['gpu']}, torch {f['torch']}; notebooks at {budget} budget.", "", tests, ""]
+    rows = [[n, "passed" if r["ok"] else "FAILED", f"{r['seconds']:.0f}"] for n, r in f["notebooks"].items()]
+    return lines + table(["notebook (nbval)", "outcome", "seconds"], rows)
+
+
+def row_gpu(f: dict) -> list:
+    ok = sum(r["ok"] for r in f["notebooks"].values())
+    return [f["gpu"], f"{f['tests']['passed']} passed, {f['tests']['failed']} failed", f"{ok} of {len(f['notebooks'])}"]
+
+
 # async_vs_sync (no results file: its runs are history only) --------------------------------------------------------
 
 
@@ -335,6 +360,7 @@ KINDS = {
     "eval_cost": (summarise_eval_cost, latest_eval_cost, ["time, eval / gen", "work, eval / gen"], row_eval_cost),
     "notebook_times": (summarise_notebook_times, latest_notebook_times, ["notebooks", "minutes"], row_notebook_times),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
+    "gpu": (summarise_gpu, latest_gpu, ["GPU", "GPU tests", "notebooks passed"], row_gpu),
 }
 
 

@@ -118,6 +118,19 @@ def test_an_avx2_proxy_run_says_so(results):
     assert "(AVX2 proxy)" not in report.machine({**proxy, "forced_isa": ""})["vector_isa"]
 
 
+def test_the_gpu_check_reports_its_gpu_tests_and_notebooks(results):
+    nb = {"01_setup": {"rc": 0, "seconds": 30.2, "passed": 13}, "10_lora": {"rc": 1, "seconds": 95.0, "failed": 1}}
+    run = {"bench": "gpu", "date": "2026-12-04 10:00:00", "commit": "f" * 40, "dirty": False, "dry_run": False,
+           "torch": "2.11.0+cu130", "cuda": True, "gpu": "NVIDIA H200", "cpu_model": "Host CPU", "cores": 16,
+           "vector_isa": "AVX512", "smoke": False, "tests": {"rc": 0, "passed": 5, "failed": 0, "skipped": 2},
+           "notebooks": nb}  # fmt: skip
+    write(results / "gpu.json", run)
+    text = report.render(str(results)).split("## The GPU check")[1]
+    assert "GPU: NVIDIA H200, torch 2.11.0+cu130; notebooks at full budget." in text
+    assert "`tests/test_gpu.py`: 5 passed, 0 failed, 2 skipped." in text
+    assert "| 01_setup | passed | 30 |" in text and "| 10_lora | FAILED | 95 |" in text
+
+
 def test_check_says_when_the_file_is_stale_and_archive_keeps_a_run_once(results, capsys):
     out = str(results / "RESULTS.md")
     args = ["--results", str(results), "--out", out]
