@@ -162,8 +162,12 @@ def stage(part_mb: int) -> None:
     shutil.rmtree(STAGE, ignore_errors=True)
     wheels = os.path.join(STAGE, "payload", "wheels")
     os.makedirs(wheels)
-    todo = kit_requirements()
+    todo, tried = kit_requirements(), set()
     while todo:  # the closure: download, read what the new wheels require, repeat
+        again = tried & {norm(n) for n in todo}
+        if again:  # a wheel whose file name is not its requirement's name: say so rather than loop
+            raise SystemExit(f"stage: downloaded but still missing (a name mismatch?): {sorted(again)}")
+        tried |= {norm(n) for n in todo}
         download(todo, wheels)
         have = staged_names(wheels)
         needed = {norm(r) for w in glob.glob(os.path.join(wheels, "*.whl")) for r in wheel_requirements(w)}
