@@ -26,15 +26,9 @@ def forced_isa() -> str:
 
 
 def describe() -> dict:
-    """{"cpu_model", "cores", "vector_isa"} (`areal_lite.utils.machine.describe`) and "forced_isa" (`forced_isa`).
-    Under a proxy "vector_isa" is torch's dispatch level alone: the CPU's bf16 units (AMX, AVX-512 BF16) are
-    oneDNN's, and ONEDNN_MAX_CPU_ISA=AVX2 leaves them unused."""
-    import torch
-
-    record = {**_describe(), "forced_isa": forced_isa()}
-    if record["forced_isa"]:
-        record["vector_isa"] = torch.backends.cpu.get_cpu_capability()
-    return record
+    """{"cpu_model", "cores", "vector_isa"} (`areal_lite.utils.machine.describe`: under the proxy "AVX2", the CPU's
+    bf16 units being oneDNN's, which ONEDNN_MAX_CPU_ISA switches off) and "forced_isa" (`forced_isa`)."""
+    return {**_describe(), "forced_isa": forced_isa()}
 
 
 def git_state(tree: str) -> dict:

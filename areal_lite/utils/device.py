@@ -117,12 +117,18 @@ def pick_device(preferred: str = "auto") -> torch.device:
 
 
 def cpu_native_bf16() -> str:
-    """This CPU's native bfloat16 instructions, "AMX" or "AVX-512 BF16", or "" when it has neither.
+    """This CPU's native bfloat16 instructions, "AMX" or "AVX-512 BF16", or "" when it has neither or oneDNN may not
+    use them (`ONEDNN_MAX_CPU_ISA` below its bf16 kernels: the AVX2 proxy of bench/_machine.py).
 
     torch 2.x exposes the checks as private `torch.cpu._is_amx_tile_supported` / `_is_avx512_bf16_supported`
     (`torch.backends.cpu.get_cpu_capability()` only names the vector width, "AVX512" with or without BF16); a torch
     without them, or one whose check fails, counts as "no", the safe answer (float32 is never the slow choice).
     """
+    try:  # oneDNN capped below its bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2, say) leaves the units unused
+        if torch.backends.mkldnn.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return ""
+    except Exception:
+        pass
     for name, what in (("_is_amx_tile_supported", "AMX"), ("_is_avx512_bf16_supported", "AVX-512 BF16")):
         check = getattr(torch.cpu, name, None)
         try:
