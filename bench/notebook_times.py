@@ -41,9 +41,6 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--json", default=DEFAULT_JSON, help="results file ('' for none)")
     args = ap.parse_args(argv)
 
-    import nbformat
-    from build_notebooks import execute
-
     paths = sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[0-9][0-9]_*.ipynb")))
     paths = [p for p in paths if not args.names or any(n in os.path.basename(p) for n in args.names)]
     machine, tree = describe(), git_state(ROOT)
@@ -57,23 +54,40 @@ def main(argv: list | None = None) -> int:
     for path in paths:
         name = os.path.basename(path)[: -len(".ipynb")]
         print(f"{name} ...", flush=True)
-        # A scratch tree shaped like the repository (the notebooks read ../../configs and write runs/ and ../../runs):
-        # each notebook starts from no earlier run, and a learner's own runs stay where they are.
-        with tempfile.TemporaryDirectory(prefix="notebook-times-") as scratch:
-            os.symlink(os.path.join(ROOT, "configs"), os.path.join(scratch, "configs"))
-            folder = os.path.join(scratch, "notebooks", "en")
-            os.makedirs(folder)
-            nb = execute(nbformat.read(path, as_version=4), folder)
-        seconds = nb.metadata["areal_lite"]["reference_run"]["wall_seconds"]
+        seconds = time_notebook(path)
         print(f"  {seconds:.1f} s ({seconds / 60:.1f} min)", flush=True)
         result["notebooks"][name] = {"seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **tree}
+        if args.json:  # after each notebook: a run stopped halfway keeps what it timed
+            save(result, args.json)
+    return 0
+
+
+def time_notebook(path: str, configs: str = os.path.join(ROOT, "configs")) -> float:
+    """Wall seconds of notebook `path` run top to bottom by the build tool's `execute`, in a scratch tree shaped like
+    the repository (the notebooks read ../../configs and write runs/ and ../../runs): it starts from no earlier run,
+    and a learner's own runs stay where they are. The notebooks beside it are there too, read-only (04 runs 03's
+    cells, 08 reads 05's)."""
+    import nbformat
+    from build_notebooks import execute
+
+    with tempfile.TemporaryDirectory(prefix="notebook-times-") as scratch:
+        os.symlink(configs, os.path.join(scratch, "configs"))
+        folder = os.path.join(scratch, "notebooks", "en")
+        os.makedirs(folder)
+        for other in glob.glob(os.path.join(os.path.dirname(os.path.abspath(path)), "*.ipynb")):
+            if os.path.abspath(other) != os.path.abspath(path):
+                os.symlink(other, os.path.join(folder, os.path.basename(other)))
+        nb = execute(nbformat.read(path, as_version=4), folder)
+    return nb.metadata["areal_lite"]["reference_run"]["wall_seconds"]
+
+
+def save(result: dict, path: str) -> None:
+    """`result` with the date and commit of its newest notebook, as `path`."""
     latest = max(result["notebooks"].values(), key=lambda r: r["date"], default={"date": "", "commit": ""})
     result.update(date=latest["date"], commit=latest.get("commit", ""), dirty=latest.get("dirty", False))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

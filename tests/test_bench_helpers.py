@@ -241,3 +241,27 @@ def test_report_lists_notebook_times_in_minutes():
     text = "\n".join(report.latest_notebook_times(figures))
     assert "| 01_setup | 0.8 |" in text and "| 02_rewards | 0.5 |" in text and "| all | 1.2 |" in text
     assert report.row_notebook_times(figures) == ["2", "1.2"]
+
+
+def test_a_notebook_is_timed_in_a_scratch_tree_with_its_sibling_notebooks(tmp_path):
+    """As 04 runs 03's cells and 08 reads 05's, a timed notebook finds the notebooks beside it and ../../configs,
+    and writes its runs into the scratch tree, not beside the original."""
+    import nbformat
+
+    notebook_times = load_bench("notebook_times")
+    folder, configs = tmp_path / "notebooks" / "en", tmp_path / "configs"
+    folder.mkdir(parents=True)
+    configs.mkdir()
+    (configs / "demo.yaml").write_text("seed: 1\n")
+    sibling = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("answer = 42")])
+    nbformat.write(sibling, folder / "01_first.ipynb")
+    code = (
+        "import nbformat, os\n"
+        "assert nbformat.read('01_first.ipynb', as_version=4).cells[0].source == 'answer = 42'\n"
+        "assert open('../../configs/demo.yaml').read() == 'seed: 1\\n'\n"
+        "os.makedirs('runs'); open('runs/out.txt', 'w').write('x')"
+    )
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), folder / "02_second.ipynb")
+    seconds = notebook_times.time_notebook(str(folder / "02_second.ipynb"), configs=str(configs))
+    assert 0 < seconds < 120
+    assert not (folder / "runs").exists()  # the scratch tree took it
