@@ -24,7 +24,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -68,7 +67,10 @@ IMAGE_PACKAGES = set(
 
 
 def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    """A distribution's name as pip compares them ("PyStemmer", "nest_asyncio2" -> "pystemmer", "nest-asyncio2")."""
+    from packaging.utils import canonicalize_name
+
+    return canonicalize_name(name)
 
 
 # ---- here: stage --------------------------------------------------------------------------------------------------
@@ -77,10 +79,11 @@ def norm(name: str) -> str:
 def kit_requirements() -> list[str]:
     """The names of the kit's dependencies (pyproject.toml) the image lacks, and the notebook runner's."""
     import tomllib
+    from packaging.requirements import Requirement
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
-    names = [re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0] for d in deps] + RUNNER
+    names = [Requirement(d).name for d in deps] + RUNNER
     return [n for n in names if norm(n) not in IMAGE_PACKAGES]
 
 
