@@ -43,6 +43,35 @@ def test_the_learners_version_is_what_runs(tmp_path):
     assert namespace["loss"](2) == -2
 
 
+def test_each_cell_is_named_with_the_section_a_reader_finds_it_in(tmp_path):
+    """A notebook that has not run shows no In [N]: the key also names the numbered heading above the cell, the same
+    in every language; an unnumbered heading ends the section, a deeper heading does not."""
+    nb = nbformat.v4.new_notebook()
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    nb.cells = [
+        md("# 03 · The notebook"),
+        code("A = 1"),
+        md("## 1. Single-turn RLVR\n\ntext"),
+        code("B = 2"),
+        md("### Why it works"),
+        code("C = 3"),
+        md("## 4. 损失函数：由你来写"),
+        code("D = 4"),
+        md("## What notebook 04 takes from here"),
+        code("E = 5"),
+    ]
+    path = str(tmp_path / "03.ipynb")
+    nbformat.write(nb, path)
+    ran = run_cells_defining(path, list("ABCDE"), {})
+    assert ran == {
+        "code cell 1": ["A"],
+        "code cell 2 (section 1)": ["B"],
+        "code cell 3 (section 1)": ["C"],
+        "code cell 4 (section 4)": ["D"],
+        "code cell 5": ["E"],
+    }
+
+
 def test_a_missing_name_or_notebook_says_what_to_do(tmp_path):
     path = _notebook(tmp_path / "03.ipynb", "def loss(x):\n    return x")
     with pytest.raises(NameError, match=r"defines no \['my_ppo_loss'\]: write them there, save it"):

@@ -155,6 +155,24 @@ def test_notebook_minutes_are_the_reference_runs():
     assert not wrong, f"notebooks/README.md timing plan: (stated, AVX2 figure) minutes differ: {wrong}"
 
 
+HEADER_TIMES = {  # each notebook's first cell, in the source of both languages: (reference minutes, AVX2 minutes)
+    "en": r"\*\*Time\*\* ~([\d.]+) min on a 2-core AVX-512 CPU, about ([\d.]+) on an AVX2-only one",
+    "zh": r"\*\*耗时\*\* 2 核 AVX-512 CPU 上约 ([\d.]+) 分钟，仅支持 AVX2 的 CPU 上估计约 ([\d.]+) 分钟",
+}
+
+
+def test_each_notebooks_header_gives_the_same_minutes_as_the_readmes():
+    """A learner reads the time in the notebook's own header: it must be the READMEs' figure (`_reference_minutes`),
+    in English and in Chinese, not the time of an earlier run."""
+    expected = _reference_minutes()
+    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "src", "[01]*.nb.md"))):
+        n, text = os.path.basename(path)[:2], open(path, encoding="utf-8").read()
+        for lang, pattern in HEADER_TIMES.items():
+            found = re.findall(pattern, text)
+            name = os.path.basename(path)
+            assert found == [expected[n]], f"{name} ({lang}): the header says {found}, the READMEs {expected[n]}"
+
+
 def test_an_avx2_only_cpus_notebook_times_replace_the_estimate(tmp_path):
     """Once bench/notebook_times.py has timed a notebook on an AVX2-only CPU, the READMEs must give that time; a run
     with torch's AVX2 kernels forced on an AVX-512 CPU (a proxy) or from an AVX-512 CPU changes nothing."""

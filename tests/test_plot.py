@@ -123,6 +123,8 @@ def test_plot_turns_draws_mean_turns_and_bounds(tmp_path):
     assert list(ax.lines[0].get_ydata()) == [2.0, 1.75, 1.5, 1.25]
     assert sorted(line.get_ydata()[0] for line in ax.lines[2:]) == [1, 3]  # the two dotted bounds
     assert is_png(save_png(fig, tmp_path / "turns.png"))
+    labels = [t.get_text() for t in plot_turns(rows, n=16).axes[0].get_legend().get_texts()]
+    assert labels[0] == "turns (per step, n=16)"  # an estimate is read with its n
     with pytest.raises(KeyError, match="no turn count"):
         plot_turns([{"reward": 1.0}])
 

@@ -13,10 +13,23 @@ import ast
 import contextlib
 import io
 import os
+import re
+from typing import Optional
 
 import nbformat
 
 __all__ = ["run_cells_defining"]
+
+
+def _section(markdown: str, current: Optional[str]) -> Optional[str]:
+    """The section a markdown cell leaves the notebook in: the number of its last title or section heading ("#" or
+    "##": "## 4. The loss" -> "4"), None after an unnumbered one ("## Setup"), `current` if it has neither (deeper
+    headings are parts of a section). The number rather than the title: it is the same in every language."""
+    headings = re.findall(r"^#{1,2}\s+(.*)$", markdown, re.M)
+    if not headings:
+        return current
+    number = re.match(r"(\d+)\.\s", headings[-1])
+    return number.group(1) if number else None
 
 
 def _defined_names(tree: ast.Module) -> set[str]:
@@ -40,18 +53,26 @@ def run_cells_defining(notebook: str, names: list[str], namespace: dict) -> dict
         names: the top-level names wanted (functions, classes, variables).
         namespace: where the cells run, usually the calling notebook's `globals()`.
 
-    Returns: {"code cell N": [names it defined]} for the cells run, in order (N counts code cells from 1).
+    Returns: {"code cell N (section S)": [names it defined]} for the cells run, in order. N counts code cells from 1
+    (a fresh run's In [N]); S is the number of the heading above the cell ("## 4. The loss" gives 4), the part a
+    reader finds in a notebook that has not run; without a numbered heading above, the key is "code cell N".
 
     Example:
         >>> run_cells_defining("03_gsm8k_agent.ipynb", ["my_ppo_loss"], globals())  # doctest: +SKIP
-        {'code cell 19': ['my_grpo_advantages', 'my_ppo_loss']}
+        {'code cell 23 (section 4)': ['my_grpo_advantages', 'my_ppo_loss']}
     """
     if not os.path.exists(notebook):
         raise FileNotFoundError(f"{notebook} not found in {os.getcwd()}: run this notebook from its own folder")
     nb = nbformat.read(notebook, as_version=4)
     wanted, ran = set(names), {}
-    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
-    for index, cell in enumerate(code_cells, 1):  # numbered as a fresh run numbers them: In [1], In [2], ...
+    index, section = 0, None
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            section = _section(cell.source, section)
+            continue
+        if cell.cell_type != "code":
+            continue
+        index += 1  # numbered as a fresh run numbers them: In [1], In [2], ...
         if cell.source.lstrip().startswith(("%", "!")):
             continue
         try:
@@ -63,7 +84,7 @@ def run_cells_defining(notebook: str, names: list[str], namespace: dict) -> dict
             continue
         with contextlib.redirect_stdout(io.StringIO()):  # what the cell printed was read in its own notebook
             exec(compile(tree, f"{notebook}, code cell {index}", "exec"), namespace)  # noqa: S102 - the learner's code
-        ran[f"code cell {index}"] = sorted(defined)
+        ran[f"code cell {index}" + (f" (section {section})" if section else "")] = sorted(defined)
     missing = wanted - {n for found in ran.values() for n in found}
     if missing:
         raise NameError(f"{notebook} defines no {sorted(missing)}: write them there, save it, rerun this cell")

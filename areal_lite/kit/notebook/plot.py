@@ -346,16 +346,22 @@ def save_png(fig, path: Union[str, os.PathLike], dpi: int = 110) -> str:
 
 
 def plot_turns(
-    stats: Stats, ax=None, smoothing: float = 0.6, max_turns: Optional[int] = None, title: str = "Turns per episode"
+    stats: Stats,
+    ax=None,
+    smoothing: float = 0.6,
+    max_turns: Optional[int] = None,
+    title: str = "Turns per episode",
+    n: Optional[int] = None,
 ):
     """Mean answers per episode, per step (points + smoothed line), for agents that may answer several times.
 
     A row's `turns` is the mean over the step's episodes of the answers up to the first correct one (the whole
     budget when none was). Dotted lines mark 1 (every episode right at the first try) and `max_turns` (none right).
+    `n`: the episodes each step's mean is over, written into the legend.
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    _curve(ax, rows, TURN_KEYS, "turn count", smoothing)
+    _curve(ax, rows, TURN_KEYS, "turn count", smoothing, n=n)
     ax.axhline(1, ls=":", color="gray", lw=1)
     if max_turns is not None:
         ax.axhline(max_turns, ls=":", color="gray", lw=1)
