@@ -39,6 +39,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
+    "tool_exploration": "Tool calls before training, notebook 09's calculator (`bench/tool_exploration.py`)",
 }
 MACHINE_COLUMNS = ["date", "commit", "CPU", "vector ISA", "cores"]
 
@@ -316,6 +317,45 @@ def row_notebook_times(f: dict) -> list:
     return [str(len(f["minutes"])), f"{sum(f['minutes'].values()):.1f}"]
 
 
+# tool_exploration -------------------------------------------------------------------------------------------------
+
+
+def summarise_tool_exploration(d: dict) -> dict:
+    """{"problems", "samples", "temperature", "tables": {budget: {"syntax examples": [calls, episodes, right calls,
+    parse failures, correct]}}}"""
+    a = d["args"]
+    tables = {
+        budget: {f"{r['syntax']} {'-' if r['examples'] is None else r['examples']}":
+                 [r["calls"], r["episodes"], r["right"], r["failures"], r["correct"]] for r in rows}
+        for budget, rows in d["tables"].items()
+    }  # fmt: skip
+    return {"problems": a["problems"], "samples": a["samples"], "temperature": a["temperature"], "tables": tables}
+
+
+def latest_tool_exploration(f: dict) -> list:
+    lines = [f"{f['problems']} problems x {f['samples']} samples at temperature {f['temperature']}, first completion "
+             "only, notebook 09's tool and worked example.", ""]  # fmt: skip
+    budgets = list(f["tables"])
+    rows = []
+    for key in f["tables"][budgets[0]]:
+        syntax, examples = key.split()
+        cells = []
+        for b in budgets:
+            calls, episodes, right, failures, correct = f["tables"][b][key]
+            cells.append(f"accuracy {correct / episodes:.2f}" if examples == "-" else f"{calls} ({right}) / {failures}")
+        rows.append([syntax, examples, *cells])
+    header = ["syntax", "worked examples"] + [f"{b} tokens: calls (right) / parse failures" for b in budgets]
+    return lines + table(header, rows)
+
+
+def row_tool_exploration(f: dict) -> list:
+    out = []
+    for budget, rows in f.get("tables", {}).items():
+        best = max((k for k in rows if not k.startswith("unaided")), key=lambda k: rows[k][0])
+        out.append(f"{budget} tokens: {best} {rows[best][0]}/{rows[best][1]}")
+    return ["; ".join(out)]
+
+
 # gpu (tools/gpu_check.py) -----------------------------------------------------------------------------------------
 
 
@@ -360,6 +400,12 @@ KINDS = {
     "eval_cost": (summarise_eval_cost, latest_eval_cost, ["time, eval / gen", "work, eval / gen"], row_eval_cost),
     "notebook_times": (summarise_notebook_times, latest_notebook_times, ["notebooks", "minutes"], row_notebook_times),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
+    "tool_exploration": (
+        summarise_tool_exploration,
+        latest_tool_exploration,
+        ["most calls (syntax, examples)"],
+        row_tool_exploration,
+    ),
     "gpu": (summarise_gpu, latest_gpu, ["GPU", "GPU tests", "notebooks passed"], row_gpu),
 }
 

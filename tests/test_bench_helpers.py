@@ -265,3 +265,40 @@ def test_a_notebook_is_timed_in_a_scratch_tree_with_its_sibling_notebooks(tmp_pa
     seconds = notebook_times.time_notebook(str(folder / "02_second.ipynb"), configs=str(configs))
     assert 0 < seconds < 120
     assert not (folder / "runs").exists()  # the scratch tree took it
+
+
+def test_notebook_09s_tool_table_is_the_benchs_recorded_run():
+    """Notebook 09's table of tool calls before training (both languages) and its 40-token figures are
+    bench/tool_exploration.py's latest run, made with the notebook's own tool (read from its source)."""
+    import re
+
+    bench = load_bench("tool_exploration")
+    record = json.load(open(os.path.join(ROOT, "bench", "results", "tool_exploration.json"), encoding="utf-8"))
+    assert record["tools"] == bench.notebook_tools()
+    rows = {b: {(r["syntax"], r["examples"]): r for r in table} for b, table in record["tables"].items()}
+    raw = open(bench.NOTEBOOK, encoding="utf-8").read()
+
+    def numbers_after(first_cell: str) -> list:
+        line = next((x for x in raw.splitlines() if x.startswith(first_cell)), None)
+        assert line is not None, f"no row {first_cell!r} in notebook 09"
+        return [int(n) for n in re.findall(r"\d+", line[len(first_cell) :])]
+
+    for syntax, en, zh in (("hermes", "Hermes syntax", "Hermes 语法"), ("compact", "compact syntax", "紧凑语法")):
+        calls, right, failures = (
+            [rows["24"][(syntax, k)][key] for k in (0, 1, 2)] for key in ("calls", "right", "failures")
+        )
+        episodes = rows["24"][(syntax, 0)]["episodes"]
+        assert numbers_after(f"| {en}, 0 / 1 / 2 worked examples |") == calls + [episodes] + right + failures
+        assert numbers_after(f"| {zh}，0 / 1 / 2 个完整示例 |") == [episodes] + calls + right + failures
+    unaided = rows["24"][("unaided", None)]
+    accuracy = f"{unaided['correct'] / unaided['episodes']:.2f}"
+    text = re.sub(r"\s+", " ", raw)
+    assert f"(unaided: accuracy {accuracy})" in text and f"（无辅助：准确率 {accuracy}）" in text
+    long = [rows["40"][("hermes", 2)]["calls"], rows["40"][("hermes", 2)]["episodes"]]
+    long += [rows["40"][("compact", 1)]["calls"], rows["40"][("compact", 2)]["calls"]]
+    en = "With 40 tokens Hermes + two examples reaches {} of {} calls, compact + one example {} and compact + two {}."
+    zh = (
+        "预算为 40 个 token 时，Hermes + 两个示例达到 {1} 次中 {0} 次调用，"
+        "紧凑 + 一个示例 {2} 次，紧凑 + 两个示例 {3} 次。"
+    )
+    assert en.format(*long) in text and zh.format(*long) in text
