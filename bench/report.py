@@ -39,6 +39,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
+    "search_prompts": "Notebook 05's prompt and its variants, before training (`bench/search_prompts.py`)",
     "tool_exploration": "Tool calls before training, notebook 09's calculator (`bench/tool_exploration.py`)",
 }
 MACHINE_COLUMNS = ["date", "commit", "CPU", "vector ISA", "cores"]
@@ -356,6 +357,34 @@ def row_tool_exploration(f: dict) -> list:
     return ["; ".join(out)]
 
 
+# search_prompts ---------------------------------------------------------------------------------------------------
+
+
+def search_prompt_cells(row: dict) -> list:
+    """One prompt's row as notebook 05's table gives it: searched and answered shares, sampled F1, greedy F1."""
+    s, g = row["sampled"], row["greedy"]
+    return [f"{s['searched'] / s['episodes']:.0%}", f"{s['answered'] / s['episodes']:.0%}", f"{s['reward']:.2f}",
+            f"{g['reward']:.2f}"]  # fmt: skip
+
+
+def summarise_search_prompts(d: dict) -> dict:
+    a = d["args"]
+    return {"questions": a["questions"], "samples": a["samples"],
+            "rows": {r["prompt"]: [r["prompt_tokens"], *search_prompt_cells(r)] for r in d["rows"]}}  # fmt: skip
+
+
+def latest_search_prompts(f: dict) -> list:
+    lines = [f"{f['questions']} training questions x {f['samples']} episodes at temperature 1.0; greedy: the held-out "
+             "questions; before any training.", ""]  # fmt: skip
+    rows = [[name, *cells] for name, cells in f["rows"].items()]
+    return lines + table(["prompt", "prompt tokens", "searched", "answered", "F1, sampled", "F1, greedy"], rows)
+
+
+def row_search_prompts(f: dict) -> list:
+    rows = list(f.get("rows", {}).values())
+    return [" / ".join(r[3] for r in rows)]
+
+
 # gpu (tools/gpu_check.py) -----------------------------------------------------------------------------------------
 
 
@@ -400,6 +429,7 @@ KINDS = {
     "eval_cost": (summarise_eval_cost, latest_eval_cost, ["time, eval / gen", "work, eval / gen"], row_eval_cost),
     "notebook_times": (summarise_notebook_times, latest_notebook_times, ["notebooks", "minutes"], row_notebook_times),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
+    "search_prompts": (summarise_search_prompts, latest_search_prompts, ["sampled F1 by prompt"], row_search_prompts),
     "tool_exploration": (
         summarise_tool_exploration,
         latest_tool_exploration,

@@ -17,5 +17,6 @@ def load_bench(name: str):
         sys.path.append(bench_dir)
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: a dataclass in the script looks its module up there
     spec.loader.exec_module(module)
     return module

@@ -302,3 +302,23 @@ def test_notebook_09s_tool_table_is_the_benchs_recorded_run():
         "紧凑 + 一个示例 {2} 次，紧凑 + 两个示例 {3} 次。"
     )
     assert en.format(*long) in text and zh.format(*long) in text
+
+
+def test_notebook_05s_prompt_table_is_the_benchs_recorded_run():
+    """Notebook 05's table of prompts (both languages) is bench/search_prompts.py's latest run, made with the
+    notebook's own instructions (read from its source), row for row."""
+    bench, report = load_bench("search_prompts"), load_bench("report")
+    record = json.load(open(os.path.join(ROOT, "bench", "results", "search_prompts.json"), encoding="utf-8"))
+    assert record["system"]["notebook"] == bench.notebook_system()
+    assert [r["prompt"] for r in record["rows"]] == [v[0] for v in bench.VARIANTS]
+    expected = [report.search_prompt_cells(r) for r in record["rows"]]
+    lines = open(bench.NOTEBOOK, encoding="utf-8").read().splitlines()
+    for header in (
+        "| prompt | searched | answered | F1 reward | greedy |",
+        "| 提示词 | 搜索了 | 作答了 | F1 奖励 | 贪心解码 |",
+    ):
+        start = lines.index(header) + 2  # past the header and its --- row
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[start : start + len(expected)]]
+        assert [r[1:] for r in rows] == expected, f"notebook 05's table under {header!r} is not the bench's run"
+    english = [line for line in lines if line.startswith("| ") and any(v[0] in line for v in bench.VARIANTS)]
+    assert [line.split(" | ")[0][2:] for line in english] == [v[0] for v in bench.VARIANTS]
