@@ -8,13 +8,15 @@ the code an AVX2-only CPU runs, with the Xeon's memory, caches and clocks: a fir
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 
 from areal_lite.utils.machine import cpu_model, vector_isa
 from areal_lite.utils.machine import describe as _describe
 
-__all__ = ["AVX2_PROXY_ENV", "cpu_model", "describe", "forced_isa", "git_state", "vector_isa"]
+__all__ = ["AVX2_PROXY_ENV", "cpu_model", "describe", "forced_isa", "git_state", "vector_isa", "write_results"]
 
 AVX2_PROXY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -41,3 +43,15 @@ def git_state(tree: str) -> dict:
             return ""
 
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def write_results(path: str, bench: str, args, tree: str, **figures) -> dict:
+    """Write a bench's results file at `path` ("" writes nothing): its name, `args` (argparse's), the date, the
+    commit of `tree` (`git_state`), the machine (`describe`), then `figures`. Returns the record."""
+    record = {"bench": bench, "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **git_state(tree),
+              **describe(), **figures}  # fmt: skip
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+    return record

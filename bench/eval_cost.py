@@ -34,7 +34,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from _limit import matmul_flops  # noqa: E402  (bench/ is on sys.path when a bench script runs)
-from _machine import describe, git_state  # noqa: E402
+from _machine import write_results  # noqa: E402
 
 COUNTERS = ("prefill_batches", "prompt_tokens", "decode_steps", "generated_tokens")
 
@@ -139,12 +139,7 @@ def main(argv: list | None = None) -> int:
               f"{r['rows']} rows from {r['distinct_prompts']} prompts, {r['prefill_batches']} prefill batch(es), "
               f"{r['decode_steps']} decode steps, {s['gflop']:.0f} GFLOP, {s['gflop_per_s']:.0f} GFLOP/s")  # fmt: skip
     print(f"evaluation / generation: {summary['time_ratio']:.2f}x the time for {summary['work_ratio']:.2f}x the work")
-    if args.json:
-        result = {"bench": "eval_cost", "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **git_state(ROOT), **describe(), "runs": runs, "summary": summary}  # fmt: skip
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_results(args.json, "eval_cost", args, ROOT, runs=runs, summary=summary)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from areal_lite.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
 from areal_lite.utils.search_tool import call_search_tool, format_search_results  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-from _machine import describe, git_state  # noqa: E402
+from _machine import write_results  # noqa: E402
 from build_notebooks import parse_source  # noqa: E402
 
 NOTEBOOK = os.path.join(ROOT, "notebooks", "src", "05_search_agent.nb.md")
@@ -163,11 +162,7 @@ def main() -> int:
         rag.stop()
         server.stop()
     if args.json:
-        result = {"bench": "search_prompts", "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **git_state(ROOT), **describe(), "system": system, "rows": rows}  # fmt: skip
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.json, "search_prompts", args, ROOT, system=system, rows=rows)
         print(f"results: {args.json}")
     return 0
 

@@ -44,7 +44,7 @@ from areal_lite.experimental.openai.proxy.server import ChatServer  # noqa: E402
 from areal_lite.reward.arithmetic import arithmetic_reward_fn  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-from _machine import describe, git_state  # noqa: E402
+from _machine import write_results  # noqa: E402
 from build_notebooks import parse_source  # noqa: E402
 
 EXAMPLE_FACTORS = [(12, 34), (56, 78)]  # the notebook's worked example, then a second one like it
@@ -164,11 +164,7 @@ def main() -> None:
             engine.destroy()
         server.stop()
     if args.json:
-        result = {"bench": "tool_exploration", "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  **git_state(ROOT), **describe(), "tools": tools, "tables": tables}  # fmt: skip
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.json, "tool_exploration", args, ROOT, tools=tools, tables=tables)
         print(f"results: {args.json}")
 
 

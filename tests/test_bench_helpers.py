@@ -322,3 +322,15 @@ def test_notebook_05s_prompt_table_is_the_benchs_recorded_run():
         assert [r[1:] for r in rows] == expected, f"notebook 05's table under {header!r} is not the bench's run"
     english = [line for line in lines if line.startswith("| ") and any(v[0] in line for v in bench.VARIANTS)]
     assert [line.split(" | ")[0][2:] for line in english] == [v[0] for v in bench.VARIANTS]
+
+
+def test_write_results_records_where_and_what_ran(tmp_path):
+    import argparse
+
+    machine = load_bench("_machine")
+    path = tmp_path / "results" / "x.json"
+    record = machine.write_results(str(path), "x", argparse.Namespace(steps=3), ROOT, figures={"a": 1})
+    assert json.loads(path.read_text()) == record
+    assert record["bench"] == "x" and record["args"] == {"steps": 3} and record["figures"] == {"a": 1}
+    assert {"date", "commit", "dirty", "cpu_model", "vector_isa", "forced_isa"} <= set(record)
+    assert machine.write_results("", "x", argparse.Namespace(), ROOT)["bench"] == "x"  # "" writes nothing
