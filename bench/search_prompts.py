@@ -21,7 +21,6 @@ Design decisions
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import os
 import sys
@@ -49,7 +48,7 @@ from areal_lite.utils.search_tool import call_search_tool, format_search_results
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from _machine import write_results  # noqa: E402
-from build_notebooks import parse_source  # noqa: E402
+from build_notebooks import source_literal  # noqa: E402
 
 NOTEBOOK = os.path.join(ROOT, "notebooks", "src", "05_search_agent.nb.md")
 
@@ -69,17 +68,6 @@ VARIANTS = (
     ("shorter instructions + two worked examples, 1 passage", "short", 2, 1, True),
     ("two worked examples without the newline between `</information>` and `<answer>`", "short", 2, 1, False),
 )
-
-
-def notebook_system(path: str = NOTEBOOK) -> str:
-    """Notebook 05's `SYSTEM`, the literal its code cell assigns (the cell has top-level `await`)."""
-    flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    for cell in parse_source(path):
-        if cell["kind"] == "code" and "SYSTEM = " in cell["source"]:
-            for node in compile(cell["source"], path, "exec", flags=flags).body:
-                if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["SYSTEM"]:
-                    return ast.literal_eval(node.value)
-    raise LookupError(f"{path} assigns no SYSTEM")
 
 
 async def prompt(tokenizer, rag_addr: str, system: str, n_examples: int, topk: int, newline: bool) -> str:
@@ -133,7 +121,7 @@ def main() -> int:
     train = [r for r in load_dataset_from_config(config.train_dataset) if wanted(r)][: args.questions]
     held_out = [r for r in load_dataset_from_config(config.valid_dataset) if wanted(r)][: config.evaluator.size]
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer_path))
-    system = {"notebook": notebook_system(), "short": SHORT}
+    system = {"notebook": source_literal(NOTEBOOK, "SYSTEM"), "short": SHORT}
     server, rag = launch_server(config), launch_rag_server(build_factbook_corpus(), retriever="bm25")
     engine, rows = None, []
     try:
@@ -144,7 +132,6 @@ def main() -> int:
         for label, instructions, n_examples, topk, newline in VARIANTS:
             t0 = time.time()
             template = asyncio.run(prompt(tokenizer, rag.address, system[instructions], n_examples, topk, newline))
-
             wf = {"tokenizer": tokenizer, "rag_addr": rag.address, "max_turns": config.max_turns, "topk": topk,
                   "prompt_template": template}  # fmt: skip
             sampled = tally(play(engine, train, config.gconfig, wf, args.samples), tokenizer)
@@ -152,10 +139,10 @@ def main() -> int:
             row = {"prompt": label, "prompt_tokens": len(tokenizer(template)["input_ids"]), "sampled": sampled,
                    "greedy": greedy, "seconds": time.time() - t0}  # fmt: skip
             rows.append(row)
-            s = sampled
-            print(f"{label[:60]:60s} searched {s['searched']}/{s['episodes']} answered {s['answered']} "
-                  f"F1 {s['reward']:.2f} | greedy F1 {greedy['reward']:.2f} (n={greedy['episodes']}) "
-                  f"| {row['prompt_tokens']} prompt tokens, {row['seconds']:.0f} s", flush=True)  # fmt: skip
+            print(f"{label[:60]:60s} searched {sampled['searched']}/{sampled['episodes']} "
+                  f"answered {sampled['answered']} F1 {sampled['reward']:.2f} | greedy F1 {greedy['reward']:.2f} "
+                  f"(n={greedy['episodes']}) | {row['prompt_tokens']} prompt tokens, {row['seconds']:.0f} s",
+                  flush=True)  # fmt: skip
     finally:
         if engine is not None:
             engine.destroy()

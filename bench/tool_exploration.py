@@ -22,7 +22,6 @@ Design decisions
 from __future__ import annotations
 
 import argparse
-import ast
 import concurrent.futures
 import json
 import os
@@ -45,22 +44,11 @@ from areal_lite.reward.arithmetic import arithmetic_reward_fn  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from _machine import write_results  # noqa: E402
-from build_notebooks import parse_source  # noqa: E402
+from build_notebooks import source_literal  # noqa: E402
 
 EXAMPLE_FACTORS = [(12, 34), (56, 78)]  # the notebook's worked example, then a second one like it
 ROW = "{:<8} {:>8} {:>8} {:>10} {:>10} {:>8} {:>6}"
 NOTEBOOK = os.path.join(ROOT, "notebooks", "src", "09_openai_agent.nb.md")
-
-
-def notebook_tools(path: str = NOTEBOOK) -> list:
-    """Notebook 09's `TOOLS`, the literal its code cell assigns (read with the notebooks' own source parser)."""
-    for cell in parse_source(path):
-        if cell["kind"] != "code":
-            continue
-        for node in ast.parse(cell["source"]).body:
-            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["TOOLS"]:
-                return ast.literal_eval(node.value)
-    raise LookupError(f"{path} assigns no TOOLS")
 
 
 def examples(k: int) -> list[dict]:
@@ -135,7 +123,7 @@ def main() -> None:
     )
     tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     problems = list(load_products("test", size=args.problems))
-    tools = notebook_tools()
+    tools = source_literal(NOTEBOOK, "TOOLS")
     server = launch_server(config)
     engine = chats = None
     tables = {}

@@ -274,7 +274,7 @@ def test_notebook_09s_tool_table_is_the_benchs_recorded_run():
 
     bench = load_bench("tool_exploration")
     record = json.load(open(os.path.join(ROOT, "bench", "results", "tool_exploration.json"), encoding="utf-8"))
-    assert record["tools"] == bench.notebook_tools()
+    assert record["tools"] == bench.source_literal(bench.NOTEBOOK, "TOOLS")
     rows = {b: {(r["syntax"], r["examples"]): r for r in table} for b, table in record["tables"].items()}
     raw = open(bench.NOTEBOOK, encoding="utf-8").read()
 
@@ -309,7 +309,7 @@ def test_notebook_05s_prompt_table_is_the_benchs_recorded_run():
     notebook's own instructions (read from its source), row for row."""
     bench, report = load_bench("search_prompts"), load_bench("report")
     record = json.load(open(os.path.join(ROOT, "bench", "results", "search_prompts.json"), encoding="utf-8"))
-    assert record["system"]["notebook"] == bench.notebook_system()
+    assert record["system"]["notebook"] == bench.source_literal(bench.NOTEBOOK, "SYSTEM")
     assert [r["prompt"] for r in record["rows"]] == [v[0] for v in bench.VARIANTS]
     expected = [report.search_prompt_cells(r) for r in record["rows"]]
     lines = open(bench.NOTEBOOK, encoding="utf-8").read().splitlines()

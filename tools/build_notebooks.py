@@ -26,6 +26,7 @@ Usage: python tools/build_notebooks.py [--execute] [NAME ...]
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import hashlib
 import html
@@ -91,6 +92,20 @@ def parse_source(path: str) -> list[dict]:
         if cell["kind"] == "md" and cell["zh"] is None:
             raise SystemExit(f"{path}:{cell['line']}: markdown cell has no Chinese twin (`%% zh`)")
     return cells
+
+
+def source_literal(path: str, name: str):
+    """The Python literal that a code cell of source `path` assigns to `name` (`NAME = [...]`), for a script that
+    must use what the notebook uses (bench/tool_exploration.py, bench/search_prompts.py). Cells may hold top-level
+    `await`. Raises LookupError when no code cell assigns it."""
+    flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    for cell in parse_source(path):
+        if cell["kind"] != "code":
+            continue
+        for node in compile(cell["source"], path, "exec", flags=flags).body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+                return ast.literal_eval(node.value)
+    raise LookupError(f"{path} assigns no {name}")
 
 
 def to_notebook(cells: list[dict], lang: str) -> nbformat.NotebookNode:
