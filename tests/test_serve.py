@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import json
 import random
 import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 import torch
@@ -907,6 +909,25 @@ def runner(request, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     assert supports(model)  # the tiny Qwen2 (with q/k/v biases) takes the fast path in the server
     return (HFRunner if request.param == "hf" else FastRunner)(model)
+
+
+def test_hf_runner_hands_the_cache_over_under_the_name_the_models_forward_declares(tiny):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40); the
+    5.x releases before it know only the old one. The runner uses whichever the model declares, so neither a
+    deprecation warning nor an unknown keyword comes out of a prefill or a decode step."""
+    from areal_lite.kit.server.batch import HFRunner
+
+    model, _ = tiny
+    runner = HFRunner(model)
+    assert runner.cache_kw in inspect.signature(model.forward).parameters
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("error", FutureWarning)
+        b = RunningBatch(runner.new_kv())
+        part, logits = prefill_distinct(runner, [PROMPTS[0], PROMPTS[1]])
+        b.add([_seq(SamplingParams(), prompt=[i]) for i in (0, 1)], part, logits.argmax(-1),
+              torch.tensor([len(PROMPTS[0]), len(PROMPTS[1])]))  # fmt: skip
+        assert runner.decode(b).shape == logits.shape
+    assert len(b.kv.cache.layers[0].keys[0, 0]) == max(len(PROMPTS[0]), len(PROMPTS[1])) + 1  # one column added
 
 
 def test_running_batch_matches_separate_runs(runner, tiny):

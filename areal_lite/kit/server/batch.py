@@ -16,10 +16,13 @@ Design decisions
   dimension; it happens only when newcomers arrive. Leaving = `index_select` the surviving rows, then drop leading
   columns that are padding in every row, so the cache does not keep the width of a long prompt that has finished.
   (Each decode step still concatenates one column to every layer inside `DynamicCache`; the fast path does not.)
+- The cache goes in under the name the model's `forward` declares: `cache` from transformers 5.24 on, where
+  `past_key_values` is deprecated (removed in 5.40), and `past_key_values` in the earlier 5.x releases we support.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -129,12 +132,18 @@ class HFKV:
             layer.values = layer.values[:, :, first:]
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword `model.forward` takes its KV cache under: "cache" (transformers >= 5.24) or "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class HFRunner:
     """Prefill and decode through the model's own forward (any causal LM `transformers` can run)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.device = next(model.parameters()).device
+        self.cache_kw = cache_keyword(model)
 
     def new_kv(self, max_rows: int = 0) -> HFKV:
         return HFKV()
@@ -156,8 +165,8 @@ class HFRunner:
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-            logits_to_keep=1,
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+            **{self.cache_kw: cache},
         )  # fmt: skip
         return HFKV(cache, mask), out.logits[:, -1]
 
@@ -167,8 +176,8 @@ class HFRunner:
         kv: HFKV = batch.kv
         mask = torch.cat([kv.mask, kv.mask.new_ones(len(batch), 1)], dim=1)
         out = self.model(
-            input_ids=batch.next_ids[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
-            past_key_values=kv.cache, use_cache=True,
+            input_ids=batch.next_ids[:, None], attention_mask=mask, position_ids=batch.pos[:, None], use_cache=True,
+            **{self.cache_kw: kv.cache},
         )  # fmt: skip
         kv.mask, batch.pos = mask, batch.pos + 1
         return out.logits[:, -1]
