@@ -1,21 +1,32 @@
-"""The CPU install must not have pulled CUDA wheels (an unpinned torch brings gigabytes of nvidia-* packages)."""
+"""The CPU install must not have pulled CUDA wheels (PyPI's Linux torch brings gigabytes of nvidia-* packages)."""
 
 import importlib.metadata
+import importlib.util
 import os
 
 import pytest
 
 
+def _uv_args():
+    """tools/uv_args.py (a script, not a package module), loaded by path."""
+    spec = importlib.util.spec_from_file_location(
+        "uv_args", os.path.join(os.path.dirname(__file__), "..", "tools", "uv_args.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+uv_args = _uv_args()
+
+
 def test_no_cuda_wheels_in_cpu_install():
     if os.environ.get("AREAL_LITE_GPU_INSTALL") == "1":
         pytest.skip("GPU install: CUDA wheels are expected (set by tools/test_gpu.sh)")
-    # nvidia-ml-py is NVML's pure-Python binding (tens of kB, no CUDA), required by AReaL and SGLang's imports.
-    allowed = {"nvidia-ml-py"}
     cuda = sorted(
         d.metadata["Name"]
         for d in importlib.metadata.distributions()
-        if (d.metadata["Name"] or "").lower().startswith(("nvidia-", "nvidia_", "triton", "cuda-"))
-        and d.metadata["Name"].lower() not in allowed
+        if uv_args.is_cuda_package(d.metadata["Name"] or "")
     )
     assert cuda == [], f"CUDA packages in a CPU install: {cuda}"
 
@@ -31,13 +42,6 @@ def test_torch_is_the_pinned_cpu_build():
 
 def test_uv_gets_pips_index_settings():
     """`make` installs with uv, which reads no pip configuration: tools/uv_args.py passes pip's settings on."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "uv_args", os.path.join(os.path.dirname(__file__), "..", "tools", "uv_args.py")
-    )
-    uv_args = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(uv_args)
     pip_config = "\n".join(
         [
             ":env:.find-links='/opt/wheels'",
@@ -57,3 +61,52 @@ def test_uv_gets_pips_index_settings():
         "--index-url", "https://mirror.example/simple",
     ]  # fmt: skip
     assert uv_args.uv_args("") == ["--index-strategy", "unsafe-best-match"]  # no pip config: uv's defaults
+
+
+# What `uv pip install --dry-run torch==2.13.0` prints for a fresh venv (trimmed): PyPI's Linux wheel, with its CUDA
+# stack; the CPU build from a wheel folder (or PyTorch's CPU index); macOS's PyPI wheel, the CPU build under a plain
+# version. uv prints its progress on stderr and the plan on stdout.
+DRY_RUN_PYPI_LINUX = """Resolved 29 packages in 1.2s
+Would download 24 packages
+Would install 29 packages
+ + cuda-bindings==13.5.0
+ + filelock==4.3.1
+ + nvidia-cublas==13.1.1.3
+ + nvidia-cudnn-cu13==9.20.0.48
+ + sympy==1.14.0
+ + torch==2.13.0
+ + triton==3.7.1
+"""
+DRY_RUN_CPU_WHEEL = """Would install 11 packages
+ + filelock==4.3.1
+ - setuptools==65.5.0
+ + setuptools==84.2.1
+ + torch==2.13.0+cpu
+"""
+DRY_RUN_MACOS = """Would install 10 packages
+ + networkx==3.7
+ + torch==2.13.0
+"""
+
+
+def test_torch_comes_from_pytorchs_cpu_index_only_where_it_would_bring_cuda():
+    assert uv_args.would_install(DRY_RUN_CPU_WHEEL) == ["filelock", "setuptools", "torch"]
+    assert uv_args.cpu_torch_args(DRY_RUN_PYPI_LINUX) == ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+    assert uv_args.cpu_torch_args(DRY_RUN_CPU_WHEEL) == []  # a wheel folder already gives the CPU build
+    assert uv_args.cpu_torch_args(DRY_RUN_MACOS) == []  # macOS's torch from PyPI is the CPU build
+    assert uv_args.cpu_torch_args("") == []  # a venv that has torch already: nothing to install
+    assert uv_args.is_cuda_package("nvidia_nccl_cu13") and uv_args.is_cuda_package("Triton")
+    assert not uv_args.is_cuda_package("nvidia-ml-py")  # NVML's Python binding, no CUDA: AReaL imports it
+
+
+def test_the_cpu_torch_probe_asks_uv_about_this_interpreter():
+    """The probe end to end: uv accepts the dry run it builds (this machine's index flags included), and in a venv
+    that already has the pinned CPU torch it adds nothing."""
+    import subprocess
+    import sys
+
+    uv = os.path.join(os.path.dirname(sys.executable), "uv")
+    script = os.path.join(os.path.dirname(__file__), "..", "tools", "uv_args.py")
+    out = subprocess.run([sys.executable, script, "--cpu-torch", uv, "torch==2.13.0"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""

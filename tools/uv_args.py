@@ -4,6 +4,10 @@
 A machine that points pip at a mirror, a wheel folder (`find-links`, e.g. for the CPU build of torch) or a
 constraints file would silently lose them, so this reads `pip config list` and passes the same settings on.
 `--index-strategy unsafe-best-match` is pip's rule: the best matching version from any index, not the first index's.
+
+`--cpu-torch UV SPEC` prints where the CPU build of torch comes from instead: nothing where these settings already
+give it (a wheel folder; macOS, whose PyPI torch is the CPU build), else PyTorch's CPU index. PyPI's Linux torch is
+the CUDA build, with 2.7 GB of nvidia-* wheels besides its own 1 GB: a dry run of uv says which wheels `SPEC` brings.
 """
 
 from __future__ import annotations
@@ -36,16 +40,51 @@ def uv_args(pip_config: str) -> list[str]:
     return args
 
 
-def main() -> int:
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# NVML's pure-Python binding (tens of kB, no CUDA): AReaL's and SGLang's imports need it on any machine
+NOT_CUDA = {"nvidia-ml-py"}
+
+
+def is_cuda_package(name: str) -> bool:
+    """Whether distribution `name` is part of a CUDA stack (the libraries a CPU install must not pull)."""
+    name = name.lower().replace("_", "-")
+    return name.startswith(("nvidia-", "triton", "cuda-")) and name not in NOT_CUDA
+
+
+def would_install(dry_run: str) -> list[str]:
+    """The distributions a `uv pip install --dry-run` output would install (its ` + name==version` lines)."""
+    return [line.split("+", 1)[1].strip().split("==")[0] for line in dry_run.splitlines() if line.startswith(" + ")]
+
+
+def cpu_torch_args(dry_run: str) -> list[str]:
+    """Flags that make the torch install the CPU build: PyTorch's CPU index if the dry run brings CUDA packages."""
+    return ["--extra-index-url", CPU_INDEX] if any(map(is_cuda_package, would_install(dry_run))) else []
+
+
+def pip_config() -> str:
     try:
-        out = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        out = ""  # no pip or no config: uv's defaults (PyPI) apply
-    print(shlex.join(uv_args(out)))
+        return ""  # no pip or no config: uv's defaults (PyPI) apply
+
+
+def main(argv: list[str]) -> int:
+    args = uv_args(pip_config())
+    if argv[:1] == ["--cpu-torch"] and len(argv) == 3:
+        uv, spec = argv[1:]
+        cmd = [uv, "pip", "install", "--dry-run", "--python", sys.executable, *args, spec]
+        dry = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if dry.returncode != 0:  # the install itself will fail and say why
+            return 0
+        args = cpu_torch_args(dry.stdout + dry.stderr)
+    elif argv:
+        print(f"usage: {sys.argv[0]} [--cpu-torch UV SPEC]", file=sys.stderr)
+        return 2
+    print(shlex.join(args))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
