@@ -52,6 +52,7 @@ help:
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
 
 $(BIN)/python:
+	@$(PY) tools/check_python.py $(PY)  # 3.11 or 3.12, else a message that says what to do
 	$(PY) -m venv $(VENV)
 
 $(UV): $(BIN)/python

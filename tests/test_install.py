@@ -1,4 +1,4 @@
-"""The CPU install must not have pulled CUDA wheels (PyPI's Linux torch brings gigabytes of nvidia-* packages)."""
+"""The install: a Python that make accepts, and the CPU build of torch (no nvidia-* wheels)."""
 
 import importlib.metadata
 import importlib.util
@@ -6,18 +6,18 @@ import os
 
 import pytest
 
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 
-def _uv_args():
-    """tools/uv_args.py (a script, not a package module), loaded by path."""
-    spec = importlib.util.spec_from_file_location(
-        "uv_args", os.path.join(os.path.dirname(__file__), "..", "tools", "uv_args.py")
-    )
+
+def _tool(name: str):
+    """A script of tools/ (not a package module), loaded by path."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-uv_args = _uv_args()
+uv_args = _tool("uv_args")
 
 
 def test_no_cuda_wheels_in_cpu_install():
@@ -106,7 +106,21 @@ def test_the_cpu_torch_probe_asks_uv_about_this_interpreter():
     import sys
 
     uv = os.path.join(os.path.dirname(sys.executable), "uv")
-    script = os.path.join(os.path.dirname(__file__), "..", "tools", "uv_args.py")
+    script = os.path.join(TOOLS, "uv_args.py")
     out = subprocess.run([sys.executable, script, "--cpu-torch", uv, "torch==2.13.0"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def test_make_refuses_a_python_it_cannot_install_on_and_says_what_to_do():
+    """transformers from 5.23 and AReaL 1.0.4 need 3.11 or newer; AReaL takes nothing newer than 3.12."""
+    import subprocess
+    import sys
+
+    check = _tool("check_python")
+    assert check.problem((3, 11)) is None and check.problem((3, 12, 1)) is None
+    for version in [(3, 10), (3, 13), (3, 9)]:
+        why = check.problem(version, "python3")
+        assert "3.11 or 3.12" in why and f"python3 is {version[0]}.{version[1]}" in why and "PY=python3.12" in why
+    run = subprocess.run([sys.executable, os.path.join(TOOLS, "check_python.py")], capture_output=True, text=True)
+    assert (run.returncode, run.stderr) == (0, "")  # this suite's own interpreter is one make accepts

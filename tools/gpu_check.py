@@ -79,6 +79,7 @@ def norm(name: str) -> str:
 def kit_requirements() -> list[str]:
     """The names of the kit's dependencies (pyproject.toml) the image lacks, and the notebook runner's."""
     import tomllib
+
     from packaging.requirements import Requirement
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
