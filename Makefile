@@ -61,11 +61,11 @@ $(UV): $(BIN)/python
 venv: $(UV)
 
 # PyPI's torch for Linux is the CUDA build (2.7 GB of nvidia-* wheels besides its own 1 GB). Where uv's dry run says
-# torch would bring CUDA libraries, torch is installed first from PyTorch's CPU index (tools/uv_args.py --cpu-torch),
-# and the next call keeps it (2.13.0+cpu is a 2.13.0); where pip's settings already give the CPU build (a wheel
-# folder) or on macOS, nothing changes. TORCH_FROM= (empty) turns it off.
+# torch would bring CUDA libraries, torch 2.13.0+cpu is installed first from PyTorch's CPU index (tools/uv_args.py
+# --cpu-torch), and the next call keeps it (2.13.0+cpu is a 2.13.0); where pip's settings already give the CPU build
+# (a wheel folder) or on macOS, nothing changes. TORCH_FROM= (empty) turns it off.
 TORCH_FROM ?= $(shell $(BIN)/python tools/uv_args.py --cpu-torch $(UV) "torch==2.13.0")
-CPU_TORCH = $(if $(strip $(TORCH_FROM)),$(UV_PIP) $(TORCH_FROM) "torch==2.13.0",@true)
+CPU_TORCH = $(if $(strip $(TORCH_FROM)),$(UV_PIP) $(TORCH_FROM) "torch==2.13.0+cpu",@true)
 
 $(STAMP): $(UV) pyproject.toml
 	$(CPU_TORCH)
