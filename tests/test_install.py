@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 
 import pytest
@@ -90,11 +91,19 @@ DRY_RUN_MACOS = """Would install 10 packages
 
 
 def test_torch_comes_from_pytorchs_cpu_index_only_where_it_would_bring_cuda():
-    assert uv_args.would_install(DRY_RUN_CPU_WHEEL) == ["filelock", "setuptools", "torch"]
-    assert uv_args.cpu_torch_args(DRY_RUN_PYPI_LINUX) == ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
-    assert uv_args.cpu_torch_args(DRY_RUN_CPU_WHEEL) == []  # a wheel folder already gives the CPU build
-    assert uv_args.cpu_torch_args(DRY_RUN_MACOS) == []  # macOS's torch from PyPI is the CPU build
-    assert uv_args.cpu_torch_args("") == []  # a venv that has torch already: nothing to install
+    plan = uv_args.would_install
+    assert plan(DRY_RUN_CPU_WHEEL) == ["filelock", "setuptools", "torch"]
+    assert uv_args.cpu_torch_args(plan(DRY_RUN_PYPI_LINUX)) == [
+        "--extra-index-url",
+        "https://download.pytorch.org/whl/cpu",
+    ]
+    assert uv_args.cpu_torch_args(plan(DRY_RUN_CPU_WHEEL)) == []  # a wheel folder already gives the CPU build
+    assert uv_args.cpu_torch_args(plan(DRY_RUN_MACOS)) == []  # macOS's torch from PyPI is the CPU build
+    assert uv_args.cpu_torch_args(plan("")) == []  # a venv that has torch already: nothing to install
+    # pip's JSON report (the TRL and vLLM venvs), trimmed to what is read
+    report = {"install": [{"metadata": {"name": n, "version": "1"}} for n in ("torch", "nvidia-cudnn-cu13", "sympy")]}
+    assert uv_args.pip_would_install(json.dumps(report)) == ["torch", "nvidia-cudnn-cu13", "sympy"]
+    assert uv_args.cpu_torch_args(["torch", "nvidia-cudnn-cu13"]) == ["--extra-index-url", uv_args.CPU_INDEX]
     assert uv_args.is_cuda_package("nvidia_nccl_cu13") and uv_args.is_cuda_package("Triton")
     assert not uv_args.is_cuda_package("nvidia-ml-py")  # NVML's Python binding, no CUDA: AReaL imports it
 
@@ -107,9 +116,11 @@ def test_the_cpu_torch_probe_asks_uv_about_this_interpreter():
 
     uv = os.path.join(os.path.dirname(sys.executable), "uv")
     script = os.path.join(TOOLS, "uv_args.py")
-    out = subprocess.run([sys.executable, script, "--cpu-torch", uv, "torch==2.13.0"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ""
+    for tool in (uv, "pip"):
+        out = subprocess.run(
+            [sys.executable, script, "--cpu-torch", tool, "torch==2.13.0"], capture_output=True, text=True
+        )
+        assert (out.returncode, out.stdout.strip()) == (0, ""), (tool, out.stderr)
 
 
 def test_make_refuses_a_python_it_cannot_install_on_and_says_what_to_do():

@@ -4,8 +4,8 @@
 # TRL runs from its own interpreter, as vLLM does (`make vllm`): it brings its own transformers, accelerate and
 # datasets, and the kit's .venv must not follow them. torch is the kit's pin, 2.13.0, installed first and kept
 # pinned in the second call, so both sides train with the same torch build. Without CUDA that must be the CPU wheel:
-# an unpinned or CUDA torch pulls gigabytes of CUDA libraries. pip's dry run says which wheel it would take; when
-# it is not a +cpu build (a machine whose pip settings have no CPU wheel), the script adds PyTorch's CPU index.
+# PyPI's Linux torch pulls gigabytes of CUDA libraries. As in `make install`, `tools/uv_args.py --cpu-torch pip`
+# asks pip's dry run which wheels the pin brings; where they include CUDA libraries the script adds PyTorch's CPU index.
 # Besides TRL: math-verify and aiohttp, what the kit's reward module (`areal_lite.reward.gsm8k`) imports, so the TRL
 # process scores with the kit's own reward function (the checkout on its PYTHONPATH, nothing else of the kit).
 # No vLLM here: TRL generates with transformers' `generate` (use_vllm=False).
@@ -19,7 +19,6 @@ TRL_PIN="trl==1.16.0"
 TORCH_PIN="torch==2.13.0"
 # The kit's reward imports these (pyproject.toml's ranges).
 REWARD_DEPS=("math-verify>=0.7" "aiohttp>=3.9")
-CPU_INDEX="https://download.pytorch.org/whl/cpu"
 
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
@@ -30,11 +29,9 @@ PIP=("$VENV/bin/python" -m pip)
 
 TORCH_FROM=()
 if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; }; then
-    picked=$("${PIP[@]}" install --dry-run --quiet --no-deps --report - "$TORCH_PIN" \
-        | "$VENV/bin/python" -c "import json, sys; print(json.load(sys.stdin)['install'][0]['metadata']['version'])")
-    if [[ "$picked" != *+cpu ]]; then
-        echo "make trl: pip would take torch $picked (not a CPU build): adding $CPU_INDEX"
-        TORCH_FROM=(--extra-index-url "$CPU_INDEX")
+    read -r -a TORCH_FROM <<< "$("$VENV/bin/python" tools/uv_args.py --cpu-torch pip "$TORCH_PIN")"
+    if [ ${#TORCH_FROM[@]} -gt 0 ]; then
+        echo "make trl: pip's $TORCH_PIN would bring CUDA libraries: adding ${TORCH_FROM[*]}"
     fi
 fi
 echo "make trl: installing $TORCH_PIN, then $TRL_PIN (torch kept pinned)"

@@ -8,10 +8,12 @@ constraints file would silently lose them, so this reads `pip config list` and p
 `--cpu-torch UV SPEC` prints where the CPU build of torch comes from instead: nothing where these settings already
 give it (a wheel folder; macOS, whose PyPI torch is the CPU build), else PyTorch's CPU index. PyPI's Linux torch is
 the CUDA build, with 2.7 GB of nvidia-* wheels besides its own 1 GB: a dry run of uv says which wheels `SPEC` brings.
+`--cpu-torch pip SPEC` asks pip instead (the TRL and vLLM venvs install with pip, `tools/install_*.sh`).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -56,9 +58,14 @@ def would_install(dry_run: str) -> list[str]:
     return [line.split("+", 1)[1].strip().split("==")[0] for line in dry_run.splitlines() if line.startswith(" + ")]
 
 
-def cpu_torch_args(dry_run: str) -> list[str]:
-    """Flags that make the torch install the CPU build: PyTorch's CPU index if the dry run brings CUDA packages."""
-    return ["--extra-index-url", CPU_INDEX] if any(map(is_cuda_package, would_install(dry_run))) else []
+def pip_would_install(report: str) -> list[str]:
+    """The distributions a `pip install --dry-run --report -` JSON report would install."""
+    return [item["metadata"]["name"] for item in json.loads(report)["install"]]
+
+
+def cpu_torch_args(names: list[str]) -> list[str]:
+    """Flags that make the torch install the CPU build: PyTorch's CPU index if a dry run brings CUDA packages."""
+    return ["--extra-index-url", CPU_INDEX] if any(map(is_cuda_package, names)) else []
 
 
 def pip_config() -> str:
@@ -73,14 +80,18 @@ def pip_config() -> str:
 def main(argv: list[str]) -> int:
     args = uv_args(pip_config())
     if argv[:1] == ["--cpu-torch"] and len(argv) == 3:
-        uv, spec = argv[1:]
-        cmd = [uv, "pip", "install", "--dry-run", "--python", sys.executable, *args, spec]
+        tool, spec = argv[1:]
+        if tool == "pip":
+            cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", spec]
+        else:
+            cmd = [tool, "pip", "install", "--dry-run", "--python", sys.executable, *args, spec]
         dry = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if dry.returncode != 0:  # the install itself will fail and say why
             return 0
-        args = cpu_torch_args(dry.stdout + dry.stderr)
+        names = pip_would_install(dry.stdout) if tool == "pip" else would_install(dry.stdout + dry.stderr)
+        args = cpu_torch_args(names)
     elif argv:
-        print(f"usage: {sys.argv[0]} [--cpu-torch UV SPEC]", file=sys.stderr)
+        print(f"usage: {sys.argv[0]} [--cpu-torch UV|pip SPEC]", file=sys.stderr)
         return 2
     print(shlex.join(args))
     return 0
