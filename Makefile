@@ -65,7 +65,9 @@ venv: $(UV)
 # --cpu-torch), and the next call keeps it (2.13.0+cpu is a 2.13.0); where pip's settings already give the CPU build
 # (a wheel folder) or on macOS, nothing changes. TORCH_FROM= (empty) turns it off.
 TORCH_FROM ?= $(shell $(BIN)/python tools/uv_args.py --cpu-torch $(UV) "torch==2.13.0")
-CPU_TORCH = $(if $(strip $(TORCH_FROM)),$(UV_PIP) $(TORCH_FROM) "torch==2.13.0+cpu",@true)
+# The eval runs the dry run once (when the recipe needs it, the venv then exists) and keeps its answer.
+CPU_TORCH = $(eval TORCH_FROM := $(TORCH_FROM))$(if $(strip $(TORCH_FROM)),\
+	$(UV_PIP) $(TORCH_FROM) "torch==2.13.0+cpu",@true)
 
 $(STAMP): $(UV) pyproject.toml
 	$(CPU_TORCH)

@@ -77,23 +77,27 @@ def pip_config() -> str:
         return ""  # no pip or no config: uv's defaults (PyPI) apply
 
 
+def dry_run_plan(tool: str, spec: str) -> list[str]:
+    """What installing `spec` into this interpreter would install, by a dry run of `tool` ("pip", or uv's path, with
+    pip's settings passed on); [] when the dry run fails (the install itself will then fail and say why)."""
+    if tool == "pip":
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", spec]
+    else:
+        cmd = [tool, "pip", "install", "--dry-run", "--python", sys.executable, *uv_args(pip_config()), spec]
+    dry = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if dry.returncode != 0:
+        return []
+    return pip_would_install(dry.stdout) if tool == "pip" else would_install(dry.stdout + dry.stderr)
+
+
 def main(argv: list[str]) -> int:
-    args = uv_args(pip_config())
-    if argv[:1] == ["--cpu-torch"] and len(argv) == 3:
-        tool, spec = argv[1:]
-        if tool == "pip":
-            cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", spec]
-        else:
-            cmd = [tool, "pip", "install", "--dry-run", "--python", sys.executable, *args, spec]
-        dry = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if dry.returncode != 0:  # the install itself will fail and say why
-            return 0
-        names = pip_would_install(dry.stdout) if tool == "pip" else would_install(dry.stdout + dry.stderr)
-        args = cpu_torch_args(names)
-    elif argv:
+    if not argv:
+        print(shlex.join(uv_args(pip_config())))
+    elif argv[0] == "--cpu-torch" and len(argv) == 3:
+        print(shlex.join(cpu_torch_args(dry_run_plan(*argv[1:]))))
+    else:
         print(f"usage: {sys.argv[0]} [--cpu-torch UV|pip SPEC]", file=sys.stderr)
         return 2
-    print(shlex.join(args))
     return 0
 
 
