@@ -36,7 +36,7 @@ from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when 
 
 from areal_lite.api.cli_args import MicroBatchSpec, PPOActorConfig  # noqa: E402
 from areal_lite.engine.fsdp_engine import FSDPPPOActor  # noqa: E402
-from areal_lite.engine.fsdp_utils.packing import split_into_microbatches  # noqa: E402
+from areal_lite.engine.fsdp_utils.packing import pack_rows, split_into_microbatches  # noqa: E402
 from areal_lite.utils.functional import next_token_logp  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def run_packed(actor: FSDPPPOActor, batch, budget: int, policy_only: bool = Fals
     t = time.perf_counter()
     batch = dict(batch, pmask=batch["loss_mask"].bool())
     for rows in split_into_microbatches(lengths, MicroBatchSpec(max_tokens_per_mb=budget)):
-        packed = actor._pack(batch, rows, ["pmask"])
+        packed = pack_rows(batch, rows, ["pmask"], actor.device)
         if policy_only:
             lp = actor._policy_logp(actor.model, packed, packed["pmask"])[0]
         else:

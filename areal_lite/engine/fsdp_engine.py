@@ -51,9 +51,9 @@ from areal_lite.engine.fsdp_utils.packing import (
     join_trajectories,
     pack_rows,
     packed_forward,
-    prompt_end,
     prompt_groups,
     register_packed_sdpa,
+    row_prompt,
     share_prompts,
     shared_prefix_forward,
     split_into_microbatches,
@@ -275,6 +275,17 @@ def _group_norm(cfg: Optional[NormConfig], group_size: int) -> Optional[NormConf
 # Statistics of one minibatch
 
 
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradients' global norm to `max_norm` (0 or less: no clipping); returns the norm before."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm and max_norm > 0 else math.inf)
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
 def _zero() -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64)
 
@@ -489,12 +500,6 @@ class _TrainEngine(TrainEngine):
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _pack(
-        self, batch: Dict[str, torch.Tensor], rows: Sequence[int], keys: Sequence[str]
-    ) -> Dict[str, torch.Tensor]:
-        """Unpad `rows` and concatenate them into one row with restarting position ids (`packing.pack_rows`)."""
-        return pack_rows(batch, rows, keys, self.device)
-
     def _logits_for(
         self,
         model: torch.nn.Module,
@@ -547,7 +552,7 @@ class _TrainEngine(TrainEngine):
         if self.share_prompts and "loss_mask" in batch:
             # A group in one micro-batch runs its prompt once ("Shared prompts"); the budget counts it once.
             budget = self.config.mb_spec.max_tokens_per_mb or math.inf
-            items = prompt_groups([self._prompt_of(batch, i) for i in mine], lengths, budget)
+            items = prompt_groups([row_prompt(batch, i) for i in mine], lengths, budget)
         else:
             items = [([j], n) for j, n in enumerate(lengths)]
         bins = split_into_microbatches([size for _, size in items], self.config.mb_spec)
@@ -558,13 +563,6 @@ class _TrainEngine(TrainEngine):
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             mbs += [[] for _ in range(int(n.item()) - len(mbs))]
         return mbs
-
-    @staticmethod
-    def _prompt_of(batch: Dict[str, torch.Tensor], row: int) -> tuple:
-        """A row's prompt: its tokens before the first one the loss covers (`share_prompts`' definition)."""
-        valid = int(batch["attention_mask"][row].sum())
-        end = prompt_end(batch["loss_mask"][row, :valid].bool().tolist(), 0, valid)
-        return tuple(batch["input_ids"][row, :end].tolist())
 
     @torch.no_grad()
     def _logp_of(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -579,7 +577,7 @@ class _TrainEngine(TrainEngine):
                 if not rows:
                     self._dummy_forward_backward(model, backward=False)
                     continue
-                packed = self._pack(batch, rows, ["loss_mask"] if "loss_mask" in batch else [])
+                packed = pack_rows(batch, rows, ["loss_mask"] if "loss_mask" in batch else [], self.device)
                 targets = torch.nonzero(~packed["seq_start"]).flatten()  # every token a sequence predicts
                 policy = packed.get("loss_mask")
                 logits = self._logits_for(model, packed, targets, None if policy is None else policy.bool())
@@ -596,16 +594,6 @@ class _TrainEngine(TrainEngine):
         return out.to(batch["input_ids"].device)
 
     # ---------------------------------------------------------------- optimizer
-
-    def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        max_norm = self.config.optimizer.gradient_clipping
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm and max_norm > 0 else math.inf)
-        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-            norm = norm.full_tensor()
-        return float(norm)
 
     def step_lr_scheduler(self) -> None:
         self.lr_scheduler.step()
@@ -971,10 +959,12 @@ class FSDPPPOActor(_TrainEngine):
         ]
         quiet = [r for r in rows if r in silent]
         active = [r for r in rows if r not in silent]
-        packs = [self._pack(work, mb, keys) if mb else None for mb in self._microbatches(work, active)]
+        packs = [pack_rows(work, mb, keys, self.device) if mb else None for mb in self._microbatches(work, active)]
         weights = [float(loss_weight_fn(p)) if p is not None else 0.0 for p in packs]
         # The silent rows' weight, once over all ranks (every rank knows them): the denominator is unchanged.
-        quiet_weight = float(loss_weight_fn(self._pack(work, quiet, keys))) if quiet and self._rank == 0 else 0.0
+        quiet_weight = 0.0
+        if quiet and self._rank == 0:
+            quiet_weight = float(loss_weight_fn(pack_rows(work, quiet, keys, self.device)))
         total = torch.tensor([sum(weights) + quiet_weight], dtype=torch.float64, device=self.device)
         dist = _dist()
         if dist is not None and self._world > 1:
@@ -993,7 +983,7 @@ class FSDPPPOActor(_TrainEngine):
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        grad_norm = self._clip_grad_norm()
+        grad_norm = _clip_grad_norm(self.model, self.config.optimizer.gradient_clipping)
         skipped = not math.isfinite(grad_norm)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)

@@ -40,6 +40,7 @@ __all__ = [
     "split_into_microbatches",
     "prompt_groups",
     "prompt_end",
+    "row_prompt",
     "pack_rows",
     "packed_forward",
     "share_prompts",
@@ -300,6 +301,13 @@ def prompt_end(policy: Sequence[bool], start: int, end: int) -> int:
     """Where the prompt of the sequence at positions [start, end) ends: at its first policy token (`end` if it has
     none). A sequence's first token is never predicted, so it never counts."""
     return next((t for t in range(start + 1, end) if policy[t]), end)
+
+
+def row_prompt(batch: Dict[str, torch.Tensor], row: int) -> tuple:
+    """A padded batch row's prompt: its tokens before the first one the loss covers (`prompt_end`)."""
+    valid = int(batch["attention_mask"][row].sum())
+    end = prompt_end(batch["loss_mask"][row, :valid].bool().tolist(), 0, valid)
+    return tuple(batch["input_ids"][row, :end].tolist())
 
 
 def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Optional[SharedPrefixRow]:

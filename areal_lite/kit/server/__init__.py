@@ -11,7 +11,7 @@ its request and response shapes, so one client (`RemoteSGLangEngine`) talks to i
 - `protocol`: SGLang's bodies as pure functions (strict validation, SGLang's defaults), and `GenerationState`;
 - `scheduler`: one thread that owns the model and runs continuous batching over `batch.RunningBatch`'s KV cache;
 - `fastpath`: a functional forward for Llama/Qwen2-family models; `sampling`: SGLang's sampling and logprobs;
-- `lora`: one LoRA adapter at a time, merged; `weights`: loading the model and updates from disk;
+- `lora`: one LoRA adapter at a time, merged; `weights`: loading the model, updates, what is served;
 - `vllm_ext/`: the worker extension a vLLM server loads to take the kit's weight updates.
 Names are exported lazily: launching a server from a notebook does not load the server's own modules.
 """

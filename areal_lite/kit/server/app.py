@@ -153,12 +153,12 @@ async def model_info(request: web.Request) -> web.Response:
     cfg = scheduler.model.config if scheduler else None
     return web.json_response(
         {
-            "model_path": scheduler.model_path if scheduler else state.model_path,
+            "model_path": scheduler.weights.model_path if scheduler else state.model_path,
             "served_model_name": state.model_path,
             "tokenizer_path": state.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": scheduler.weight_version if scheduler else DEFAULT_WEIGHT_VERSION,
+            "weight_version": scheduler.weights.version if scheduler else DEFAULT_WEIGHT_VERSION,
             "max_context_length": scheduler.context_length if scheduler else None,
             "vocab_size": scheduler.vocab_size if scheduler else None,
             "model_type": getattr(cfg, "model_type", None),
@@ -217,7 +217,7 @@ async def generate(request: web.Request) -> web.Response:
         tokenize=_tokenize(tok, scheduler.context_length),
     )
     for lora_path in set(parse_lora_paths(body, len(specs))):
-        problem = scheduler.lora.check_request(lora_path)  # a plain read of the scheduler's active adapter
+        problem = scheduler.weights.lora.check_request(lora_path)  # a plain read of the scheduler's active adapter
         if problem:
             raise BadRequest(problem)
     states = [scheduler.new_state(spec, j) for spec in specs for j in range(spec.params.n)]

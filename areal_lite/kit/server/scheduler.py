@@ -32,17 +32,9 @@ import torch
 
 from areal_lite.kit.server.batch import RunningBatch, prefill_distinct, prefill_groups
 from areal_lite.kit.server.fastpath import make_runner
-from areal_lite.kit.server.lora import LoraAdapters
-from areal_lite.kit.server.protocol import (
-    DEFAULT_WEIGHT_VERSION,
-    GenerationState,
-    LoraUpdate,
-    PromptSpec,
-    lora_update_result,
-    weight_update_result,
-)
+from areal_lite.kit.server.protocol import GenerationState, PromptSpec
 from areal_lite.kit.server.sampling import RowSeeds, sample_and_append
-from areal_lite.kit.server.weights import eos_ids, update_weights_from_disk
+from areal_lite.kit.server.weights import ServedWeights, eos_ids
 
 log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
@@ -83,7 +75,6 @@ class Scheduler:
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.model_path = model_path
         self.device = next(model.parameters()).device
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -94,9 +85,7 @@ class Scheduler:
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.eos_ids = frozenset(eos_ids(model, tokenizer))
         self.seeds = RowSeeds(random_seed)
-        self.weight_version = DEFAULT_WEIGHT_VERSION
-        self.lora = LoraAdapters(model)  # the active LoRA adapter, merged into the weights
-        self._base_version = self.weight_version  # the weights' version under the adapter
+        self.weights = ServedWeights(model, model_path)  # their version, LoRA adapter and pending update
 
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._later: list = []  # events taken from the queue by `_gather_burst`, handled after its prefill
@@ -108,7 +97,6 @@ class Scheduler:
         self.waiting: list[GenerationState] = []  # admitted to the server, not yet prefilled
         self.held: list[GenerationState] = []  # arrived while paused; start on continue
         self.paused = False
-        self.pending_update: Optional[tuple[Any, concurrent.futures.Future]] = None  # WeightUpdate or LoraUpdate
         self._stopping = False
         # Counters, read by /server_info (plain ints: reads from another thread are fine).
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -165,8 +153,8 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_held=len(self.held),
             paused=self.paused,
-            weight_version=self.weight_version,
-            lora_adapter=self.lora.active,
+            weight_version=self.weights.version,
+            lora_adapter=self.weights.lora.active,
         )
 
     def _enqueue(
@@ -203,7 +191,7 @@ class Scheduler:
         self._abort(lambda s: True, "server shutting down", include_held=True)
 
     def _can_admit(self) -> bool:
-        return bool(self.waiting) and not self.paused and self.pending_update is None
+        return bool(self.waiting) and not self.paused and self.weights.pending is None
 
     def _iteration(self) -> None:
         self._maybe_apply_update()  # the running batch may have just drained
@@ -305,12 +293,10 @@ class Scheduler:
     def _on_update_weights(self, request: Any, fut: concurrent.futures.Future) -> Any:
         if request.abort_all_requests:
             self._abort(lambda s: True, "Aborted by update_weights_from_disk.", include_held=False)
-        if self.pending_update is not None:
-            if isinstance(request, LoraUpdate):
-                return lora_update_result(False, "another weight update is in progress", self.lora.loaded())
-            return weight_update_result(False, "another weight update is in progress")
+        refused = self.weights.request(request, fut)  # a second update while one waits is refused
+        if refused is not None:
+            return refused
         # As SGLang: immediate while paused; otherwise wait for the running batch to drain (admission stops).
-        self.pending_update = (request, fut)
         self._maybe_apply_update()
         return _DEFERRED
 
@@ -319,42 +305,10 @@ class Scheduler:
         requests wait meanwhile; `abort_all_requests` aborts the batch first). So a response comes from one weight
         version, its `meta_info.weight_version`; the exception, as in SGLang, is a batch frozen by an "in_place" or
         "retract" pause, which resumes under the new weights."""
-        if self.pending_update is None or (len(self.batch) > 0 and not self.paused):
+        if self.weights.pending is None or (len(self.batch) > 0 and not self.paused):
             return
-        request, fut = self.pending_update
-        self.pending_update = None
-        if isinstance(request, LoraUpdate):
-            fut.set_result(self._apply_lora(request))
-            return
-        try:
-            self.weight_version = update_weights_from_disk(self.model, request, self.weight_version)
-        except Exception as e:  # the model is unchanged when loading fails (everything is checked first)
-            fut.set_result(weight_update_result(False, f"Failed to update weights: {e}"))
-            return
-        self.lora.forget()  # the base it was merged into is gone
-        self._base_version = self.weight_version
-        with torch.inference_mode():
-            self.runner.refresh()  # what the runner derived from the weights (a packed copy)
-        self.model_path = request.model_path
-        self.counters["weight_updates"] += 1
-        msg = f"Succeeded to update model weights. Weight version updated to {self.weight_version}."
-        fut.set_result(weight_update_result(True, msg))
-
-    def _apply_lora(self, request: LoraUpdate) -> dict:
-        """Load (merge) or unload an adapter; a response's weight_version is then the adapter's name (`lora.py`)."""
-        try:
-            if request.lora_path is None:
-                self.lora.unload(request.lora_name)
-            else:
-                self.lora.load(request.lora_name, request.lora_path)
-        except Exception as e:  # checked before anything changed: the model still serves what it served
-            verb = "unload" if request.lora_path is None else "load"
-            return lora_update_result(False, f"Failed to {verb} LoRA adapter: {e}", self.lora.loaded())
-        with torch.inference_mode():
-            self.runner.refresh()
-        self.weight_version = self.lora.active or self._base_version
-        self.counters["weight_updates"] += 1
-        return lora_update_result(True, "", self.lora.loaded())
+        if self.weights.apply(self.runner):
+            self.counters["weight_updates"] += 1
 
     # ---- finishing rows ---------------------------------------------------------------------------------------
 
@@ -382,7 +336,7 @@ class Scheduler:
     def _finish(self, state: GenerationState, reason: dict) -> None:
         state.finish = reason
         state.finished_at = time.perf_counter()
-        state.weight_version = self.weight_version
+        state.weight_version = self.weights.version
         self.counters["aborted_requests" if reason["type"] == "abort" else "finished_requests"] += 1
         if state.on_done is not None:
             state.on_done(state)

@@ -6,19 +6,29 @@ Design decisions
 - Tensors are copied into the existing parameters (`copy_`), never swapped: the model object, its device and any
   tied weights (lm_head = embed_tokens, saved once by `save_pretrained`) stay as they are.
 - Weight versions count up as SGLang's do when none is given: "default" -> "1" -> "2" ...
+- `ServedWeights` names what is served (version, merged LoRA adapter) and holds the one update that waits; the
+  scheduler only decides when it may run (between batches, or at once while paused).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from areal_lite.kit.server.protocol import WeightUpdate
+from areal_lite.kit.server.lora import LoraAdapters
+from areal_lite.kit.server.protocol import (
+    DEFAULT_WEIGHT_VERSION,
+    LoraUpdate,
+    WeightUpdate,
+    lora_update_result,
+    weight_update_result,
+)
 
 log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
@@ -102,3 +112,65 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+class ServedWeights:
+    """The weights a server serves and their name: the version its responses carry, the LoRA adapter merged into
+    them (`lora.py`), and the one update (`WeightUpdate` or `LoraUpdate`) waiting to be applied. Used on the
+    scheduler thread only; the scheduler decides when `apply` may run."""
+
+    def __init__(self, model: Any, model_path: str):
+        self.model = model
+        self.model_path = model_path  # the folder the weights came from last
+        self.version = DEFAULT_WEIGHT_VERSION
+        self.lora = LoraAdapters(model)  # the active LoRA adapter, merged into the weights
+        self._base_version = self.version  # the weights' version under the adapter
+        self.pending: Optional[tuple[Any, concurrent.futures.Future]] = None
+
+    def request(self, request: Any, fut: concurrent.futures.Future) -> Optional[dict]:
+        """Hold `request` until `apply`, whose result resolves `fut`; returns the refusal (a response body) when
+        another update is already waiting, else None."""
+        if self.pending is not None:
+            if isinstance(request, LoraUpdate):
+                return lora_update_result(False, "another weight update is in progress", self.lora.loaded())
+            return weight_update_result(False, "another weight update is in progress")
+        self.pending = (request, fut)
+        return None
+
+    def apply(self, runner: Any) -> bool:
+        """Apply the pending update, re-derive what `runner` keeps of the weights (a packed copy) and resolve the
+        update's future with its response body. Returns whether the weights changed (a failed update changes
+        nothing: everything is checked first)."""
+        assert self.pending is not None
+        request, fut = self.pending
+        self.pending = None
+        result = self._apply_lora(request) if isinstance(request, LoraUpdate) else self._apply_disk(request)
+        if result["success"]:
+            with torch.inference_mode():
+                runner.refresh()
+        fut.set_result(result)
+        return result["success"]
+
+    def _apply_disk(self, request: WeightUpdate) -> dict:
+        try:
+            self.version = update_weights_from_disk(self.model, request, self.version)
+        except Exception as e:  # the model is unchanged when loading fails (everything is checked first)
+            return weight_update_result(False, f"Failed to update weights: {e}")
+        self.lora.forget()  # the base it was merged into is gone
+        self._base_version = self.version
+        self.model_path = request.model_path
+        msg = f"Succeeded to update model weights. Weight version updated to {self.version}."
+        return weight_update_result(True, msg)
+
+    def _apply_lora(self, request: LoraUpdate) -> dict:
+        """Load (merge) or unload an adapter; a response's weight_version is then the adapter's name (`lora.py`)."""
+        try:
+            if request.lora_path is None:
+                self.lora.unload(request.lora_name)
+            else:
+                self.lora.load(request.lora_name, request.lora_path)
+        except Exception as e:  # checked before anything changed: the model still serves what it served
+            verb = "unload" if request.lora_path is None else "load"
+            return lora_update_result(False, f"Failed to {verb} LoRA adapter: {e}", self.lora.loaded())
+        self.version = self.lora.active or self._base_version
+        return lora_update_result(True, "", self.lora.loaded())
