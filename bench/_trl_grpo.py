@@ -32,11 +32,14 @@ def load_reward(name: str):
     return getattr(importlib.import_module(module), fn)
 
 
-def main() -> int:
-    spec_path, out_path = sys.argv[1], sys.argv[2]
-    with open(spec_path, encoding="utf-8") as fh:
-        spec = json.load(fh)
-    threads = int(spec["threads"])
+def read_spec(path: str) -> dict:
+    """The run's spec, as `vs_trl.py` wrote it."""
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def configure_runtime(threads: int) -> None:
+    """Threads and offline mode for this process, set before torch and TRL's stack are first imported."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -44,10 +47,15 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(threads)
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    # TRL's stack is first imported here, after the settings above and in this order; the helpers below import what
+    # they use from it again (a look-up in sys.modules).
+    from datasets import Dataset  # noqa: F401
+    from transformers import AutoTokenizer, TrainerCallback  # noqa: F401
+    from trl import GRPOConfig, GRPOTrainer  # noqa: F401
 
+
+def run_shape(spec: dict) -> tuple[int, int, int]:
+    """Steps, prompts per step and completions per prompt; refuses a spec whose rows are not exactly those steps."""
     hp = spec["hyper"]
     steps = int(spec["steps"])
     group = int(hp["n_samples"])
@@ -55,7 +63,11 @@ def main() -> int:
     rows = spec["train"]
     if len(rows) != steps * batch_prompts:
         raise SystemExit(f"_trl_grpo: {len(rows)} training rows for {steps} steps of {batch_prompts} prompts")
-    kit_reward = load_reward(spec["reward"])
+    return steps, batch_prompts, group
+
+
+def answer_reward(kit_reward):
+    """The kit's reward function `kit_reward` as a TRL reward function (`kit_answer_reward`, TRL logs that name)."""
 
     def kit_answer_reward(prompts, completions, completion_ids, answer, **kwargs):
         """TRL's reward signature around the kit's: the completion's text (decoded with special tokens skipped, as
@@ -65,12 +77,32 @@ def main() -> int:
             for p, c, ids, a in zip(prompts, completions, completion_ids, answer)
         ]
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    return kit_answer_reward
+
+
+def load_tokenizer(model_path: str):
+    """The model's tokenizer, with the kit's pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:  # as the kit's load_tokenizer
         tokenizer.pad_token_id = tokenizer.eos_token_id
-    dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
+    return tokenizer
 
-    config = GRPOConfig(
+
+def build_dataset(rows: list[dict]):
+    """The exported rows as TRL's dataset: the chat prompt and the answer the reward reads."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
+
+
+def grpo_config(spec: dict, steps: int, batch_prompts: int, group: int):
+    """The kit's hyperparameters (`spec["hyper"]`) as TRL's `GRPOConfig`."""
+    from trl import GRPOConfig
+
+    hp = spec["hyper"]
+    return GRPOConfig(
         output_dir=spec["out_dir"],
         use_cpu=True,
         seed=int(spec["seed"]),
@@ -116,6 +148,11 @@ def main() -> int:
         dataloader_num_workers=0,
     )
 
+
+def timed_trainer_class():
+    """`GRPOTrainer` subclassed to time its phases and record its prompt ids (defined here: TRL is imported late)."""
+    from trl import GRPOTrainer
+
     class Trainer(GRPOTrainer):
         """GRPOTrainer with clocks around its phases and a record of the prompt ids it generated from. Nothing else
         is changed: each override calls the original and returns what it returned."""
@@ -148,6 +185,13 @@ def main() -> int:
             self.bench_phase["rollout"].append(time.perf_counter() - t)
             return out
 
+    return Trainer
+
+
+def make_clock():
+    """A callback that times each optimizer step and keeps TRL's log lines (defined here: transformers loads late)."""
+    from transformers import TrainerCallback
+
     class Clock(TrainerCallback):
         """Wall time of each optimizer step (from on_step_begin to on_step_end) and TRL's own log lines."""
 
@@ -165,25 +209,37 @@ def main() -> int:
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append(dict(logs or {}, step=state.global_step))
 
-    clock = Clock()
-    trainer = Trainer(
+    return Clock()
+
+
+def build_trainer(spec: dict, reward_fn, config, dataset, tokenizer, clock):
+    """The timed GRPOTrainer on the kit's model; refuses one that trains with activation checkpointing."""
+    trainer = timed_trainer_class()(
         model=spec["model_path"],
-        reward_funcs=kit_answer_reward,
+        reward_funcs=reward_fn,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[clock],
     )
-    model_dtype = str(next(trainer.model.parameters()).dtype)
     if trainer.args.activation_checkpointing or trainer.model.is_activation_checkpointing:
         raise SystemExit("_trl_grpo: activation checkpointing is on; the kit trains without it")
+    return trainer
+
+
+def train(trainer) -> tuple[float, int]:
+    """`trainer.train()`: its wall time and torch's thread count after it."""
+    import torch
+
     t0 = time.perf_counter()
     trainer.train()
     train_wall = time.perf_counter() - t0
-    threads_after = torch.get_num_threads()
+    return train_wall, torch.get_num_threads()
 
+
+def check_prompt_ids(seen: list, rows: list[dict], steps: int, batch_prompts: int, group: int) -> None:
+    """Refuses the run unless TRL generated once per step, from the kit's batch k at step k with the kit's ids."""
     # The prompts TRL generated from, step by step: the kit's batch k, each prompt `group` times, same ids.
-    seen = trainer.bench_prompt_ids
     if len(seen) != steps:
         raise SystemExit(f"_trl_grpo: TRL generated {len(seen)} times in {steps} steps (expected one per step)")
     for k, ids in enumerate(seen):
@@ -191,11 +247,14 @@ def main() -> int:
         if ids != want:
             raise SystemExit(f"_trl_grpo: step {k}: TRL's prompt token ids differ from the kit's batch {k}")
 
+
+def collect_results(spec: dict, trainer, clock, train_wall: float, model_dtype: str, torch_threads: int) -> dict:
+    """Saves the trained model under `out_dir/final` and returns what `vs_trl.py` reads back."""
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper holds torch's
     final_dir = os.path.join(spec["out_dir"], "final")
     trainer.save_model(final_dir)
     step_logs = [lg for lg in clock.logs if "reward" in lg]
-    out = {
+    return {
         "train_wall_s": train_wall,
         "step_s": clock.steps,
         "phase_s": trainer.bench_phase,
@@ -203,17 +262,40 @@ def main() -> int:
         "completion_length_by_step": [lg.get("completions/mean_length") for lg in step_logs],
         "trl_step_time_by_step": [lg.get("step_time") for lg in step_logs],
         "prompt_ids_checked": True,
-        "prompt_token_ids_step0": seen[0][0],
+        "prompt_token_ids_step0": trainer.bench_prompt_ids[0][0],
         "model_dir": final_dir,
         "model_dtype": model_dtype,
-        "torch_threads": threads_after,
+        "torch_threads": torch_threads,
         "optimizer": type(optimizer).__name__,
         "optimizer_defaults": {k: v for k, v in optimizer.param_groups[0].items() if k in OPTIMIZER_KEYS},
         "versions": _versions(),
     }
+
+
+def write_results(out_path: str, out: dict, steps: int) -> None:
+    """OUT.json, and the run's one printed line."""
     with open(out_path, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
-    print(f"_trl_grpo: {steps} steps in {train_wall:.1f} s; rewards {[round(r, 2) for r in out['reward_by_step']]}")
+    rewards = [round(r, 2) for r in out["reward_by_step"]]
+    print(f"_trl_grpo: {steps} steps in {out['train_wall_s']:.1f} s; rewards {rewards}")
+
+
+def main() -> int:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    spec = read_spec(spec_path)
+    configure_runtime(int(spec["threads"]))
+    steps, batch_prompts, group = run_shape(spec)
+    reward_fn = answer_reward(load_reward(spec["reward"]))
+    tokenizer = load_tokenizer(spec["model_path"])
+    dataset = build_dataset(spec["train"])
+    config = grpo_config(spec, steps, batch_prompts, group)
+    clock = make_clock()
+    trainer = build_trainer(spec, reward_fn, config, dataset, tokenizer, clock)
+    model_dtype = str(next(trainer.model.parameters()).dtype)
+    train_wall, torch_threads = train(trainer)
+    check_prompt_ids(trainer.bench_prompt_ids, spec["train"], steps, batch_prompts, group)
+    out = collect_results(spec, trainer, clock, train_wall, model_dtype, torch_threads)
+    write_results(out_path, out, steps)
     return 0
 
 

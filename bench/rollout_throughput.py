@@ -567,7 +567,8 @@ def write_json(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def main() -> Optional[int]:
+def parse_args() -> tuple[argparse.Namespace, list[int], list[int]]:
+    """The command line, checked: (args, the thread counts to measure, the cores this process may use)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="alias, 'tiny' or model folder")
     ap.add_argument("--requests", type=int, default=32)
@@ -598,24 +599,34 @@ def main() -> Optional[int]:
     if len(args.cores) < max(thread_counts) or not set(args.cores) <= set(available):
         ap.error(f"--cores {format_cpu_list(args.cores)}: need {max(thread_counts)} of the cores this process may "
                  f"use ({format_cpu_list(available)})")  # fmt: skip
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
+    return args, thread_counts, available
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from _machine import describe, git_state
+
+def load_prompts(args: argparse.Namespace) -> tuple[str, list[list[int]]]:
+    """The model's folder and the workload's prompt token ids."""
     from _models import bench_model_path
     from transformers import AutoTokenizer
 
     path = bench_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = prompts(tokenizer, args.requests, args.distinct_starts)
-    flops = None if args.no_limit else workload_flops(path, ids, args.max_new_tokens)
-    have_vllm = os.path.exists(args.vllm_python)
-    vllm_note = ""
+    return path, prompts(tokenizer, args.requests, args.distinct_starts)
+
+
+def vllm_note(args: argparse.Namespace, have_vllm: bool) -> str:
+    """Why there are no vLLM rows ("" when there are)."""
     if not args.vllm_modes:
-        vllm_note = "vLLM rows not asked for (--vllm-modes '')"
-    elif not have_vllm:
-        vllm_note = f"vLLM not found ({args.vllm_python}; `make vllm` builds it): no vLLM rows"
+        return "vLLM rows not asked for (--vllm-modes '')"
+    if not have_vllm:
+        return f"vLLM not found ({args.vllm_python}; `make vllm` builds it): no vLLM rows"
+    return ""
+
+
+def new_result(
+    args: argparse.Namespace, path: str, ids: list[list[int]], available: list[int], have_vllm: bool
+) -> dict:
+    """The results file's contents before any block is measured: the machine, the source tree, the workload."""
+    from _machine import describe, git_state
+
     result = {
         "bench": "rollout_throughput",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -631,14 +642,23 @@ def main() -> Optional[int]:
     }
     if args.baseline_tree:
         result["baseline"] = git_state(os.path.abspath(args.baseline_tree))
-    print(f"model={path} requests={args.requests} prompt tokens={result['prompt_tokens'][0]}-"
+    return result
+
+
+def print_workload(args: argparse.Namespace, result: dict, available: list[int]) -> None:
+    """One line: the workload, the cores, the CPU, the commit and the load average at the start."""
+    print(f"model={result['model']} requests={args.requests} prompt tokens={result['prompt_tokens'][0]}-"
           f"{result['prompt_tokens'][1]} max_new_tokens={args.max_new_tokens} dtype={args.dtype} "
           f"threads={args.threads} cores={format_cpu_list(args.cores)} of {format_cpu_list(available)} "
           f"cpu={result['cpu_model']} ({result['vector_isa']}) "
           f"commit={result['commit'][:10]}{' (dirty)' if result['dirty'] else ''} "
           f"load average {result['load_average_start']:.1f}", flush=True)  # fmt: skip
-    if vllm_note:
-        print(vllm_note, flush=True)
+
+
+def measure_blocks(args: argparse.Namespace, path: str, ids: list[list[int]], thread_counts: list[int],
+                   flops: Optional[dict], result: dict) -> None:  # fmt: skip
+    """Each thread count in turn: its block (rows, ratios and the limit unless `flops` is None) appended to
+    `result["blocks"]`."""
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as log_dir:
         for threads in thread_counts:
             print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)
@@ -655,9 +675,26 @@ def main() -> Optional[int]:
             result["load_average_end"] = os.getloadavg()[0]
             if args.json:
                 write_json(args.json, result)  # after every block: a long run interrupted keeps what it measured
+
+
+def main() -> Optional[int]:
+    args, thread_counts, available = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    path, ids = load_prompts(args)
+    flops = None if args.no_limit else workload_flops(path, ids, args.max_new_tokens)
+    have_vllm = os.path.exists(args.vllm_python)
+    note = vllm_note(args, have_vllm)
+    result = new_result(args, path, ids, available, have_vllm)
+    print_workload(args, result, available)
+    if note:
+        print(note, flush=True)
+    measure_blocks(args, path, ids, thread_counts, flops, result)
     print(f"== summary (load average now {os.getloadavg()[0]:.1f})")
     for block in result["blocks"]:
-        summarize(block, args.repeats, vllm_note)
+        summarize(block, args.repeats, note)
     if args.json:
         print(f"results: {args.json}")
     return None

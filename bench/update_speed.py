@@ -167,7 +167,8 @@ class BaselineTree:
         self.tmp.cleanup()
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line (the module docstring is its help)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--groups", type=int, default=4, help="prompts per batch")
@@ -186,11 +187,12 @@ def main() -> int:
     ap.add_argument(
         "--json", default=os.path.join(ROOT, "bench", "results", "update_speed.json"), help="results file ('' for none)"
     )
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    path = bench_model_path(args.model)
-    fp32 = build_actor(path, "float32", args.threads)
-    actors = {"float32": fp32}
+
+def build_rows(args: argparse.Namespace, path: str) -> tuple[dict[str, FSDPPPOActor], list[tuple[str, str, str]]]:
+    """The actors the rows need (by key, "float32" always) and the rows: (row name, actor key, shared prompts)."""
+    actors = {"float32": build_actor(path, "float32", args.threads)}
     # (row name, actor, shared prompts): the first row is the update as it was before prompts were shared
     rows = [(BEFORE, "float32", "no"), ("float32, group prompts once", "float32", "prompts")]
     rows.append(("float32 (default)", "float32", "all"))
@@ -204,6 +206,13 @@ def main() -> int:
         if not args.no_bf16:
             actors["lora_bf16"] = build_actor(path, "bfloat16", args.threads, r)
             rows.append((f"LoRA r{r} + bf16", "lora_bf16", "all"))
+    return actors, rows
+
+
+def prepare_batch(args: argparse.Namespace, actors: dict[str, FSDPPPOActor]) -> tuple[dict, float | None]:
+    """The batch every row updates on, with float32 log-probs and advantages; the largest bf16 vs float32 log-prob
+    difference on its policy tokens (None without the bf16 rows)."""
+    fp32 = actors["float32"]
     vocab = fp32.model.config.vocab_size
     batch = make_batch(args.groups, args.group_size, args.prompt, args.completion, vocab, args.common_start)
     logp = fp32.compute_logp(batch)
@@ -212,24 +221,27 @@ def main() -> int:
         lp_diff = float((actors["bf16"].compute_logp(batch) - logp)[batch["loss_mask"].bool()].abs().max())
     batch["logprobs"] = batch["prox_logp"] = logp
     fp32.compute_advantages(batch)
+    return batch, lp_diff
 
-    def trainable_M(actor: FSDPPPOActor) -> float:
-        return sum(p.numel() for p in actor.model.parameters() if p.requires_grad) / 1e6
 
-    # name -> (one timed update, trainable parameters in millions)
-    runs = {
-        name: (lambda a=actors[key], s=share: one_update(a, batch, s), trainable_M(actors[key]))
-        for name, key, share in rows
-    }
-    baseline, baseline_name, baseline_state = None, "", {}
-    if args.baseline_tree:
-        tree = os.path.abspath(args.baseline_tree)
-        baseline_state = {"tree": tree, **git_state(tree)}
-        commit = baseline_state["commit"][:7] or tree
-        baseline_name = f"float32 at {commit}" + (" (dirty)" if baseline_state["dirty"] else "")
-        baseline = BaselineTree(tree, batch, path, args.threads)
-        runs = {baseline_name: (baseline.update, baseline.trainable_M), **runs}
+def trainable_M(actor: FSDPPPOActor) -> float:
+    """The actor's trainable parameters, in millions."""
+    return sum(p.numel() for p in actor.model.parameters() if p.requires_grad) / 1e6
 
+
+def start_baseline(args: argparse.Namespace, batch: dict, path: str) -> tuple[BaselineTree | None, str, dict]:
+    """`--baseline-tree`'s worker, its row name and its tree's git state (None, "", {} without one)."""
+    if not args.baseline_tree:
+        return None, "", {}
+    tree = os.path.abspath(args.baseline_tree)
+    state = {"tree": tree, **git_state(tree)}
+    commit = state["commit"][:7] or tree
+    name = f"float32 at {commit}" + (" (dirty)" if state["dirty"] else "")
+    return BaselineTree(tree, batch, path, args.threads), name, state
+
+
+def print_workload(args: argparse.Namespace, path: str, fp32: FSDPPPOActor, batch: dict) -> str:
+    """Print the model, the batch's shape and the CPU; return the CPU's native bf16 support as printed."""
     native = cpu_native_bf16() or "none (no AVX-512 BF16, no AMX)"
     n_params = sum(p.numel() for p in fp32.model.parameters()) / 1e6
     B, L = batch["input_ids"].shape
@@ -240,15 +252,31 @@ def main() -> int:
         f"{args.common_start} of them common to all; {B * L} tokens per row-by-row pass, {shared} shared; "
         f"CPU {torch.backends.cpu.get_cpu_capability()}, native bf16: {native}"
     )
+    return native
+
+
+def time_rows(runs: dict, repeats: int, baseline_name: str) -> dict[str, list[float]]:
+    """One warm-up update per row, then `repeats` turns of one timed update per row: {row name: seconds}."""
     for name, (run, _) in runs.items():
         if name != baseline_name:
             run()  # warm-up: AdamW state, oneDNN kernels (the baseline worker warmed up on its own)
     times = {name: [] for name in runs}
-    for _ in range(args.repeats):  # interleaved, so background load hits every row alike
+    for _ in range(repeats):  # interleaved, so background load hits every row alike
         for name, (run, _) in runs.items():
             times[name].append(run())
-    if baseline is not None:
-        baseline.close()
+    return times
+
+
+def report_rows(
+    args: argparse.Namespace,
+    runs: dict,
+    times: dict,
+    native: str,
+    lp_diff: float | None,
+    baseline_name: str,
+    baseline_state: dict,
+) -> dict:
+    """Print each row's figures (and the bf16 log-prob difference); return the results `--json` gets."""
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
         "args": vars(args),
@@ -258,14 +286,14 @@ def main() -> int:
         "native_bf16": native,
         "rows": {},
     }
-    if baseline is not None:
+    if baseline_name:
         result["baseline"] = baseline_state
     for name, (_, trainable) in runs.items():
         t = times[name]
         row = {"seconds": t, "median": med[name], "speedup": med[BEFORE] / med[name], "trainable_M": trainable}
         line = f"{name:26s}: median {med[name]:6.2f} s per update ({min(t):.2f}-{max(t):.2f}, {len(t)} runs), "
         line += f"{row['speedup']:.2f}x as fast as '{BEFORE}'"
-        if baseline is not None:
+        if baseline_name:
             row["speedup_vs_baseline"] = med[baseline_name] / med[name]
             line += f", {row['speedup_vs_baseline']:.2f}x as fast as '{baseline_name}'"
         print(f"{line}, {trainable:.2f} M trainable params")
@@ -273,10 +301,36 @@ def main() -> int:
     if lp_diff is not None:
         print(f"largest |log-prob difference| bf16 vs float32 on the policy tokens: {lp_diff:.2e}")
         result["bf16_logp_max_diff"] = lp_diff
+    return result
+
+
+def write_json(path: str, result: dict) -> None:
+    """`result` to `path`, its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def main() -> int:
+    args = parse_args()
+    path = bench_model_path(args.model)
+    actors, rows = build_rows(args, path)
+    batch, lp_diff = prepare_batch(args, actors)
+    # name -> (one timed update, trainable parameters in millions)
+    runs = {
+        name: (lambda a=actors[key], s=share: one_update(a, batch, s), trainable_M(actors[key]))
+        for name, key, share in rows
+    }
+    baseline, baseline_name, baseline_state = start_baseline(args, batch, path)
+    if baseline is not None:
+        runs = {baseline_name: (baseline.update, baseline.trainable_M), **runs}
+    native = print_workload(args, path, actors["float32"], batch)
+    times = time_rows(runs, args.repeats, baseline_name)
+    if baseline is not None:
+        baseline.close()
+    result = report_rows(args, runs, times, native, lp_diff, baseline_name, baseline_state)
     if args.json:  # '' writes no file
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     for actor in actors.values():
         actor.destroy()
     return 0

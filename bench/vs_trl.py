@@ -389,7 +389,8 @@ def print_report(result: dict) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line (the module docstring is its help)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
@@ -405,24 +406,15 @@ def main() -> int:
     )
     ap.add_argument("--eval-model", help=argparse.SUPPRESS)  # internal: evaluate a model folder (eval_main)
     ap.add_argument("--eval-out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    for name in CONFIG_ENV:
-        if os.environ.pop(name, None) is not None:
-            print(f"vs_trl: ignoring ${name}: both runs use configs/arith_grpo_demo.yaml as it is")
-    if args.eval_model:
-        return eval_main(args)
-    if args.steps < 1 or args.repeats < 1:
-        raise SystemExit("vs_trl: --steps and --repeats must be at least 1")
-    if not os.path.exists(args.trl_python):
-        raise SystemExit(f"vs_trl: {args.trl_python} not found: run `make trl` first (TRL's own venv)")
+    return ap.parse_args()
 
+
+def trl_spec(args, config, rows: list[dict], reward: str) -> dict:
+    """What `_trl_grpo.py` is given: the model, the reward, the seed, the hyperparameters and the exported rows."""
     from areal_lite.utils.model_store import resolve_model_path
 
-    config = load_config(args)
-    rows, fingerprints, reward = export_data(config, args.steps)
-    model_path = resolve_model_path(config.actor.path)
-    spec = {
-        "model_path": model_path,
+    return {
+        "model_path": resolve_model_path(config.actor.path),
         "reward": reward,
         "threads": args.threads,
         "seed": config.seed,
@@ -430,25 +422,26 @@ def main() -> int:
         "hyper": trl_hyperparameters(config),
         "train": rows,
     }
-    root = tempfile.mkdtemp(prefix="vs-trl-")
-    print(f"vs_trl: {args.repeats} x (kit, TRL), {args.steps} steps each; logs in {root}")
-    with open(os.path.join(root, "data.json"), "w", encoding="utf-8") as fh:
-        json.dump({"train": rows, "fingerprints": fingerprints, "reward": reward}, fh, indent=1)
-    try:
-        base = evaluate_model(args, root, model_path, "base")
-        print(f"vs_trl: base model held-out accuracy {base['eval_accuracy']:.2f} (the kit's evaluator)")
-        runs = []
-        for i in range(args.repeats):  # alternating, so drift in the machine's load hits both alike
-            runs.append(run_kit(args, root, i, fingerprints))
-            print(f"vs_trl: kit #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
-                  f"{runs[-1]['accuracy_before']:.2f} -> {runs[-1]['accuracy_after']:.2f}")  # fmt: skip
-            runs.append(run_trl(args, root, i, spec))
-            runs[-1]["accuracy_before"] = base["eval_accuracy"]
-            print(f"vs_trl: TRL #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
-                  f"{base['eval_accuracy']:.2f} -> {runs[-1]['accuracy_after']:.2f}")  # fmt: skip
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_repeats(args, root: str, spec: dict, fingerprints: list[str]) -> tuple[dict, list[dict]]:
+    """The base model's held-out accuracy, then `--repeats` x (kit, TRL): (the base's evaluation, the runs)."""
+    base = evaluate_model(args, root, spec["model_path"], "base")
+    print(f"vs_trl: base model held-out accuracy {base['eval_accuracy']:.2f} (the kit's evaluator)")
+    runs = []
+    for i in range(args.repeats):  # alternating, so drift in the machine's load hits both alike
+        runs.append(run_kit(args, root, i, fingerprints))
+        print(f"vs_trl: kit #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
+              f"{runs[-1]['accuracy_before']:.2f} -> {runs[-1]['accuracy_after']:.2f}")  # fmt: skip
+        runs.append(run_trl(args, root, i, spec))
+        runs[-1]["accuracy_before"] = base["eval_accuracy"]
+        print(f"vs_trl: TRL #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
+              f"{base['eval_accuracy']:.2f} -> {runs[-1]['accuracy_after']:.2f}")  # fmt: skip
+    return base, runs
+
+
+def build_result(args, config, spec: dict, base: dict, runs: list[dict]) -> dict:
+    """What `--out` gets: the machine, the settings both sides ran with, every run and their summary."""
     import importlib.metadata as md
 
     from _machine import describe, git_state
@@ -469,13 +462,41 @@ def main() -> int:
         "n_held_out": base["n_problems"],
         "base_accuracy": base["eval_accuracy"],
         "prompt_ids_equal": True,  # checked on both sides (the runs abort otherwise)
-        "prompt_token_ids_example": rows[0]["prompt_ids"],
-        "reward": reward,
+        "prompt_token_ids_example": spec["train"][0]["prompt_ids"],
+        "reward": spec["reward"],
         "hyperparameters": spec["hyper"],
         "kit_versions": {n: md.version(n) for n in ("torch", "transformers")},
         "runs": runs,
     }
     result["summary"] = summarise(runs)
+    return result
+
+
+def main() -> int:
+    args = parse_args()
+    for name in CONFIG_ENV:
+        if os.environ.pop(name, None) is not None:
+            print(f"vs_trl: ignoring ${name}: both runs use configs/arith_grpo_demo.yaml as it is")
+    if args.eval_model:
+        return eval_main(args)
+    if args.steps < 1 or args.repeats < 1:
+        raise SystemExit("vs_trl: --steps and --repeats must be at least 1")
+    if not os.path.exists(args.trl_python):
+        raise SystemExit(f"vs_trl: {args.trl_python} not found: run `make trl` first (TRL's own venv)")
+
+    config = load_config(args)
+    rows, fingerprints, reward = export_data(config, args.steps)
+    spec = trl_spec(args, config, rows, reward)
+    root = tempfile.mkdtemp(prefix="vs-trl-")
+    print(f"vs_trl: {args.repeats} x (kit, TRL), {args.steps} steps each; logs in {root}")
+    with open(os.path.join(root, "data.json"), "w", encoding="utf-8") as fh:
+        json.dump({"train": rows, "fingerprints": fingerprints, "reward": reward}, fh, indent=1)
+    try:
+        base, runs = run_repeats(args, root, spec, fingerprints)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    result = build_result(args, config, spec, base, runs)
     print_report(result)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -44,7 +44,8 @@ def load_class(spec: str):
     return getattr(module, name)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line (see the module's docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="local Hugging Face model folder")
     parser.add_argument("--env", required=True, help="FILE.py:ClassName")
@@ -56,28 +57,50 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=48)
     parser.add_argument("--max-tool-calls", type=int, default=2, help="max_tool_calling_iterations")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def configure_runtime() -> None:
+    """Offline mode and TRL's experimental warnings silenced, set before TRL's stack is first imported."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    import trl
+    # TRL's stack is first imported here, after the settings above and in this order; the helpers below import what
+    # they use from it again (a look-up in sys.modules).
+    import trl  # noqa: F401
+    from datasets import Dataset  # noqa: F401
+    from transformers import AutoTokenizer, TrainerCallback  # noqa: F401
+    from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+    from trl.chat_template_utils import qwen2_5_chat_template, supports_tool_calling  # noqa: F401
+
+
+def load_rows(args: argparse.Namespace) -> list[dict]:
+    """The training rows: `--rows`' JSON, or `--seeds N` rows with an empty user turn and `seed` 0..N-1."""
+    if args.rows:
+        return json.loads(Path(args.rows).read_text())
+    return [{"prompt": [{"role": "user", "content": ""}], "seed": k} for k in range(args.seeds)]
+
+
+def build_dataset(rows: list[dict]):
+    """The rows as TRL's dataset, as they are."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+
+    return Dataset.from_list(rows)
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer, and whether its chat template was replaced by TRL's Qwen2.5 one to render tools."""
+    from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen2_5_chat_template, supports_tool_calling
 
-    env_class = load_class(args.env)
-    if args.rows:
-        rows = json.loads(Path(args.rows).read_text())
-    else:
-        rows = [{"prompt": [{"role": "user", "content": ""}], "seed": k} for k in range(args.seeds)]
-    dataset = Dataset.from_list(rows)
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
     template_swapped = not supports_tool_calling(tokenizer)
     if template_swapped:
         tokenizer.chat_template = qwen2_5_chat_template
+    return tokenizer, template_swapped
 
+
+def make_factory(env_class) -> tuple:
+    """An `environment_factory` that creates `env_class()` unchanged, and the list of the instances it created."""
     instances = []
 
     def factory():
@@ -85,18 +108,27 @@ def main() -> None:
         instances.append(instance)
         return instance
 
-    steps = []
+    return factory, instances
+
+
+def make_recorder(rows: list[dict], env_class):
+    """A callback recording each step's logged rollouts in `.steps`; it reads them from `.trainer`, set once built."""
+    from transformers import TrainerCallback
 
     class Record(TrainerCallback):
+        def __init__(self):
+            self.trainer = None
+            self.steps = []
+
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs is None or "loss" not in logs:
                 return
-            completions = list(trainer._logs["completion"])
+            completions = list(self.trainer._logs["completion"])
             tool_msgs = [m for c in completions for m in c if m.get("role") == "tool"]
             errors = [m["content"] for m in tool_msgs if str(m["content"]).startswith("{'error'")]
-            prompts = list(trainer._logs["prompt"])
+            prompts = list(self.trainer._logs["prompt"])
             row_texts = {json.dumps(r["prompt"][-1]["content"]) for r in rows}
-            steps.append(
+            self.steps.append(
                 {
                     "step": state.global_step,
                     "reward_mean": logs.get(f"rewards/{env_class.__name__}/mean"),
@@ -111,7 +143,14 @@ def main() -> None:
                 }
             )
 
-    config = GRPOConfig(
+    return Record()
+
+
+def grpo_config(args: argparse.Namespace):
+    """A small CPU GRPOConfig: two prompts of two generations a step, a log line per step, nothing saved."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_env_"),
         max_steps=args.steps,
         per_device_train_batch_size=2,
@@ -127,20 +166,32 @@ def main() -> None:
         save_strategy="no",
         seed=args.seed,
     )
+
+
+def train(model: str, config, dataset, tokenizer, factory, recorder) -> tuple:
+    """GRPOTrainer with the environment factory and no reward functions, trained; the trainer and its wall time."""
+    from trl import GRPOTrainer
+
     start = time.perf_counter()
     trainer = GRPOTrainer(
-        model=args.model,
+        model=model,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
         environment_factory=factory,
-        callbacks=[Record()],
+        callbacks=[recorder],
     )
+    recorder.trainer = trainer
     trainer.train()
-    wall = time.perf_counter() - start
+    return trainer, time.perf_counter() - start
+
+
+def collect_result(args, trainer, tokenizer, template_swapped: bool, instances: list, steps: list, wall: float) -> dict:
+    """OUT.json's content: versions, what TRL found in the class, and what the steps recorded."""
+    import trl
 
     metric_names = sorted({k for entry in trainer.state.log_history for k in entry})
-    result = {
+    return {
         "trl": trl.__version__,
         "transformers": md.version("transformers"),
         "torch": md.version("torch"),
@@ -157,8 +208,13 @@ def main() -> None:
         "per_step": steps,
         "metric_names": metric_names,
     }
+
+
+def write_result(args: argparse.Namespace, result: dict, env_class) -> None:
+    """OUT.json (with `--out`), and the run's one printed line."""
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    steps = result["per_step"]
     print(
         f"trl {result['trl']}: {args.env} ran {result['steps_run']} steps in {result['wall_s']} s; "
         f"tools {result['tools']}; rewards/{env_class.__name__}/mean per step "
@@ -166,6 +222,21 @@ def main() -> None:
         f"{result['prompts_with_observation']} prompts carried reset()'s observation; "
         f"{result['instances_created']} instances"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    configure_runtime()
+    env_class = load_class(args.env)
+    rows = load_rows(args)
+    dataset = build_dataset(rows)
+    tokenizer, template_swapped = load_tokenizer(args.model)
+    factory, instances = make_factory(env_class)
+    recorder = make_recorder(rows, env_class)
+    config = grpo_config(args)
+    trainer, wall = train(args.model, config, dataset, tokenizer, factory, recorder)
+    result = collect_result(args, trainer, tokenizer, template_swapped, instances, recorder.steps, wall)
+    write_result(args, result, env_class)
 
 
 if __name__ == "__main__":
