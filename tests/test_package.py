@@ -236,3 +236,28 @@ def test_areal_names_exist_at_the_same_path_in_areal():
 
     for name, module in AREAL_NAMES.items():
         assert hasattr(importlib.import_module(module), name), f"AReaL's {module} has no {name}"
+
+
+# ---- size: one job per class and function ------------------------------------------------------------------------
+
+CLASS_MAX_LINES, FUNCTION_MAX_LINES = 350, 80  # the project's guide; a longer one is split by job, not by length
+ROOT = os.path.dirname(PACKAGE)
+CODE = [
+    os.path.join(dirpath, name)
+    for folder in ("areal_lite", "bench", "tools")
+    for dirpath, _, names in os.walk(os.path.join(ROOT, folder))
+    for name in names
+    if name.endswith(".py")
+]
+
+
+def test_classes_and_functions_stay_within_the_guide():
+    over = []
+    for path in sorted(CODE):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            cap = FUNCTION_MAX_LINES if is_function else CLASS_MAX_LINES if isinstance(node, ast.ClassDef) else None
+            lines = node.end_lineno - node.lineno + 1 if cap is not None else 0
+            if cap is not None and lines > cap:
+                over.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert not over, f"over {CLASS_MAX_LINES} lines (class) or {FUNCTION_MAX_LINES} (function):\n" + "\n".join(over)
