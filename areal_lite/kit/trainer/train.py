@@ -408,11 +408,11 @@ def grpo_step(
     data_iter,
     workflow: RolloutWorkflow,
 ):
-    """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync; each phase timed.
+    """One step: rollouts, (proximal log-probs), advantages, PPO update, weight sync; timed in four phases.
 
-    The loop notebook 07_async_vs_sync times, shown there as it is: the same five phases as the training notebooks,
-    one `perf_counter` around each. Returns the step's stats and its start time. In async mode "generate" is only
-    the time the trainer waited for data (generation otherwise overlaps training).
+    The loop notebook 07_async_vs_sync times, shown there as it is: one `perf_counter` around each of generate, logp,
+    update (advantages and PPO update together) and weight_sync. Returns the step's stats and its start time. In
+    async mode "generate" is only the time the trainer waited for data (generation otherwise overlaps training).
     """
     t_step = time.perf_counter()
     if config.async_training:
