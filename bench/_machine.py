@@ -16,7 +16,16 @@ import time
 from areal_lite.utils.machine import cpu_model, vector_isa
 from areal_lite.utils.machine import describe as _describe
 
-__all__ = ["AVX2_PROXY_ENV", "cpu_model", "describe", "forced_isa", "git_state", "vector_isa", "write_results"]
+__all__ = [
+    "AVX2_PROXY_ENV",
+    "cpu_model",
+    "describe",
+    "forced_isa",
+    "git_state",
+    "vector_isa",
+    "write_json",
+    "write_results",
+]
 
 AVX2_PROXY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -51,7 +60,15 @@ def write_results(path: str, bench: str, args, tree: str, **figures) -> dict:
     record = {"bench": bench, "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **git_state(tree),
               **describe(), **figures}  # fmt: skip
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(path, record)
     return record
+
+
+def write_json(path: str, record: dict) -> None:
+    """`record` as indented JSON at `path`, its folder made if missing; written aside and moved into place, so an
+    interrupted write never leaves half a results file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)

@@ -30,7 +30,7 @@ for path in (ROOT, os.path.join(ROOT, "tools")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from _machine import describe, git_state  # noqa: E402  (bench/ is on sys.path when a bench script runs)
+from _machine import describe, git_state, write_json  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "notebook_times.json")
 
@@ -85,9 +85,7 @@ def save(result: dict, path: str) -> None:
     """`result` with the date and commit of its newest notebook, as `path`."""
     latest = max(result["notebooks"].values(), key=lambda r: r["date"], default={"date": "", "commit": ""})
     result.update(date=latest["date"], commit=latest.get("commit", ""), dirty=latest.get("dirty", False))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    write_json(path, result)
 
 
 if __name__ == "__main__":

@@ -559,14 +559,6 @@ def summarize(block: dict, repeats: int, vllm_note: str) -> None:
         print(f"  done-when: embedded >= {bar:.1f}x {target} in tok/s: not measured (no {target} row)")
 
 
-def write_json(path: str, result: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
-
-
 def parse_args() -> tuple[argparse.Namespace, list[int], list[int]]:
     """The command line, checked: (args, the thread counts to measure, the cores this process may use)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -659,6 +651,8 @@ def measure_blocks(args: argparse.Namespace, path: str, ids: list[list[int]], th
                    flops: Optional[dict], result: dict) -> None:  # fmt: skip
     """Each thread count in turn: its block (rows, ratios and the limit unless `flops` is None) appended to
     `result["blocks"]`."""
+    from _machine import write_json
+
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as log_dir:
         for threads in thread_counts:
             print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)

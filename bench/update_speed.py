@@ -50,7 +50,6 @@ from `bench/results/update_speed.json` (the run whole), the earlier ones from `b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -63,7 +62,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from _machine import describe, git_state  # noqa: E402
+from _machine import describe, git_state, write_json  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig  # noqa: E402
@@ -302,13 +301,6 @@ def report_rows(
         print(f"largest |log-prob difference| bf16 vs float32 on the policy tokens: {lp_diff:.2e}")
         result["bf16_logp_max_diff"] = lp_diff
     return result
-
-
-def write_json(path: str, result: dict) -> None:
-    """`result` to `path`, its folder made if missing."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 def main() -> int:

@@ -498,9 +498,9 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     result = build_result(args, config, spec, base, runs)
     print_report(result)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
+    from _machine import write_json
+
+    write_json(args.out, result)
     print(f"vs_trl: results in {args.out}")
     return 0
 
