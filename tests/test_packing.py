@@ -76,3 +76,26 @@ def test_as_long_leaves_the_callers_batch_alone():
     assert batch["input_ids"].dtype == torch.int32
     packing.cast_long(batch)
     assert batch["input_ids"].dtype == torch.long
+
+
+def test_attention_runs_in_float32_under_a_cpus_bf16_autocast():
+    """Under bf16 autocast a CPU's sdpa would get bf16 inputs, and its bf16 backward ran ~5x slower than float32's
+    (bench/update_speed.py). The packed attention turns autocast off and computes in float32: exactly what float32
+    inputs give without autocast, whatever dtypes the model hands it (rotary embeddings leave query and key float32
+    under autocast, the value projection is bf16)."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 6, 7, 8, generator=g),
+        torch.randn(1, 2, 7, 8, generator=g),
+        torch.randn(1, 2, 7, 8, generator=g),
+    )
+    cu = torch.tensor([0, 3, 7])
+    want, _ = packing.packed_sdpa_attention(module, q, k, v.bfloat16().float(), None, cu_seq_lens_q=cu)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v.bfloat16())]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = packing.packed_sdpa_attention(module, *leaves, None, cu_seq_lens_q=cu)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    got.sum().backward()
+    assert [t.grad.dtype for t in leaves] == [torch.float32, torch.float32, torch.bfloat16]

@@ -73,6 +73,14 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     `cu_seq_lens_q` (a padded batch) fall through to transformers' own sdpa with its usual mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # Attention in float32 under a CPU's bf16 autocast, which would hand sdpa bf16 inputs: a CPU's bf16 sdpa
+        # backward runs several times slower than its float32 one, even with AMX, and attention is a small share
+        # of the FLOPs (bench/update_speed.py's bf16 rows time the whole update).
+        with torch.autocast("cpu", enabled=False):
+            return packed_sdpa_attention(
+                module, query.float(), key.float(), value.float(), attention_mask, dropout, scaling, **kwargs
+            )
     shared = kwargs.pop(SHARED_PREFIX_KW, None)
     cu = kwargs.pop("cu_seq_lens_q", None)
     for k in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
