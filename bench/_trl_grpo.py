@@ -136,7 +136,7 @@ def grpo_config(spec: dict, steps: int, batch_prompts: int, group: int):
         weight_decay=float(hp["weight_decay"]),
         max_grad_norm=float(hp["gradient_clipping"]),
         optim="adamw_torch_fused",  # the kit's AdamW is fused too
-        bf16=False,
+        bf16=bool(hp.get("bf16", False)),  # float32 weights either way; True: forward passes under bf16 autocast
         fp16=False,
         model_init_kwargs={"dtype": "float32"},
         activation_checkpointing=False,  # transformers 5's name; TRL's default (gradient_checkpointing=True) is off
@@ -265,6 +265,7 @@ def collect_results(spec: dict, trainer, clock, train_wall: float, model_dtype: 
         "prompt_token_ids_step0": trainer.bench_prompt_ids[0][0],
         "model_dir": final_dir,
         "model_dtype": model_dtype,
+        "mixed_precision": str(trainer.accelerator.mixed_precision),  # "bf16": forward passes under autocast
         "torch_threads": torch_threads,
         "optimizer": type(optimizer).__name__,
         "optimizer_defaults": {k: v for k, v in optimizer.param_groups[0].items() if k in OPTIMIZER_KEYS},

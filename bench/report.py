@@ -29,6 +29,7 @@ RESULTS = os.path.join(HERE, "results")
 OUT = os.path.join(HERE, "RESULTS.md")
 TITLES = {  # the order of RESULTS.md's sections; a results file not named here comes after them, by name
     "vs_trl": "The kit against TRL's GRPOTrainer (`bench/vs_trl.py`)",
+    "vs_trl_bf16": "The kit against TRL's GRPOTrainer, both under bf16 autocast (`bench/vs_trl.py --bf16`)",
     "rollout_throughput": "Rollout throughput, prompts with a shared start (`bench/rollout_throughput.py`)",
     "rollout_throughput_distinct_starts": "Rollout throughput, `--distinct-starts` (`bench/rollout_throughput.py`)",
     "rollout_throughput_demo": "Rollout throughput, the demo's rollout: 16 new tokens (`bench/rollout_throughput.py`)",
@@ -117,6 +118,9 @@ def summarise_vs_trl(d: dict) -> dict:
     out = {"steps": steps, "repeats": d["repeats"], "prompts_per_step": d["prompts_per_step"]}
     out.update(group_size=d["group_size"], threads=d["threads"], trl_keep_freed=bool(d.get("trl_keep_freed")))
     out.update(ratio=s["trl_over_kit_median"], ratios=s["trl_over_kit_train_time"])
+    out.update(bf16=bool(d.get("hyperparameters", {}).get("bf16")))
+    if out["bf16"]:  # the kit's own line: whether its precision plan chose the autocast on this CPU, and why
+        out["kit_precision"] = next(r["precision"] for r in d["runs"] if r["system"] == "kit")
     for side in ("kit", "trl"):
         runs = sorted((r for r in d["runs"] if r["system"] == side), key=lambda r: r["train_s"])
         middle = runs[len(runs) // 2]  # the median repeat's phases
@@ -133,7 +137,10 @@ def latest_vs_trl(f: dict) -> list:
     kit, trl = f["kit"], f["trl"]
     shape = f"{f['steps']} steps of {f['prompts_per_step']} prompts x {f['group_size']} samples, {f['repeats']} repeats"
     memory = "with the kit's malloc settings (`--trl-keep-freed`)" if f["trl_keep_freed"] else "as installed"
-    lines = [f"{shape}, {f['threads']} threads each side, alternating; TRL {memory}.", ""]
+    precision = "float32 both sides"
+    if f.get("bf16"):
+        precision = f'bf16 autocast both sides (TRL\'s `bf16=True`; the kit said: "{f["kit_precision"]}")'
+    lines = [f"{shape}, {f['threads']} threads each side, alternating; TRL {memory}; {precision}.", ""]
     by_repeat = ", ".join(f"{r:.2f}" for r in f["ratios"])
 
     def phases(side: dict) -> str:

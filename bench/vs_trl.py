@@ -2,12 +2,13 @@
 
     make bench-trl                                           # make trl first (TRL's own venv), then this, 3 x 16
     PYTHONPATH=. .venv/bin/python bench/vs_trl.py [--repeats 3] [--steps 16] [--threads 2]
-        [--trl-python .venv-trl/bin/python] [--out bench/results/vs_trl.json] [--keep]
+        [--trl-python .venv-trl/bin/python] [--bf16] [--out bench/results/vs_trl.json] [--keep]
 
 The workload is `make demo` (`configs/arith_grpo_demo.yaml`): SmolLM2-135M-Instruct learns "What is x + y?" by GRPO,
 `--steps` steps of 4 prompts x 8 samples, 16 new tokens at temperature 0.8, group-normalised advantages, no KL,
-AdamW at a constant 1e-5 with gradient clipping 1.0, float32, `--threads` torch threads. It runs twice per repeat,
-alternating, `--repeats` times (kit, TRL, kit, TRL, ...), each run a fresh child process:
+AdamW at a constant 1e-5 with gradient clipping 1.0, float32 (`--bf16`: both sides under bf16 autocast, the kit where
+its precision plan measures it faster; `bench/results/vs_trl_bf16.json`), `--threads` torch threads. It runs twice
+per repeat, alternating, `--repeats` times (kit, TRL, kit, TRL, ...), each run a fresh child process:
 1. the kit: `python -m areal_lite.kit.trainer.demo total_train_steps=N actor.threads=T embedded.threads=T` (a fresh
    trial folder in a temp fileroot), the embedded server and the trainer taking turns on the cores (synchronous GRPO);
 2. TRL: `bench/_trl_grpo.py` in TRL's venv (`make trl`: trl 1.16.0 on the kit's torch 2.13.0+cpu), one process
@@ -87,8 +88,9 @@ CONFIG_ENV = ("AREAL_LITE_OVERRIDES", "AREAL_LITE_PROFILE")
 def overrides(args) -> list[str]:
     # evaluator.freq_steps=0: held-out accuracy only before and after, as on TRL's side (the demo also evaluates
     # half-way, which would run inside a step's clock)
+    # --bf16: actor.dtype=bfloat16, the kit's precision plan: bf16 autocast where this CPU measures it faster
     return [f"total_train_steps={args.steps}", f"actor.threads={args.threads}", f"embedded.threads={args.threads}",
-            "evaluator.freq_steps=0"]  # fmt: skip
+            "evaluator.freq_steps=0", f"actor.dtype={'bfloat16' if args.bf16 else 'float32'}"]  # fmt: skip
 
 
 def load_config(args):
@@ -114,7 +116,7 @@ def trl_hyperparameters(config) -> dict:
         "actor.adv_norm": (a.adv_norm, None),
         "actor.ppo_n_minibatches": (a.ppo_n_minibatches, 1),
         "actor.use_lora": (a.use_lora, False),
-        "actor.dtype": (a.dtype, "float32"),
+        "actor.dtype in (float32, bfloat16)": (a.dtype in ("float32", "bfloat16"), True),
         "actor.optimizer.type": (opt.type, "adam"),
         "actor.optimizer.lr_scheduler_type": (opt.lr_scheduler_type, "constant"),
         "actor.optimizer.warmup_steps_proportion": (opt.warmup_steps_proportion, 0.0),
@@ -143,6 +145,7 @@ def trl_hyperparameters(config) -> dict:
         "adam_eps": opt.eps,
         "weight_decay": opt.weight_decay,
         "gradient_clipping": opt.gradient_clipping,
+        "bf16": a.dtype == "bfloat16",  # TRL's bf16 (its default; autocast on a CPU), the kit's precision plan
     }
 
 
@@ -209,7 +212,10 @@ def run_kit(args, root: str, index: int, fingerprints: list[str]) -> dict:
     trial = f"kit-{os.getpid()}-{index}"
     cmd = [sys.executable, "-m", "areal_lite.kit.trainer.demo", *overrides(args), f"fileroot={root}",
            f"experiment_name={EXPERIMENT}", f"trial_name={trial}"]  # fmt: skip
-    proc = run_child(cmd, os.path.join(root, f"{trial}.log"), child_env(args.threads, kit_path=True))
+    log = os.path.join(root, f"{trial}.log")
+    proc = run_child(cmd, log, child_env(args.threads, kit_path=True))
+    with open(log) as f:  # with --bf16, the actor's one line saying whether it autocasts here, and why
+        precision = next((line.strip() for line in f if line.startswith("areal-lite: actor.dtype=")), "float32")
     from areal_lite.kit.notebook.plot import load_stats
 
     stats = load_stats(os.path.join(root, EXPERIMENT, trial, "stats.jsonl"))
@@ -235,6 +241,7 @@ def run_kit(args, root: str, index: int, fingerprints: list[str]) -> dict:
         "reward_by_step": [s["reward"] for s in stats],
         "response_length_by_step": [s["response_length"] for s in stats],
         "data_fingerprints": logged,
+        "precision": precision,
         **proc,
     }
 
@@ -273,6 +280,7 @@ def run_trl(args, root: str, index: int, spec: dict) -> dict:
         "response_length_by_step": out["completion_length_by_step"],
         "torch_threads": out["torch_threads"],
         "model_dtype": out["model_dtype"],
+        "precision": f"{out['model_dtype']} weights, accelerate mixed_precision={out['mixed_precision']}",
         "optimizer": {"class": out["optimizer"], **out["optimizer_defaults"]},
         "versions": out["versions"],
         **proc,
@@ -396,7 +404,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each side (the kit: trainer and server)")
     ap.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "vs_trl.json"))
+    ap.add_argument("--out", help="results file (default bench/results/vs_trl.json, with --bf16 vs_trl_bf16.json)")
     ap.add_argument("--keep", action="store_true", help="keep the temp folder (logs, stats, specs)")
     ap.add_argument(
         "--trl-keep-freed",
@@ -404,9 +412,17 @@ def parse_args() -> argparse.Namespace:
         help="TRL's process keeps freed memory as the kit's "
         "trainer and server do (glibc tunables; default: TRL as installed)",
     )
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both sides train under bf16 autocast: TRL with bf16=True (its default), the kit with "
+        "actor.dtype=bfloat16 (autocast where this CPU measured it faster; it prints its choice). Default: float32",
+    )
     ap.add_argument("--eval-model", help=argparse.SUPPRESS)  # internal: evaluate a model folder (eval_main)
     ap.add_argument("--eval-out", help=argparse.SUPPRESS)
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "vs_trl_bf16.json" if args.bf16 else "vs_trl.json")
+    return args
 
 
 def trl_spec(args, config, rows: list[dict], reward: str) -> dict:
@@ -448,6 +464,7 @@ def build_result(args, config, spec: dict, base: dict, runs: list[dict]) -> dict
 
     source = git_state(ROOT)
     result = {
+        "bench": "vs_trl",
         "commit": source["commit"] + ("-dirty" if source["dirty"] else ""),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         **describe(),  # cpu_model, cores (this process may use), vector_isa

@@ -147,3 +147,18 @@ def test_check_says_when_the_file_is_stale_and_archive_keeps_a_run_once(results,
     assert rec["figures"]["kit"]["train_s"] == [62.0, 60.0, 70.0]
     with pytest.raises(SystemExit, match="already holds"):
         report.main(args + ["--archive", "vs_trl"])
+
+
+def test_a_bf16_comparison_has_its_own_section_saying_both_sides_precision(results):
+    """`vs_trl.py --bf16` writes vs_trl_bf16.json: a section of its own, whose first line says that both sides ran
+    under bf16 autocast and what the kit's precision plan chose on that CPU; the float32 section says float32."""
+    run = vs_trl_run("e" * 40, "2026-12-03 10:00:00", [50.0, 52.0], [200.0, 210.0])
+    said = "areal-lite: actor.dtype=bfloat16 on CPU: ... forward passes under bf16 autocast (this CPU has AMX; ...)"
+    for r in run["runs"]:
+        r["precision"] = said if r["system"] == "kit" else "torch.float32 weights, accelerate mixed_precision=bf16"
+    write(results / "vs_trl_bf16.json", dict(run, bench="vs_trl", hyperparameters={"bf16": True}))
+    text = report.render(str(results))
+    fp32, bf16 = text.split("## The kit against TRL's GRPOTrainer, both under bf16 autocast (`bench/vs_trl.py --bf16`)")
+    assert "alternating; TRL as installed; float32 both sides." in fp32
+    assert f'bf16 autocast both sides (TRL\'s `bf16=True`; the kit said: "{said}")' in bf16.split("\n## ")[0]
+    assert "**4.02×** (4.00, 4.04)" in bf16  # the median of the two repeats
