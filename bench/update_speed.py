@@ -14,10 +14,11 @@ advantage), so no row is skipped. Rows:
    shared, the reference the others are compared with;
 2. `float32, group prompts once`: each group's prompt runs once, but the prompts' common start once per prompt
    (the default until the common start was shared too);
-3. `float32 (default)`: what the kit trains with on a CPU without native bf16: each prompt runs once for its
-   group, and the prompts' common start once for all (`packing.share_prompts`);
+3. `float32 (default)`: the kit's float32 update (`actor.dtype=float32`, every CPU profile's): each prompt runs
+   once for its group, and the prompts' common start once for all (`packing.share_prompts`);
 4. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`: float32 weights and AdamW state, forward
-   passes under `torch.autocast("cpu", torch.bfloat16)` (forced, so the row exists on any CPU);
+   passes under `torch.autocast("cpu", torch.bfloat16)` but attention in float32 (`packing.packed_sdpa_attention`;
+   forced, so the row exists on any CPU);
 5. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
    the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
 6. `LoRA + bf16`: the same adapter under the bf16 autocast.

@@ -270,7 +270,8 @@ def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step", gen
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    # beside the axes, not on them: inside, "best" still covered a tall first bar (the step that warms up)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig
