@@ -9,7 +9,7 @@ runs one warm-up update and prints `ready <trainable params>`; then for every `g
 parent takes turns with its own rows, so only one of the two processes computes at a time.
 
 Two layouts are known: the package as AReaL lays it out (`api/cli_args.py`, `engine/fsdp_engine.py`), and the flat
-one it had before (`config.py`, `actor.py`: `PPOActor`), as at a4b8130, the commit whose update issue 30 measured.
+one of the kit's first versions (`config.py`, `actor.py`: `PPOActor`).
 """
 
 from __future__ import annotations

