@@ -55,14 +55,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from _machine import describe, git_state, write_json  # noqa: E402
+from _machine import git_state, write_results  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
 from areal_lite.api.cli_args import OptimizerConfig, PPOActorConfig  # noqa: E402
@@ -267,24 +266,12 @@ def time_rows(runs: dict, repeats: int, baseline_name: str) -> dict[str, list[fl
 
 
 def report_rows(
-    args: argparse.Namespace,
-    runs: dict,
-    times: dict,
-    native: str,
-    lp_diff: float | None,
-    baseline_name: str,
-    baseline_state: dict,
+    runs: dict, times: dict, native: str, lp_diff: float | None, baseline_name: str, baseline_state: dict
 ) -> dict:
-    """Print each row's figures (and the bf16 log-prob difference); return the results `--json` gets."""
+    """Print each row's figures (and the bf16 log-prob difference); return the figures `--json` gets (beside the
+    machine and the tree measured: `_machine.write_results`; the baseline tree's own state is under "baseline")."""
     med = {name: statistics.median(t) for name, t in times.items()}
-    result = {
-        "args": vars(args),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        **git_state(ROOT),  # the tree measured (the baseline's own is under "baseline")
-        **describe(),  # cpu_model, cores (this process may use), vector_isa
-        "native_bf16": native,
-        "rows": {},
-    }
+    result = {"native_bf16": native, "rows": {}}
     if baseline_name:
         result["baseline"] = baseline_state
     for name, (_, trainable) in runs.items():
@@ -320,9 +307,8 @@ def main() -> int:
     times = time_rows(runs, args.repeats, baseline_name)
     if baseline is not None:
         baseline.close()
-    result = report_rows(args, runs, times, native, lp_diff, baseline_name, baseline_state)
-    if args.json:  # '' writes no file
-        write_json(args.json, result)
+    result = report_rows(runs, times, native, lp_diff, baseline_name, baseline_state)
+    write_results(args.json, "update_speed", args, ROOT, **result)  # '' writes no file
     for actor in actors.values():
         actor.destroy()
     return 0
