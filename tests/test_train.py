@@ -267,6 +267,43 @@ def test_demo_config_loads_strictly():
         assert config.train_dataset.type == "arith" and config.valid_dataset.split == "test"
 
 
+@pytest.mark.parametrize(
+    "cores, async_training, own_server, expected",
+    [
+        (2, True, True, (1, 1)),  # the demo's 2 + 2 asynchronously on 2 cores: each side its share
+        (3, True, True, (2, 1)),  # the trainer's share first
+        (4, True, True, (2, 2)),  # they fit: as configured
+        (2, False, True, (2, 2)),  # synchronous: trainer and server take turns, each may use every core
+        (2, True, False, (2, 2)),  # servers the caller runs: not this run's to size
+    ],
+)
+def test_async_training_fits_trainer_and_server_threads_into_the_cores(
+    monkeypatch, capsys, cores, async_training, own_server, expected
+):
+    """Asynchronous training with the run's own CPU server: the two compute at once, so their threads are capped to
+    fit the cores together (else both OpenMP teams spin on cores the other needs), and a line says so."""
+    from areal_lite.kit.trainer import train as train_module
+
+    demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    config, _ = load_expr_config(["--config", demo, f"async_training={str(async_training).lower()}"], TrainConfig)
+    assert (config.actor.threads, config.embedded.threads) == (2, 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # `make test` caps every process at 1
+    monkeypatch.setattr(train_module, "_usable_cpus", lambda: cores)
+    before = torch.get_num_threads()
+    try:
+        train_module._threads(config, own_server=own_server)
+        assert (config.actor.threads, config.embedded.threads) == expected
+        assert torch.get_num_threads() == expected[0]
+    finally:
+        torch.set_num_threads(before)
+    said = capsys.readouterr().out
+    if expected == (2, 2):
+        assert "asynchronous training" not in said
+    else:
+        assert f"2 + 2 threads exceed the {cores} cores" in said
+        assert f"actor.threads={expected[0]} and embedded.threads={expected[1]}" in said
+
+
 def test_demo_prints_accuracy_by_minutes_of_training():
     """The demo's summary line: each evaluation with the training time before it, evaluations' own time left out
     (the one before training is not inside a step's clock; later ones are)."""

@@ -44,6 +44,7 @@ from areal_lite.api.cli_args import (
     load_expr_config,
     reconcile_lora,
     reconcile_temperature,
+    server_backend,
 )
 from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
@@ -302,14 +303,41 @@ def _sync_weights(actor: FSDPPPOActor, engine: InferenceEngine, meta: WeightUpda
         engine.resume()
 
 
-def _threads(config: GRPOConfig) -> None:
-    """On a small CPU machine the trainer and each server take one thread each (unless configured)."""
-    cpus = os.cpu_count() or 1
+def _threads(config: GRPOConfig, own_server: bool) -> None:
+    """On a small CPU machine the trainer and each server take one thread each (unless configured).
+
+    Asynchronous training with the run's own CPU server: trainer and server compute at the same time, so their
+    threads must fit the cores together. Past that, both OpenMP teams spin at each of their many small barriers on
+    cores the other needs, and a run takes several times as long. Each side is then capped at its share (the
+    trainer's first), and a line says so. Synchronous runs take turns: each side may use every core.
+    """
+    from areal_lite.utils.device import capped_threads, set_torch_threads
+
+    cpus = _usable_cpus()
     if config.actor.threads == 0 and config.profile == "cpu" and cpus <= 4:
         config.actor.threads = max(1, cpus - config.embedded.threads)
-    from areal_lite.utils.device import set_torch_threads
-
+    server = config.embedded
+    on_cpu = config.profile == "cpu" and server_backend(config) in ("embedded", "auto")
+    if config.async_training and own_server and on_cpu:
+        asked = (capped_threads(config.actor.threads), capped_threads(server.threads))
+        if min(asked) > 0 and sum(asked) > cpus:
+            config.actor.threads = max(1, min(asked[0], cpus - cpus // 2))
+            server.threads = max(1, min(asked[1], cpus - config.actor.threads))
+            print(
+                f"train: asynchronous training runs the trainer and its server at once: {asked[0]} + {asked[1]} "
+                f"threads exceed the {cpus} cores, so actor.threads={config.actor.threads} and "
+                f"embedded.threads={server.threads}",
+                flush=True,
+            )
     set_torch_threads(config.actor.threads)
+
+
+def _usable_cpus() -> int:
+    """The cores this process may run on (its affinity where the OS says, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -476,7 +504,7 @@ def train(
 
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    _threads(config)
+    _threads(config, own_server=server_addrs is None)
     reconcile_temperature(config.actor, config.gconfig)  # a config built in Python skipped the loader
     reconcile_lora(config)
     run, meta = _open_run(config, resume, existing)
