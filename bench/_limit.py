@@ -11,12 +11,15 @@
   and picks AVX2 or AVX-512 as they do, so it is what this CPU attains, not a clock x width figure it never reaches.
 - It is a compute ceiling, not a roofline: a decode step's matmuls are skinny (a few rows x the weights) and may be
   bound by memory bandwidth well below it. A fraction near 1 is not to be expected; its trend is what to watch.
+- What the kernels themselves reach at the decode's row count (`measure_kernel_gflops`): one pass of that many rows
+  through every weight matmul of the model's shapes, with the fast path's own `_Linear` (oneDNN-packed on CPU). It
+  bounds what any server built on those kernels can reach, and shows how much of the gap is theirs.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -97,18 +100,74 @@ def measure_peak_gflops(threads: int, dtype: torch.dtype = torch.float32, second
         torch.set_num_threads(before)
 
 
-def against_limit(tokens_per_s: float, flops: dict, peak_gflops: float) -> dict:
+def measure_kernel_gflops(
+    config, rows: int, threads: int, dtype: torch.dtype = torch.float32, repeats: int = 5
+) -> float:
+    """GFLOP/s of `rows` rows through one decode step's weight matmuls at `threads` torch threads: every layer's
+    fused q/k/v, o, fused gate/up and down, each with its own weight (so the weights stream from memory as in a
+    step), then the LM head; random weights of the shapes `config` describes (a transformers config), each through
+    `areal_lite.kit.server.fastpath._Linear`, the embedded server's own matmul (oneDNN-packed where it packs). Best of
+    `repeats` passes after one warm-up; torch's thread count is restored afterwards. Attention, norms and sampling
+    are left out: this is the kernels' ceiling at this row count, not a decode step."""
+    from types import SimpleNamespace
+
+    from areal_lite.kit.server.fastpath import _Linear
+
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
+              (hidden, inter)] * layers + [(config.vocab_size, hidden)]  # fmt: skip
+    pack = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+    gen = torch.Generator().manual_seed(0)
+    linears = []
+    for out_features, in_features in shapes:
+        linear = _Linear([SimpleNamespace(weight=torch.randn(out_features, in_features, generator=gen).to(dtype),
+                                          bias=None)], pack=pack)  # fmt: skip
+        linear.refresh()
+        if linear.packed is not None:
+            linear.weight = None  # the packed copy is what runs: one copy of the weights in memory
+        linears.append((linear, torch.randn(rows, in_features, generator=gen).to(dtype)))
+    flops = 2 * rows * sum(o * i for o, i in shapes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            best = float("inf")
+            for i in range(repeats + 1):  # the first pass warms up (thread pool, kernel selection): not counted
+                t0 = time.perf_counter()
+                for linear, x in linears:
+                    linear(x)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+        return flops / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def against_limit(tokens_per_s: float, flops: dict, peak_gflops: float, kernel_gflops: Optional[float] = None) -> dict:
     """A generation run against the limit: achieved GFLOP/s = `tokens_per_s` x the workload's FLOPs per token (=
     total FLOPs / wall seconds, for a run that makes the workload's tokens); `flops` as `decode_flops` returns it,
-    with the workload's generated "tokens" added."""
+    with the workload's generated "tokens" added. `kernel_gflops` (`measure_kernel_gflops`), when given, is kept
+    beside it with its own fraction of the limit."""
     achieved = tokens_per_s * flops["total"] / flops["tokens"] / 1e9
-    return {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_tok_s": tokens_per_s,
-            "embedded_gflops": achieved, "fraction": achieved / peak_gflops}  # fmt: skip
+    out = {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_tok_s": tokens_per_s,
+           "embedded_gflops": achieved, "fraction": achieved / peak_gflops}  # fmt: skip
+    if kernel_gflops is not None:
+        out.update(kernel_gflops=kernel_gflops, kernel_fraction=kernel_gflops / peak_gflops)
+    return out
 
 
 def fraction_line(limit: dict) -> str:
     """One printed line from `against_limit`'s result."""
     per_token = limit["workload_flops"]["total"] / limit["workload_flops"]["tokens"] / 1e9
-    return (f"{limit['embedded_gflops']:.1f} GFLOP/s = {limit['embedded_tok_s']:.1f} tok/s x {per_token:.3f} "
+    line = (f"{limit['embedded_gflops']:.1f} GFLOP/s = {limit['embedded_tok_s']:.1f} tok/s x {per_token:.3f} "
             f"GFLOP/token; limit (torch.mm peak) {limit['peak_gflops']:.1f} GFLOP/s; fraction of the limit "
             f"{limit['fraction']:.3f}")  # fmt: skip
+    if "kernel_gflops" in limit:
+        line += (f"; the weight matmuls alone at the batch's rows {limit['kernel_gflops']:.1f} GFLOP/s, "
+                 f"{limit['kernel_fraction']:.3f} of the limit")  # fmt: skip
+    return line

@@ -191,7 +191,8 @@ def summarise_rollout(d: dict) -> dict:
         if one and "one-by-one" in block["ratios"]:
             block["one_by_one_tok_s"] = one["tokens"] / one["wall_s"]
         if "limit" in b:  # runs before the fraction of the limit was measured have none
-            block["limit"] = {k: b["limit"][k] for k in ("embedded_gflops", "peak_gflops", "fraction")}
+            keys = ("embedded_gflops", "peak_gflops", "fraction", "kernel_gflops", "kernel_fraction")
+            block["limit"] = {k: b["limit"][k] for k in keys if k in b["limit"]}  # the kernels' part: later runs
         out["blocks"].append(block)
     return out
 
@@ -226,6 +227,15 @@ def latest_rollout(f: dict) -> list:
     if limits:
         lines += ["", "The kit's embedded server against the limit (its workload's counted FLOPs / median wall time, "
                   "over the GFLOP/s of a large `torch.mm` on the same cores): " + "; ".join(limits) + "."]  # fmt: skip
+    kernels = [
+        f"{cores_label(b['threads'])}: {b['limit']['kernel_gflops']:.1f} GFLOP/s = {b['limit']['kernel_fraction']:.1%}"
+        for b in f["blocks"]
+        if "kernel_gflops" in b.get("limit", {})
+    ]
+    if kernels:
+        lines += ["", f"What the server's matmul kernels reach on their own, the model's weight matmuls at "
+                  f"{f['requests']} rows (one decode step's shapes, attention and sampling left out), against the same "
+                  "limit: " + "; ".join(kernels) + ". No server built on these kernels gets past it."]  # fmt: skip
     return lines
 
 

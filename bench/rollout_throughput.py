@@ -35,7 +35,8 @@ so above 1 means the embedded server is ahead in both) and whether embedded >= 1
 kit's target: its server at least as fast as vLLM's CPU backend); then the embedded server's fraction of the limit
 (bench/_limit.py, `--no-limit` skips it): the workload's FLOPs (counted from the model's config, the shared start
 once) / its median wall time, over the GFLOP/s of a large `torch.mm` measured in this process on the same cores and
-threads just before the systems start. `--json` (default
+threads just before the systems start, and beside it what the server's own matmul kernels reach on the model's weight
+shapes at `--requests` rows (the ceiling those kernels set). `--json` (default
 bench/results/rollout_throughput.json, '' for none) gets every run, the medians and spreads, the ratios, the limit,
 the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the arguments;
 `bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
@@ -427,6 +428,17 @@ def peak_on(cpus: list[int], threads: int, dtype: str) -> float:
         return measure_peak_gflops(threads, getattr(torch, dtype))
 
 
+def kernel_on(cpus: list[int], threads: int, dtype: str, path: str, rows: int) -> float:
+    """What the server's matmul kernels reach at the batch's `rows` rows: bench/_limit.py's measure_kernel_gflops for
+    the model at `path`, bound to `cpus` like `peak_on`, while no server runs."""
+    import torch
+    from _limit import measure_kernel_gflops
+    from transformers import AutoConfig
+
+    with bound_to(cpus):
+        return measure_kernel_gflops(AutoConfig.from_pretrained(path), rows, threads, getattr(torch, dtype))
+
+
 def timed(name: str, run: Callable[[], tuple[int, float]], servers: list[Server], settle: float) -> dict:
     """One timed phase of system `name`: tokens, wall seconds, CPU seconds of its process tree (this process's own
     CPU for the in-process raw generate), and the CPU seconds the other servers used meanwhile."""
@@ -657,15 +669,18 @@ def measure_blocks(args: argparse.Namespace, path: str, ids: list[list[int]], th
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as log_dir:
         for threads in thread_counts:
             print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)
-            peak = None if flops is None else peak_on(args.cores[:threads], threads, args.dtype)
-            if peak is not None:
-                print(f"  limit: torch.mm {args.dtype} {peak:.1f} GFLOP/s", flush=True)
+            peak = kernel = None
+            if flops is not None:
+                peak = peak_on(args.cores[:threads], threads, args.dtype)
+                kernel = kernel_on(args.cores[:threads], threads, args.dtype, path, args.requests)
+                print(f"  limit: torch.mm {args.dtype} {peak:.1f} GFLOP/s; the weight matmuls alone at "
+                      f"{args.requests} rows {kernel:.1f} GFLOP/s", flush=True)  # fmt: skip
             block = measure(args, path, ids, threads, log_dir)
             block["ratios"] = ratios(block["rows"])
             if peak is not None:
                 from _limit import against_limit
 
-                block["limit"] = against_limit(block["rows"]["embedded"]["tok_s"]["median"], flops, peak)
+                block["limit"] = against_limit(block["rows"]["embedded"]["tok_s"]["median"], flops, peak, kernel)
             result["blocks"].append(block)
             result["load_average_end"] = os.getloadavg()[0]
             if args.json:

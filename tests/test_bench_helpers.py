@@ -211,6 +211,39 @@ def test_report_shows_the_fraction_of_the_limit_when_a_run_has_it():
     assert "against the limit" in text and "25.0 of 100.0 GFLOP/s = 25.0%" in text
     assert "(25.0% of the limit)" in report.row_rollout(report.summarise_rollout(new))[0]
     assert "limit" not in "\n".join(report.latest_rollout(report.summarise_rollout(old)))  # older files: as before
+    assert "matmul kernels" not in text  # a run without the kernels' figure: no line for it
+    for b in new["blocks"]:
+        b["limit"].update(kernel_gflops=60.0, kernel_fraction=0.6)
+    text = "\n".join(report.latest_rollout(report.summarise_rollout(new)))
+    assert "matmul kernels reach on their own" in text and "60.0 GFLOP/s = 60.0%" in text
+
+
+def test_kernel_ceiling_times_the_servers_own_matmuls_and_restores_the_thread_count(monkeypatch):
+    """measure_kernel_gflops runs every weight matmul of the model's shapes through the fast path's `_Linear`, each
+    weight once per pass: counted here by wrapping `_Linear.__call__`."""
+    import torch
+    from transformers import LlamaConfig
+
+    from areal_lite.kit.server import fastpath
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000)  # fmt: skip
+    shapes = []
+    call = fastpath._Linear.__call__
+
+    def counted(self, x):
+        y = call(self, x)
+        shapes.append((x.shape[0], x.shape[1], y.shape[1]))
+        return y
+
+    monkeypatch.setattr(fastpath._Linear, "__call__", counted)
+    before = torch.get_num_threads()
+    gflops = limit.measure_kernel_gflops(config, rows=8, threads=1, repeats=2)
+    assert torch.get_num_threads() == before and gflops > 0
+    one_pass = [(8, 64, 64 + 2 * 32), (8, 64, 64), (8, 64, 2 * 128), (8, 128, 64)] * 3 + [(8, 64, 1000)]
+    assert shapes == one_pass * 3  # a warm-up pass, then two timed
+    line = limit.fraction_line(limit.against_limit(100.0, {"total": 1e12, "tokens": 2048}, 200.0, 120.0))
+    assert "the weight matmuls alone at the batch's rows 120.0 GFLOP/s, 0.600 of the limit" in line
 
 
 def test_eval_cost_counts_the_work_the_server_ran():
