@@ -12,8 +12,8 @@
 - It is a compute ceiling, not a roofline: a decode step's matmuls are skinny (a few rows x the weights) and may be
   bound by memory bandwidth well below it. A fraction near 1 is not to be expected; its trend is what to watch.
 - What the kernels themselves reach at the decode's row count (`measure_kernel_gflops`): one pass of that many rows
-  through every weight matmul of the model's shapes, with the fast path's own `_Linear` (oneDNN-packed on CPU). It
-  bounds what any server built on those kernels can reach, and shows how much of the gap is theirs.
+  through every weight matmul of the model's shapes, with the fast path's own `_Linear` (oneDNN-packed on CPU). A
+  decode step on those kernels gets no closer to the limit (prefill's many rows can): how much of the gap is theirs.
 """
 
 from __future__ import annotations

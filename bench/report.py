@@ -235,7 +235,7 @@ def latest_rollout(f: dict) -> list:
     if kernels:
         lines += ["", f"What the server's matmul kernels reach on their own, the model's weight matmuls at "
                   f"{f['requests']} rows (one decode step's shapes, attention and sampling left out), against the same "
-                  "limit: " + "; ".join(kernels) + ". No server built on these kernels gets past it."]  # fmt: skip
+                  "limit: " + "; ".join(kernels) + ". A decode step on these kernels gets no closer."]  # fmt: skip
     return lines
 
 
