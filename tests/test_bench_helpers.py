@@ -216,6 +216,7 @@ def test_report_shows_the_fraction_of_the_limit_when_a_run_has_it():
         b["limit"].update(kernel_gflops=60.0, kernel_fraction=0.6)
     text = "\n".join(report.latest_rollout(report.summarise_rollout(new)))
     assert "matmul kernels reach on their own" in text and "60.0 GFLOP/s = 60.0%" in text
+    assert "(25.0% of the limit; kernels 60.0%) against " in report.row_rollout(report.summarise_rollout(new))[0]
 
 
 def test_kernel_ceiling_times_the_servers_own_matmuls_and_restores_the_thread_count(monkeypatch):
