@@ -10,8 +10,8 @@ after, and the reward curve is saved as a PNG.
 Design decisions
 - The demo is `areal_lite.kit.trainer.train.train` with `configs/arith_grpo_demo.yaml`; nothing here is demo-only logic.
 - It runs synchronously: on two cores generation and training take turns, so each process may use both cores
-  (`embedded.threads=2`, `actor.threads=2`). The asynchronous variant (`async_training=true`, one thread each)
-  is compared in `bench/async_vs_sync.py`.
+  (`embedded.threads=2`, `actor.threads=2`). With `async_training=true` they compute at once, and `train` fits
+  their threads into the cores (one each on two); `bench/async_vs_sync.py` compares the two modes.
 - Most of the gain is the model learning to answer inside the 16-token budget (`gconfig.max_new_tokens` in the
   config; the base model often explains at length and is cut off before the number): a real RL effect, measured on
   problems it never trained on.
