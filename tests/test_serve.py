@@ -1109,11 +1109,12 @@ def test_shared_start_is_the_common_prefix_that_leaves_each_prompt_a_token():
     assert shared_start([[5] + start, start]) == 0
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, smollm_path, monkeypatch):
+@pytest.mark.parametrize("threads, per_token", [(1, None), (2, None), (2, True)])
+def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, per_token, smollm_path, monkeypatch):
     """A prompt's prefill logits, keys and values are bit for bit the same prefilled alone (whole), beside prompts
     that share its start (which then runs once), or with its attention in chunks of a few queries; and they are
-    the model's own forward's up to rounding."""
+    the model's own forward's up to rounding. `per_token`: None takes the attention this CPU measured
+    (`rows_independent_bmm`), True the one-product-per-token attention whatever it measured."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from areal_lite.kit.server import fastpath
@@ -1124,6 +1125,8 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, sm
     prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
     assert fastpath.shared_start(prompts) >= 20  # SmolLM2's template opens with its default system prompt
     runner = fastpath.FastRunner(model)
+    if per_token is not None:
+        runner.per_token_attention = per_token
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -1143,6 +1146,31 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, sm
             for a, b in zip(part.keys + part.values, got_part.keys + got_part.values):
                 assert torch.equal(b[i, :, :n], a[0]), i
         assert (logits[0] - reference[i]).abs().max().item() < 1e-3, i
+
+
+def test_prefill_numbers_hold_under_mkls_avx2_kernels():
+    """MKL's AVX2 kernels (what an Intel CPU without AVX-512 runs) pick a batched matmul kernel by the row count, so
+    the probe chooses the per-token attention there and a prompt keeps its bits: the test above, run by pytest in a
+    process where MKL is held to AVX2 (its own switch, as an AVX2-only CPU would have it)."""
+    import os
+    import subprocess
+    import sys
+
+    test = f"{__file__}::test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking[1-None]"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the outer run's report file is not ours
+    env["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_the_attention_probe_is_measured_once_per_shape_and_thread_count():
+    from areal_lite.kit.server import fastpath
+
+    fastpath.rows_independent_bmm.cache_clear()
+    first = fastpath.rows_independent_bmm(64, 3, torch.get_num_threads())
+    assert isinstance(first, bool) and fastpath.rows_independent_bmm(64, 3, torch.get_num_threads()) is first
+    assert fastpath.rows_independent_bmm.cache_info().hits == 1
 
 
 def test_prefill_groups_bound_padded_tokens():

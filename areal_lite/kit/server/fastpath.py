@@ -12,8 +12,9 @@ Design decisions
 - Batch-invariant on CPU: a row's logits are bit for bit the same whatever rows share its batch, so a seeded request
   samples the same tokens alone, beside others or joining a running batch (with `sampling.py`'s per-request
   streams). It takes oneDNN for every weight matmul (`_Linear`), prefill attention per prompt over keys padded to
-  whole `KV_ALIGN` columns (`_causal_attention`), and decode over a newest-first cache window (`StaticKV`). Tested
-  by `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
+  whole `KV_ALIGN` columns (`_causal_attention`; one product per token where this CPU's batched matmul changes with
+  the row count, measured at start-up), and decode over a newest-first cache window (`StaticKV`). Tested by
+  `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
 - Only what this forward reproduces takes this path (`supports`); any other model runs its own (`batch.HFRunner`).
 - Prefill packs the prompts and runs the start they all share once (`prefill`), exactly: a prompt's logits and keys
   are bit for bit those it gets prefilled alone. bench/rollout_throughput.py measures the server.
@@ -21,6 +22,7 @@ Design decisions
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -247,8 +249,9 @@ def _sequences(shared: int, own_at: list[int], lens: list[int]) -> torch.Tensor:
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scaling: float, out: torch.Tensor
-) -> None:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scaling: float, out: torch.Tensor,
+    per_token: bool = False,
+) -> None:  # fmt: skip
     """Causal attention of queries q [m, heads, D] at positions first .. first + m - 1 over one prompt's keys and
     values k, v [n, kv_heads, D] (positions 0 .. n - 1), into out [m, heads * D].
 
@@ -256,7 +259,10 @@ def _causal_attention(
     the keys are padded to a whole number of KV_ALIGN columns (masked), so each row's scores, softmax and sum over
     values come out of the same kernel blocks, as in decode. A prompt therefore gets the same bits prefilled whole
     or after its start was computed apart (the shared start), in chunks of any size (tests/test_serve.py). sdpa's
-    flash kernel does not promise that: its blocks follow the call's length."""
+    flash kernel does not promise that: its blocks follow the call's length. Where the batched matmul itself picks
+    its kernel by the number of rows (`rows_independent_bmm` is False), `per_token` gives every token its own
+    product of `rep` query rows, as decode does.
+    """
     m, heads, d = q.shape
     n, kv_heads = k.shape[0], k.shape[1]
     rep, width = heads // kv_heads, -(-n // KV_ALIGN) * KV_ALIGN
@@ -265,13 +271,51 @@ def _causal_attention(
     cols = torch.arange(width, device=q.device)
     for c in range(0, m, QUERY_CHUNK):
         mc = min(QUERY_CHUNK, m - c)
-        qs = q[c : c + mc].view(mc, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * mc, d)
         pos = torch.arange(first + c, first + c + mc, device=q.device)
         bias = torch.zeros(mc, width, dtype=q.dtype, device=q.device).masked_fill_(cols > pos[:, None], float("-inf"))
+        if per_token:
+            _attend_per_token(q[c : c + mc], keys, values, bias, scaling, out[c : c + mc])
+            continue
+        qs = q[c : c + mc].view(mc, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * mc, d)
         scores = torch.bmm(qs, keys.transpose(1, 2)).view(kv_heads, rep, mc, width)
         probs = torch.softmax(scores.mul_(scaling).add_(bias), dim=-1)
         o = torch.bmm(probs.view(kv_heads, rep * mc, width), values).view(kv_heads, rep, mc, d)
         out[c : c + mc].view(mc, kv_heads, rep, d).copy_(o.permute(2, 0, 1, 3))
+
+
+def _attend_per_token(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float, out: torch.Tensor
+) -> None:
+    """`_causal_attention`'s chunk with one product per (token, key head): its `rep` query rows over the head's keys,
+    decode's shape, whatever the chunk holds. The keys are broadcast, not copied (a zero batch stride)."""
+    mc, heads, d = q.shape
+    kv_heads, width = keys.shape[0], keys.shape[1]
+    qh, oh = q.view(mc, kv_heads, heads // kv_heads, d), out.view(mc, kv_heads, heads // kv_heads, d)
+    for h in range(kv_heads):
+        scores = torch.bmm(qh[:, h], keys[h].t().expand(mc, d, width))  # [mc, rep, width]
+        probs = torch.softmax(scores.mul_(scaling).add_(bias[:, None, :]), dim=-1)
+        oh[:, h].copy_(torch.bmm(probs, values[h].expand(mc, width, d)))  # [mc, rep, d]
+
+
+@functools.lru_cache(maxsize=None)
+def rows_independent_bmm(head_dim: int, rep: int, threads: int) -> bool:
+    """Whether this CPU's batched matmul gives a row the same bits whatever the rows beside it, measured for prefill
+    attention's two products (queries x keys over `head_dim`, weights x values over KV_ALIGN-padded keys) at row
+    counts from `rep` to 256 tokens' worth and at two offsets, against one large call. MKL's AVX-512 kernels do;
+    its AVX2 kernels (Intel CPUs without AVX-512) change with the row count, so prefill then runs `per_token`.
+    `threads`: the caller's torch thread count, a key of the cache only (the answer may depend on it)."""
+    gen = torch.Generator().manual_seed(0)
+    width, heads = 4 * KV_ALIGN, 3
+    rows = 256 * rep + rep
+    q, keys = torch.randn(heads, rows, head_dim, generator=gen), torch.randn(heads, width, head_dim, generator=gen)
+    weights, values = torch.rand(heads, rows, width, generator=gen), torch.randn(heads, width, head_dim, generator=gen)
+    for a, b in ((q, keys.transpose(1, 2)), (weights, values)):
+        whole = torch.bmm(a, b)
+        for m in (rep, 2 * rep, 8 * rep, 16 * rep, 32 * rep, 64 * rep, 256 * rep):
+            for offset in (0, rep):
+                if not torch.equal(torch.bmm(a[:, offset : offset + m], b), whole[:, offset : offset + m]):
+                    return False
+    return True
 
 
 class _Linear:
@@ -367,6 +411,9 @@ class FastRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = cfg.intermediate_size
         self.lm_head = _Linear([model.lm_head], pack=packed)
+        # measured on this CPU, at this thread's thread count (the runner is built on the thread that computes)
+        rep = self.heads // self.kv_heads
+        self.per_token_attention = cpu and not rows_independent_bmm(self.head_dim, rep, torch.get_num_threads())
         weight = self.inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.refresh()  # packed only now: the file's pages and the packed copies are never resident together
@@ -433,10 +480,12 @@ class FastRunner:
             values.append(self._pad(seq_v, slot, B, L))
             attn = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
             if s:  # the shared start, over itself
-                _causal_attention(q[:s], k[:s], v[:s], 0, layer.scaling, out=attn[:s])
+                _causal_attention(q[:s], k[:s], v[:s], 0, layer.scaling, attn[:s], self.per_token_attention)
             for o, a, n in zip(own_at, seq_at, lens):  # each prompt's own tokens, over its whole sequence
                 own = slice(o, o + n - s)
-                _causal_attention(q[own], seq_k[a : a + n], seq_v[a : a + n], s, layer.scaling, out=attn[own])
+                _causal_attention(
+                    q[own], seq_k[a : a + n], seq_v[a : a + n], s, layer.scaling, attn[own], self.per_token_attention
+                )
             x = self._finish_layer(layer, x, attn)
         last = torch.tensor([o + n - s - 1 for o, n in zip(own_at, lens)], device=dev)
         return PrefillKV(keys, values, mask), self._logits(x.index_select(0, last))
