@@ -298,17 +298,20 @@ def _attend_per_token(
 
 
 @functools.lru_cache(maxsize=None)
-def rows_independent_bmm(head_dim: int, rep: int, threads: int) -> bool:
+def rows_independent_bmm(head_dim: int, rep: int, threads: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether this CPU's batched matmul gives a row the same bits whatever the rows beside it, measured for prefill
     attention's two products (queries x keys over `head_dim`, weights x values over KV_ALIGN-padded keys) at row
     counts from `rep` to 256 tokens' worth and at two offsets, against one large call. MKL's AVX-512 kernels do;
     its AVX2 kernels (Intel CPUs without AVX-512) change with the row count, so prefill then runs `per_token`.
-    `threads`: the caller's torch thread count, a key of the cache only (the answer may depend on it)."""
+    `threads`: the caller's torch thread count, a key of the cache only (the answer may depend on it); `dtype`: the
+    model's (bf16 products take other kernels)."""
     gen = torch.Generator().manual_seed(0)
-    width, heads = 4 * KV_ALIGN, 3
-    rows = 256 * rep + rep
-    q, keys = torch.randn(heads, rows, head_dim, generator=gen), torch.randn(heads, width, head_dim, generator=gen)
-    weights, values = torch.rand(heads, rows, width, generator=gen), torch.randn(heads, width, head_dim, generator=gen)
+    width, heads, rows = 4 * KV_ALIGN, 3, 256 * rep + rep
+    q, keys = (torch.randn(heads, n, head_dim, generator=gen).to(dtype) for n in (rows, width))
+    weights, values = (
+        torch.rand(heads, rows, width, generator=gen).to(dtype),
+        torch.randn(heads, width, head_dim, generator=gen).to(dtype),
+    )
     for a, b in ((q, keys.transpose(1, 2)), (weights, values)):
         whole = torch.bmm(a, b)
         for m in (rep, 2 * rep, 8 * rep, 16 * rep, 32 * rep, 64 * rep, 256 * rep):
@@ -413,7 +416,8 @@ class FastRunner:
         self.lm_head = _Linear([model.lm_head], pack=packed)
         # measured on this CPU, at this thread's thread count (the runner is built on the thread that computes)
         rep = self.heads // self.kv_heads
-        self.per_token_attention = cpu and not rows_independent_bmm(self.head_dim, rep, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        self.per_token_attention = cpu and not rows_independent_bmm(self.head_dim, rep, threads, dtype)
         weight = self.inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.refresh()  # packed only now: the file's pages and the packed copies are never resident together
