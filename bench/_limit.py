@@ -29,13 +29,18 @@ def _keys(first: int, end: int) -> int:
     return (end * (end + 1) - first * (first + 1)) // 2
 
 
+def _dims(config) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, layers, heads, kv_heads, head_dim) of the Llama-style decoder `config` describes."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # older configs: no grouped-query attention
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return hidden, config.intermediate_size, config.num_hidden_layers, heads, kv_heads, head_dim
+
+
 def matmul_flops(config) -> tuple[int, int, int]:
     """FLOPs of (one token through every layer's matmuls, one LM-head call, attention per (token, key) pair over all
     layers) for the Llama-style decoder `config` describes (a transformers config)."""
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # older configs: no grouped-query attention
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    hidden, inter, layers, heads, kv_heads, head_dim = _dims(config)
     # multiply-adds of one token through one layer: q, k, v (k and v narrower under GQA), o, gate, up, down
     per_layer = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
     per_layer += 3 * hidden * inter
@@ -111,17 +116,12 @@ def measure_kernel_gflops(
     are left out: this is the kernels' ceiling at this row count, not a decode step."""
     from types import SimpleNamespace
 
-    from areal_lite.kit.server.fastpath import _Linear
+    from areal_lite.kit.server.fastpath import _Linear, packs_weights
 
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    hidden, inter, layers, heads, kv_heads, head_dim = _dims(config)
     shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
               (hidden, inter)] * layers + [(config.vocab_size, hidden)]  # fmt: skip
-    pack = torch.backends.mkldnn.is_available() and (
-        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    pack = packs_weights(dtype)
     gen = torch.Generator().manual_seed(0)
     linears = []
     for out_features, in_features in shapes:
@@ -131,7 +131,8 @@ def measure_kernel_gflops(
         if linear.packed is not None:
             linear.weight = None  # the packed copy is what runs: one copy of the weights in memory
         linears.append((linear, torch.randn(rows, in_features, generator=gen).to(dtype)))
-    flops = 2 * rows * sum(o * i for o, i in shapes)
+    body, head, _ = matmul_flops(config)  # the same count as the workload's: these shapes' multiply-adds x 2
+    flops = rows * (body + head)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

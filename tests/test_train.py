@@ -283,12 +283,13 @@ def test_async_training_fits_trainer_and_server_threads_into_the_cores(
     """Asynchronous training with the run's own CPU server: the two compute at once, so their threads are capped to
     fit the cores together (else both OpenMP teams spin on cores the other needs), and a line says so."""
     from areal_lite.kit.trainer import train as train_module
+    from areal_lite.utils import machine
 
     demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
     config, _ = load_expr_config(["--config", demo, f"async_training={str(async_training).lower()}"], TrainConfig)
     assert (config.actor.threads, config.embedded.threads) == (2, 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # `make test` caps every process at 1
-    monkeypatch.setattr(train_module, "_usable_cpus", lambda: cores)
+    monkeypatch.setattr(machine, "usable_cores", lambda: cores)
     before = torch.get_num_threads()
     try:
         train_module._threads(config, own_server=own_server)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["cpu_model", "describe", "describe_line", "vector_isa"]
+__all__ = ["cpu_model", "describe", "describe_line", "usable_cores", "vector_isa"]
 
 
 def cpu_model() -> str:
@@ -38,10 +38,14 @@ def vector_isa() -> str:
     return f"{isa} + {native.replace('AVX-512 ', '')}" if native else isa
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity where the OS says (Linux), else the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def describe() -> dict:
     """{"cpu_model", "cores" (usable by this process), "vector_isa"}: one record for printing and for results files."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"cpu_model": cpu_model(), "cores": cores, "vector_isa": vector_isa()}
+    return {"cpu_model": cpu_model(), "cores": usable_cores(), "vector_isa": vector_isa()}
 
 
 def describe_line() -> str:

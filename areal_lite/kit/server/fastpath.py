@@ -321,6 +321,13 @@ def rows_independent_bmm(head_dim: int, rep: int, threads: int, dtype: torch.dty
     return True
 
 
+def packs_weights(dtype: torch.dtype) -> bool:
+    """Whether `_Linear` can hold `dtype` weights as oneDNN-packed copies on this CPU (see `FastRunner`)."""
+    return torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
 class _Linear:
     """`modules` (`nn.Linear`s of one input) as one matmul. Their weights are stored once, fused, and each module's
     parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters) updates this
@@ -401,11 +408,7 @@ class FastRunner:
         # bf16 weights only where the CPU has bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere it
         # raises, so bf16 there runs the plain matmuls.
         dtype = model.model.embed_tokens.weight.dtype
-        packed = (
-            cpu
-            and torch.backends.mkldnn.is_available()
-            and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-        )
+        packed = cpu and packs_weights(dtype)
         self.layers = [_Layer(layer, cpu, packed) for layer in self.inner.layers]
         if cpu:  # what the fusion left in the checkpoint's mapping (embeddings, norms), before the lm_head takes
             own_file_backed(model)  # its weight: else updates copy it on write, and the file stays resident

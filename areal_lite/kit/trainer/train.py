@@ -312,8 +312,9 @@ def _threads(config: GRPOConfig, own_server: bool) -> None:
     trainer's first), and a line says so. Synchronous runs take turns: each side may use every core.
     """
     from areal_lite.utils.device import capped_threads, set_torch_threads
+    from areal_lite.utils.machine import usable_cores
 
-    cpus = _usable_cpus()
+    cpus = usable_cores()
     if config.actor.threads == 0 and config.profile == "cpu" and cpus <= 4:
         config.actor.threads = max(1, cpus - config.embedded.threads)
     server = config.embedded
@@ -330,14 +331,6 @@ def _threads(config: GRPOConfig, own_server: bool) -> None:
                 flush=True,
             )
     set_torch_threads(config.actor.threads)
-
-
-def _usable_cpus() -> int:
-    """The cores this process may run on (its affinity where the OS says, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------------------------------------ the loop
