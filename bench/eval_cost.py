@@ -83,8 +83,8 @@ def main(argv: list | None = None) -> int:
         TrainConfig,
         _load_run_data,
         build_workflow,
+        config_reward,
         evaluation_batch,
-        resolve_reward,
     )
     from areal_lite.utils.data import concat_padded_tensors
     from areal_lite.utils.model_store import resolve_model_path
@@ -92,7 +92,7 @@ def main(argv: list | None = None) -> int:
     overrides = [f"embedded.threads={args.threads}"] if args.threads else []
     config, _ = load_expr_config(["--config", args.config, *overrides], TrainConfig, verbose=False)
     data = _load_run_data(config)
-    rewards = AsyncRewardWrapper(resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type))
+    rewards = AsyncRewardWrapper(config_reward(config))
     rewards.start_workers().join()
     workflow = build_workflow(config, data.tokenizer, rewards)
     system_prompt = getattr(config, "system_prompt", None)  # as `train` builds its evaluation workflow

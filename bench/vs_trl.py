@@ -152,12 +152,12 @@ def trl_hyperparameters(config) -> dict:
 def export_data(config, steps: int) -> tuple[list[dict], list[str], str]:
     """The kit's first `steps` training batches, in its dataloader's order, as rows for TRL (chat messages, the
     kit's prompt ids, the answer); each batch's data fingerprint (as the kit's stats log it); the reward's name."""
-    from areal_lite.kit.trainer.train import _fingerprint, _load_run_data, build_workflow, resolve_reward
+    from areal_lite.kit.trainer.train import _fingerprint, _load_run_data, build_workflow, config_reward
     from areal_lite.utils.data import cycle_dataloader
     from areal_lite.utils.hf_utils import chat_prompt_ids
 
     data = _load_run_data(config)
-    reward_fn = resolve_reward(config.reward)
+    reward_fn = config_reward(config)
     inner = build_workflow(config, data.tokenizer, reward_fn).workflow  # the RLVRWorkflow inside the group
     batches, it = [], cycle_dataloader(data.dataloader)
     for _ in range(steps):
@@ -302,13 +302,13 @@ def eval_main(args) -> int:
     server on DIR, the evaluation workflow `train()` builds, `kit.trainer.train.evaluate` on the config's held-out
     rows."""
     from areal_lite.kit.server.launch import launch_server
-    from areal_lite.kit.trainer.train import _load_run_data, evaluate, resolve_reward
+    from areal_lite.kit.trainer.train import _load_run_data, config_reward, evaluate
     from areal_lite.workflow.rlvr import RLVRWorkflow
 
     config = load_config(args)
     data = _load_run_data(config)
     workflow = RLVRWorkflow(
-        resolve_reward(config.reward),
+        config_reward(config),
         config.eval_gconfig.new(n_samples=1),
         data.tokenizer,
         system_prompt=config.system_prompt,

@@ -368,3 +368,18 @@ def test_write_results_records_where_and_what_ran(tmp_path):
     assert record["bench"] == "x" and record["args"] == {"steps": 3} and record["figures"] == {"a": 1}
     assert {"date", "commit", "dirty", "cpu_model", "vector_isa", "forced_isa"} <= set(record)
     assert machine.write_results("", "x", argparse.Namespace(), ROOT)["bench"] == "x"  # "" writes nothing
+
+
+def test_vs_trl_gives_trl_and_the_evaluator_the_reward_the_kit_trains_with():
+    """TRL's reward and the held-out check are the kit's own: the demo's arithmetic check, not the GSM8K one (which
+    pays a reply that restates "4 + 3")."""
+    import argparse
+
+    from areal_lite.kit.trainer.train import config_reward
+
+    vs_trl = load_bench("vs_trl")
+    config = vs_trl.load_config(argparse.Namespace(steps=1, threads=1, bf16=False))
+    assert config_reward(config).__qualname__ == "arithmetic_reward_fn"
+    rows, fingerprints, reward = vs_trl.export_data(config, 1)
+    assert reward == "areal_lite.reward.arithmetic:arithmetic_reward_fn"
+    assert len(rows) == config.train_dataset.batch_size and len(fingerprints) == 1

@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
 
 __all__ = [
-    "TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "evaluate", "evaluation_batch",
-    "batch_stats",
+    "TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "config_reward", "evaluate",
+    "evaluation_batch", "batch_stats",
 ]  # fmt: skip
 
 WORKFLOWS = ("rlvr", "reflection", "multiturn")
@@ -100,7 +100,7 @@ class TrainConfig(GRPOConfig):
 # ------------------------------------------------------------------------------------------------ building blocks
 
 
-def resolve_reward(name: str, dataset_type: str = "gsm8k") -> Callable:
+def resolve_reward(name: str, dataset_type: str) -> Callable:
     """`gsm8k` (AReaL's math-verify check), `arith` (the final answer only: AReaL's check pays a restated "4 + 3"),
     `auto` (`arith` for the arithmetic datasets, else `gsm8k`) or `package.module:function`."""
     if name == "auto":
@@ -119,6 +119,12 @@ def resolve_reward(name: str, dataset_type: str = "gsm8k") -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
+def config_reward(config: GRPOConfig) -> Callable:
+    """The reward `config` trains with: its `reward` resolved for its training data (`resolve_reward`). Everything
+    that trains, evaluates or compares a config's run takes it from here, so that all score with the same function."""
+    return resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
+
+
 def build_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] = None):
     """The training workflow named by `config.workflow`, grouped by `gconfig.n_samples` (GRPO)."""
     from areal_lite.workflow.grouped import GroupedWorkflow
@@ -126,7 +132,7 @@ def build_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] 
     from areal_lite.workflow.reflection import ReflectionWorkflow
     from areal_lite.workflow.rlvr import RLVRWorkflow
 
-    reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
+    reward_fn = reward_fn or config_reward(config)
     kind = getattr(config, "workflow", "rlvr")
     g = config.gconfig.new(n_samples=1)
     system = getattr(config, "system_prompt", None)
@@ -508,7 +514,7 @@ def train(
             # model, and is waited for only when the trainer is ready too.
             handle = launch_server(config, backend=config.backend, log_dir=os.path.join(run.path, "logs"))
         data = _load_run_data(config)
-        reward_fn = reward_fn or resolve_reward(getattr(config, "reward", "auto"), config.train_dataset.type)
+        reward_fn = reward_fn or config_reward(config)
         # One reward worker pool for the run, shared by training and evaluation, started now so that its start-up
         # overlaps the server's model load too: otherwise the first held-out evaluation pays for it.
         if isinstance(reward_fn, AsyncRewardWrapper):
