@@ -36,7 +36,7 @@ help:
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
-	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~25 min on a Xeon; NOTEBOOKS=\"05 06\")"
+	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make gpu-stage - the GPU check for an offline GPU machine, staged in parts (.gpu-stage/; docs/gpu.md)"
@@ -120,13 +120,16 @@ AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, ar
 # committed outputs are full runs (tools/build_notebooks.py --execute never sets it). On a clean clone of a 2-core Xeon
 # the suite took 1055 s with the full budgets and 733-872 s with these (the machine's speed drifts); `make test
 # SMOKE=0` runs the full ones.
+#
+# The notebooks go first: they are the longest units (35-80 s each on a smoke budget), and two workers that end on
+# many short test files finish within seconds of each other; ending on notebooks leaves one idle for up to a notebook.
 SMOKE ?= 1
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE AREAL_LITE_SMOKE=$(SMOKE)
 
 test: lint
 	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.notebook.prepare; status=$$?; wait $$areal && exit $$status
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run and not trl" \
-		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
+		notebooks/en tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
 
 test-zh: $(DEVSTAMP)
@@ -166,9 +169,10 @@ bench: $(STAMP)
 	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/notebook_times.py|bench/report.py) continue;; esac; \
 	  echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
-# Every notebook top to bottom, alone, full budget, timed on this CPU (about 25 min on a 2-core Xeon, 55 on an
-# AVX2-only CPU): bench/results/notebook_times.json. NOTEBOOKS="05 06" times some of them. On an AVX2-only CPU its
-# minutes replace the READMEs' estimate for such a CPU (tests/test_docs.py says which figure each table must give).
+# Every notebook top to bottom, alone, full budget, timed on this CPU (about 20 min on a 2-core AVX-512 Xeon, about
+# twice that on an AVX2-only CPU): bench/results/notebook_times.json. NOTEBOOKS="05 06" times some of them. On an
+# AVX2-only CPU its minutes replace the READMEs' estimate for such a CPU (tests/test_docs.py says which figure each
+# table must give).
 NOTEBOOKS ?=
 notebook-times: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare

@@ -1,14 +1,12 @@
-"""Tool calls in the Hermes / Qwen2.5 text format: parse a completion into OpenAI `tool_calls`, render them back.
+"""Tool calls in model text (Hermes / Qwen2.5 blocks, or a compact tag): parse a completion into OpenAI `tool_calls`.
 
-The model writes a call as a block of JSON between tags, one block per call:
-
-    <tool_call>
-    {"name": "search", "arguments": {"query": "capital of Peru"}}
-    </tool_call>
+A Hermes call is a block of JSON between tags, one block per call:
+`<tool_call>{"name": "search", "arguments": {"query": "capital of Peru"}}</tool_call>`.
 
 Design decisions
-- One format, the one Qwen2.5's chat template teaches (Hermes 2 Pro's): the kit's GPU model uses it natively, and
-  SmolLM2's plain ChatML template, which knows nothing about tools, is taught it by `hermes_messages`.
+- Hermes blocks by default, the format Qwen2.5's chat template teaches (Hermes 2 Pro's): the kit's GPU model uses
+  it natively, and SmolLM2's plain ChatML template, which knows nothing about tools, is taught it by
+  `hermes_messages`.
 - Parsing is all-or-nothing: when any block is malformed (bad JSON, no `name`, arguments not an object, a block left
   open by a length cut, a function the request did not offer) the whole completion is a plain text answer and
   `ToolCallParse.error` says why. A partial list would run some of what the model asked for and silently drop the
