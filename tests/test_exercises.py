@@ -41,38 +41,27 @@ def f1_counting(common: str) -> str:
     """
 
 
-# 11's three Warehouse methods (`reset` is given above the region): a wrong or right version changes some bodies.
+# 11's three Warehouse methods, a solution region each under the signature and docstring the notebook gives: a wrong
+# or right version changes some of the bodies.
 WAREHOUSE = {
-    "count": (
-        "def count(self, fruit: str) -> str:",
-        """
+    "count": """
         if fruit not in self.stock:
             raise ValueError(f"there are no {fruit} here; the warehouse has {', '.join(sorted(self.stock))}")
         return str(self.stock[fruit])
         """,
-    ),
-    "report": (
-        "def report(self, number: int) -> str:",
-        """
+    "report": """
         self.reported = number
         self.done = True
         return "reported"
         """,
-    ),
-    "get_reward": (
-        "def get_reward(self) -> float:",
-        "return 1.0 if self.reported == self.stock[self.asked] else 0.0",
-    ),
+    "get_reward": "return 1.0 if self.reported == self.stock[self.asked] else 0.0",
 }
 
 
-def warehouse(**bodies: str) -> str:
-    """A solution region for 11: the three methods, each the solution's unless `bodies` gives it another body."""
+def warehouse(**bodies: str) -> list[str]:
+    """The bodies of 11's three solution regions, in order: each the solution's unless `bodies` gives another."""
     assert set(bodies) <= set(WAREHOUSE), f"no such method: {set(bodies) - set(WAREHOUSE)}"
-    return "\n\n".join(
-        header + "\n" + textwrap.indent(textwrap.dedent(bodies.get(name, body)).strip("\n"), " " * 4)
-        for name, (header, body) in WAREHOUSE.items()
-    )
+    return [bodies.get(name, body) for name, body in WAREHOUSE.items()]
 
 
 # Wrong bodies for the solution regions, by notebook: mistakes the check must catch.
@@ -189,6 +178,13 @@ WRONG = {
     "11_environment": {
         "count says 0 for a fruit that is not there": warehouse(count="return str(self.stock.get(fruit, 0))"),
         "count raises KeyError, not ValueError": warehouse(count="return str(self.stock[fruit])"),
+        "count's error does not say what there is": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"there are no {fruit} here")
+                return str(self.stock[fruit])
+            """
+        ),
         "rewards the amount of the first fruit in stock": warehouse(
             get_reward="return 1.0 if self.reported == next(iter(self.stock.values())) else 0.0"
         ),
@@ -198,7 +194,7 @@ WRONG = {
         "rewards the amount counted last, not the one asked about": warehouse(
             count="""
                 if fruit not in self.stock:
-                    raise ValueError(f"there are no {fruit} here")
+                    raise ValueError(f"there are no {fruit} here; there are {', '.join(self.stock)}")
                 self.counted = self.stock[fruit]
                 return str(self.counted)
             """,
@@ -218,14 +214,13 @@ WRONG = {
                 return "reported"
             """
         ),
-        "the answers in a class attribute, which reset does not clear": "answers = []\n\n"
-        + warehouse(
+        "the answers in a class attribute, which reset does not clear": warehouse(
             report="""
-                self.answers.append(number)
+                type(self).answers = getattr(type(self), "answers", []) + [number]
                 self.done = True
                 return "reported"
             """,
-            get_reward="return 1.0 if self.stock[self.asked] in self.answers else 0.0",
+            get_reward="return 1.0 if self.stock[self.asked] in type(self).answers else 0.0",
         ),
         "the answers in an attribute that reset does not clear": warehouse(
             report="""
@@ -372,7 +367,7 @@ RIGHT = {
             count="""
                 amount = self.stock.get(fruit)
                 if amount is None:
-                    raise ValueError(f"no {fruit} here")
+                    raise ValueError(f"no {fruit} here; there are {', '.join(self.stock)}")
                 return str(amount)
             """
         ),
@@ -459,10 +454,14 @@ def imports(source: str) -> str:
     return "\n".join(ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
-def with_body(source: str, body: str) -> str:
-    """`source` with its solution region replaced by `body` (indented like the region)."""
-    indent = REGION.search(source).group("indent")
-    return REGION.sub(lambda m: textwrap.indent(textwrap.dedent(body).strip("\n"), indent), source, count=1)
+def with_body(source: str, body: str | list[str]) -> str:
+    """`source` with its solution region replaced by `body` (indented like the region); a list replaces the first
+    regions in order, one body each."""
+    for one in [body] if isinstance(body, str) else body:
+        region = REGION.search(source)
+        new = textwrap.indent(textwrap.dedent(one).strip("\n"), region.group("indent"))
+        source = source[: region.start()] + new + source[region.end() :]
+    return source
 
 
 def with_edits(source: str, edits: list[tuple[str, str]]) -> str:
@@ -624,6 +623,8 @@ WRONG_AGENT = {
         "trains on the reflection turn": [("loss_mask + [0] * len(glue)", "loss_mask + [1] * len(glue)")],
         "forgets the discount": [("reward *= self.turn_discount ** turn", "reward *= 1.0")],
         "sends no gconfig": [("input_ids=list(ids), gconfig=self.gconfig,", "input_ids=list(ids),")],
+        # caught only by the check's scripted right first answer: the fixture's server is wrong first, right second
+        "goes on after a right answer": [("if reward > 0:\n                break", "pass")],
         # caught only by the check's scripted answers: the fixture's server answers never end with EOS
         "always appends the full end of turn": [
             (

@@ -143,6 +143,37 @@ def test_exercises_not_stale():
         assert "NotImplementedError" in text and "# CHECK" in text
 
 
+def test_exercises_keep_every_line_of_their_hints():
+    """A hint written over several comment lines reaches the learner whole, and the solution below it does not."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_exercises import exercise_source
+
+    source = "\n".join([
+        "class Box:",
+        "    # BEGIN SOLUTION hint: put(x) stores x;",
+        "    # get() returns it",
+        "    def put(self, x):",
+        "        # the solution's own comment",
+        "        self.x = x",
+        "    # END SOLUTION",
+        "def f():",
+        "    # BEGIN SOLUTION",
+        "    # a solution that opens with a comment",
+        "    return 1",
+        "    # END SOLUTION",
+    ])  # fmt: skip
+    exercise, changed = exercise_source(source, "en")
+    assert changed and exercise.split("\n") == [
+        "class Box:",
+        "    # TODO: put(x) stores x;",
+        "    # get() returns it",
+        '    raise NotImplementedError("exercise: fill in the TODO above")',
+        "def f():",
+        "    # TODO",
+        '    raise NotImplementedError("exercise: fill in the TODO above")',
+    ]
+
+
 @pytest.mark.parametrize(
     "path",
     ALL + sorted(glob.glob(os.path.join(ROOT, "notebooks", "exercises", "*", "*.ipynb"))),

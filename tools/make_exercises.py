@@ -42,17 +42,28 @@ TODO_TEXT = {"en": "TODO", "zh": "TODO（练习）"}
 
 
 def exercise_source(source: str, lang: str) -> tuple[str, bool]:
-    """Replace solution regions; returns (new source, whether anything was replaced)."""
+    """Replace solution regions; returns (new source, whether anything was replaced).
+
+    A hint may go on over the comment lines right below `# BEGIN SOLUTION hint:`, at its indent: they stay in the
+    exercise, under the TODO line."""
     out, inside, changed = [], False, False
+    hint_prefix, raise_line = None, None  # the current region's continuation prefix; its line still to write
     for line in source.split("\n"):
         m = BEGIN.match(line)
         if m and not inside:
             inside, changed = True, True
             indent, hint = m.group("indent"), (m.group("hint") or "").strip()
             out.append(f"{indent}# {TODO_TEXT[lang]}: {hint}" if hint else f"{indent}# {TODO_TEXT[lang]}")
-            out.append(f'{indent}raise NotImplementedError("exercise: fill in the TODO above")')
+            hint_prefix = f"{indent}# " if hint else None
+            raise_line = f'{indent}raise NotImplementedError("exercise: fill in the TODO above")'
             continue
         if inside:
+            if hint_prefix and line.startswith(hint_prefix) and not END.match(line):
+                out.append(line)  # the hint goes on
+                continue
+            if raise_line is not None:
+                out.append(raise_line)
+                hint_prefix, raise_line = None, None
             if END.match(line):
                 inside = False
             continue
