@@ -120,16 +120,13 @@ AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, ar
 # committed outputs are full runs (tools/build_notebooks.py --execute never sets it). On a clean clone of a 2-core Xeon
 # the suite took 1055 s with the full budgets and 733-872 s with these (the machine's speed drifts); `make test
 # SMOKE=0` runs the full ones.
-#
-# The notebooks go first: they are the longest units (35-80 s each on a smoke budget), and two workers that end on
-# many short test files finish within seconds of each other; ending on notebooks leaves one idle for up to a notebook.
 SMOKE ?= 1
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE AREAL_LITE_SMOKE=$(SMOKE)
 
 test: lint
 	{ $(AREAL_CHECK); } & areal=$$!; $(BIN)/python -m areal_lite.kit.notebook.prepare; status=$$?; wait $$areal && exit $$status
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not gpu and not vllm and not areal_run and not trl" \
-		notebooks/en tests --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
+		tests notebooks/en --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg \
 		-p no:cacheprovider --durations=15
 
 test-zh: $(DEVSTAMP)
