@@ -74,7 +74,6 @@ def main(argv: list | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from areal_lite import RLVRWorkflow
     from areal_lite.api.cli_args import load_expr_config
     from areal_lite.api.reward_api import AsyncRewardWrapper
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
@@ -82,6 +81,7 @@ def main(argv: list | None = None) -> int:
     from areal_lite.kit.trainer.train import (
         TrainConfig,
         _load_run_data,
+        build_eval_workflow,
         build_workflow,
         config_reward,
         evaluation_batch,
@@ -95,10 +95,7 @@ def main(argv: list | None = None) -> int:
     rewards = AsyncRewardWrapper(config_reward(config))
     rewards.start_workers().join()
     workflow = build_workflow(config, data.tokenizer, rewards)
-    system_prompt = getattr(config, "system_prompt", None)  # as `train` builds its evaluation workflow
-    eval_workflow = RLVRWorkflow(
-        rewards, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
-    )
+    eval_workflow = build_eval_workflow(config, data.tokenizer, rewards)  # as `train` evaluates
     model_config = AutoConfig.from_pretrained(resolve_model_path(config.actor.path))
     server = launch_server(config, backend="embedded")
     addr = server.wait_ready(timeout=config.rollout.setup_timeout).address

@@ -302,17 +302,11 @@ def eval_main(args) -> int:
     server on DIR, the evaluation workflow `train()` builds, `kit.trainer.train.evaluate` on the config's held-out
     rows."""
     from areal_lite.kit.server.launch import launch_server
-    from areal_lite.kit.trainer.train import _load_run_data, config_reward, evaluate
-    from areal_lite.workflow.rlvr import RLVRWorkflow
+    from areal_lite.kit.trainer.train import _load_run_data, build_eval_workflow, evaluate
 
     config = load_config(args)
     data = _load_run_data(config)
-    workflow = RLVRWorkflow(
-        config_reward(config),
-        config.eval_gconfig.new(n_samples=1),
-        data.tokenizer,
-        system_prompt=config.system_prompt,
-    )
+    workflow = build_eval_workflow(config, data.tokenizer)
     log_dir = os.path.join(os.path.dirname(os.path.abspath(args.eval_out)), "logs")
     handle = launch_server(config, backend=config.backend, log_dir=log_dir, model_path=args.eval_model)
     try:

@@ -375,11 +375,14 @@ def test_vs_trl_gives_trl_and_the_evaluator_the_reward_the_kit_trains_with():
     pays a reply that restates "4 + 3")."""
     import argparse
 
-    from areal_lite.kit.trainer.train import config_reward
+    from areal_lite.kit.trainer.train import _load_run_data, build_eval_workflow, config_reward
 
     vs_trl = load_bench("vs_trl")
     config = vs_trl.load_config(argparse.Namespace(steps=1, threads=1, bf16=False))
     assert config_reward(config).__qualname__ == "arithmetic_reward_fn"
+    evaluator = build_eval_workflow(config, _load_run_data(config).tokenizer)  # what eval_main scores with
+    assert evaluator.reward_fn.__qualname__ == "arithmetic_reward_fn"
+    assert evaluator.gconfig.greedy and evaluator.gconfig.n_samples == 1
     rows, fingerprints, reward = vs_trl.export_data(config, 1)
     assert reward == "areal_lite.reward.arithmetic:arithmetic_reward_fn"
     assert len(rows) == config.train_dataset.batch_size and len(fingerprints) == 1

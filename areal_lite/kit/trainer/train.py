@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
 
 __all__ = [
-    "TrainConfig", "train", "grpo_step", "main", "build_workflow", "resolve_reward", "config_reward", "evaluate",
-    "evaluation_batch", "batch_stats",
+    "TrainConfig", "train", "grpo_step", "main", "build_workflow", "build_eval_workflow", "resolve_reward",
+    "config_reward", "evaluate", "evaluation_batch", "batch_stats",
 ]  # fmt: skip
 
 WORKFLOWS = ("rlvr", "reflection", "multiturn")
@@ -146,6 +146,20 @@ def build_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] 
     else:
         raise ValueError(f"workflow must be one of {WORKFLOWS}, got {kind!r}")
     return GroupedWorkflow(inner, group_size=config.gconfig.n_samples)
+
+
+def build_eval_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] = None):
+    """The held-out evaluation's workflow: one answer per problem under `eval_gconfig` (greedy in the configs), no
+    group, scored with the run's reward (`config_reward`). Training and the benches that compare runs all take it
+    from here."""
+    from areal_lite.workflow.rlvr import RLVRWorkflow
+
+    return RLVRWorkflow(
+        reward_fn or config_reward(config),
+        config.eval_gconfig.new(n_samples=1),
+        tokenizer,
+        system_prompt=getattr(config, "system_prompt", None),
+    )
 
 
 def evaluate(
@@ -499,7 +513,6 @@ def train(
     from areal_lite.engine.fsdp_engine import FSDPPPOActor
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
     from areal_lite.kit.server.launch import launch_server
-    from areal_lite.workflow.rlvr import RLVRWorkflow
 
     random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -523,10 +536,7 @@ def train(
             rewards = owned_rewards = AsyncRewardWrapper(reward_fn)
         rewards.start_workers()
         workflow = workflow or build_workflow(config, data.tokenizer, rewards)
-        system_prompt = getattr(config, "system_prompt", None)
-        eval_workflow = RLVRWorkflow(
-            rewards, config.eval_gconfig.new(n_samples=1), data.tokenizer, system_prompt=system_prompt
-        )
+        eval_workflow = build_eval_workflow(config, data.tokenizer, rewards)
         actor = FSDPPPOActor(config.actor, ref_config=config.ref).initialize(None, data.ft_spec)
         if handle is not None:
             server_addrs = [handle.wait_ready(timeout=config.rollout.setup_timeout).address]
