@@ -80,6 +80,9 @@ def test_explicit_evals_are_drawn_where_given():
     assert line.get_linestyle() == "None"  # two measurements are markers, not a trend line
     assert [t.get_text() for t in fig.axes[0].texts] == ["0.20", "0.70"]
     assert fig.axes[0].get_ylabel() == "training reward"
+    # a marker at x = 2 is the model after two updates: the axis says so (without markers it is just "step")
+    assert fig.axes[0].get_xlabel() == "step (updates done)"
+    assert plot_rewards([{"reward": 0.1}, {"reward": 0.5}]).axes[0].get_xlabel() == "step"
 
 
 def test_evals_of_another_quantity_get_their_own_axis():
@@ -92,6 +95,7 @@ def test_evals_of_another_quantity_get_their_own_axis():
     )
     left, right = fig.axes
     assert left.get_ylabel() == "return G_0" and right.get_ylabel() == "accuracy"
+    assert left.get_xlabel() == "step (updates done)"
     assert list(right.lines[0].get_ydata()) == [0.6, 0.9] and right.get_ylim() == (-0.05, 1.1)
     assert "accuracy" in [t.get_text() for t in left.get_legend().get_texts()]
 

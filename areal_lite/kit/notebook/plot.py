@@ -149,9 +149,12 @@ def _integer_steps(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _finish(fig, ax, ylabel: str, title: str, legend: bool = True):
+STEP_UPDATES = "step (updates done)"  # where held-out markers sit at "after k updates" beside step k
+
+
+def _finish(fig, ax, ylabel: str, title: str, legend: bool = True, xlabel: str = "step"):
     _integer_steps(ax)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -180,7 +183,9 @@ def plot_rewards(
     or else from the rows' `eval_accuracy` keys as `python -m areal_lite.kit.trainer.train` writes them (greedy
     accuracy).
     Held-out points are a few measurements, not a trend: they are drawn as markers with their value written next
-    to them, never joined by a line, and `eval_n` (the number of held-out problems) goes into their label.
+    to them, never joined by a line, and `eval_n` (the number of held-out problems) goes into their label. The
+    x-axis then reads "step (updates done)": step k is taken after k updates, and a marker at k measures the model
+    those k updates made.
     `eval_axis`: a y-axis label for the evaluations puts them on their own axis on the right, for when they measure
     something else than the training reward (an accuracy in [0, 1] next to a return in [-1.75, 1]).
     `train_n`: episodes per training step, written into the curve's label; `train_label`: the curve's name there.
@@ -216,14 +221,14 @@ def plot_rewards(
             target.set_ylabel(eval_axis, color="C3")
             target.set_ylim(-0.05, 1.1)
             handles = ax.get_legend_handles_labels()[0] + target.get_legend_handles_labels()[0]
-            fig = _finish(fig, ax, ylabel, title, legend=False)
+            fig = _finish(fig, ax, ylabel, title, legend=False, xlabel=STEP_UPDATES)
             # below the axes: inside, it would hide points of one curve or the other
             ax.legend(
                 handles, [h.get_label() for h in handles], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2)
             )
             fig.tight_layout()
             return fig
-    return _finish(fig, ax, ylabel, title)
+    return _finish(fig, ax, ylabel, title, xlabel=STEP_UPDATES if points else "step")
 
 
 def plot_response_length(
