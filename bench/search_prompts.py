@@ -12,8 +12,8 @@ answered (`<answer>...</answer>`), their mean F1 reward, and the greedy held-out
 Design decisions
 - Notebook 05's own prompt is the baseline: its `SYSTEM` instructions are read from its source (the notebooks' own
   parser), its worked example rebuilt as its cell builds it, from the real retrieval server's passages.
-- The variants change one thing each: 3 passages per search; shorter instructions; a second worked example
-  (Japan); two examples without the newline between `</information>` and `<answer>`. Questions about France and
+- The variants change one thing each: no worked example; 3 passages per search; shorter instructions; a second
+  worked example (Japan); two examples without the newline between `</information>` and `<answer>`. Questions about France and
   Japan are left out of the data: they are the examples.
 - The server's sampling seed is `--seed`: a rerun plays the same episodes.
 """
@@ -62,6 +62,7 @@ SHORT = "Search with <search> query </search>, then answer with <answer> answer 
 EXAMPLES = (("France", "Paris"), ("Japan", "Tokyo"))
 # (label, instructions, worked examples, passages per search, newline before <answer>)
 VARIANTS = (
+    ("instructions only, no worked example, 1 passage", "notebook", 0, 1, True),
     ("instructions + one worked example, 3 passages per search", "notebook", 1, 3, True),
     ("instructions + one worked example, 1 passage", "notebook", 1, 1, True),
     ("shorter instructions + one worked example, 1 passage", "short", 1, 1, True),
