@@ -7,8 +7,8 @@ BIN       := $(VENV)/bin
 PIP       := $(BIN)/python -m pip
 # Python caches the bytecode of what it imports. Some shells set PYTHONDONTWRITEBYTECODE, and uv (below) does not
 # compile at install time, so every process (kernels, servers, reward workers) would compile torch and transformers
-# from source at each start (a clean-clone run measured so was at 57% after 25 min, where one with bytecode finished
-# in 21). Here the first import of each module caches its bytecode, as Python does by default.
+# from source at each start, which more than doubles the test suite's time. Here the first import of each module
+# caches its bytecode, as Python does by default.
 unexport PYTHONDONTWRITEBYTECODE
 
 # Installs go through uv, configured from pip's own settings (tools/uv_args.py: mirrors, find-links, constraints).

@@ -5,8 +5,9 @@
 Not run by hand: `vs_trl.py` writes SPEC.json (the kit's model folder, its reward as `module:function`, the
 hyperparameters read from the kit's config, and the training prompts in the kit's dataloader order as chat messages
 with the kit's prompt token ids) and reads OUT.json back (times, per-step rewards, the folder of the trained model).
-The only thing imported from the kit is its reward function (`areal_lite.reward.gsm8k` needs the standard library,
-aiohttp and math-verify, all in `.venv-trl`), so both runs score with the same code.
+The only thing imported from the kit is its reward function (the demo's `areal_lite.reward.arithmetic`; the kit's
+rewards need only the standard library, aiohttp and math-verify, all in `.venv-trl`), so both runs score with the same
+code.
 
 Checked here, and the run refuses to go on otherwise: the token ids TRL builds from each chat prompt equal the
 kit's, and the prompts TRL trains on at step k are the kit's batch k, each repeated `num_generations` times.

@@ -8,8 +8,8 @@ runs one warm-up update and prints `ready <trainable params>`; then for every `g
 `ppo_update` on a fresh copy of the batch and prints its `update_time` in seconds. Any other line ends it. The
 parent takes turns with its own rows, so only one of the two processes computes at a time.
 
-Two layouts are known: the package as AReaL lays it out (`api/cli_args.py`, `engine/fsdp_engine.py`), and the flat
-one of the kit's first versions (`config.py`, `actor.py`: `PPOActor`).
+Two layouts are known: the package as AReaL lays it out (`api/cli_args.py`, `engine/fsdp_engine.py`), and a flat
+one (`config.py`, `actor.py`: `PPOActor`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Each notebook's wall time on this machine, run as a learner runs it: top to bottom, alone, in a fresh kernel.
 
     PYTHONPATH=. .venv/bin/python bench/notebook_times.py [NAME ...] [--json bench/results/notebook_times.json]
-    make notebook-times        (prepares the model and data first; about 25 min on a 2-core Xeon, 55 on AVX2)
+    make notebook-times        (prepares the model and data first; about 20 min on a 2-core AVX-512 Xeon)
 
 Runs the English notebooks (all, or those whose name contains a NAME) one after another with the build tool's
 `execute` (nbclient, a fresh kernel, full budgets: `AREAL_LITE_SMOKE` unset), each in a scratch copy of the

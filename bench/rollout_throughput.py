@@ -62,8 +62,8 @@ Design decisions
 - `--settle` seconds of sleep before each timed phase, longer than vLLM's 1 s busy-wait after its last step, so
   one system's spin does not eat into the next one's run.
 - `--dtype bfloat16` needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: the embedded server's fast path packs
-  its bf16 weights with oneDNN and refuses to start without them (seen on the 2-core AVX2 machine this was written
-  on), and bf16 is emulated there anyway (bench/update_speed.py).
+  its bf16 weights with oneDNN and refuses to start without them (an AVX2-only AMD EPYC, Zen 3, has
+  neither), and bf16 is emulated there anyway (bench/update_speed.py).
 - vLLM's compiled mode needs a C++ compiler at start-up (inductor) and VLLM_CPU_CI_ENV unset (with it set vLLM
   0.32 runs dynamo without inductor), so the benchmark removes VLLM_CPU_CI_ENV from the server's environment.
 """

@@ -13,8 +13,8 @@ Design decisions
 - Notebook 05's own prompt is the baseline: its `SYSTEM` instructions are read from its source (the notebooks' own
   parser), its worked example rebuilt as its cell builds it, from the real retrieval server's passages.
 - The variants change one thing each: no worked example; 3 passages per search; shorter instructions; a second
-  worked example (Japan); two examples without the newline between `</information>` and `<answer>`. Questions about France and
-  Japan are left out of the data: they are the examples.
+  worked example (Japan); two examples without the newline between `</information>` and `<answer>`. Questions
+  about France and Japan are left out of the data: they are the examples.
 - The server's sampling seed is `--seed`: a rerun plays the same episodes.
 """
 

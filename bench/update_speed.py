@@ -10,10 +10,10 @@ first `--common-start` of them the same in every prompt (a chat template's syste
 random completions of `--completion` policy tokens (the defaults are `make demo`'s batch: 4 prompts x 8 samples,
 38 prompt tokens of which 27 are the template's, up to 16 new tokens). Every row carries signal (no zero
 advantage), so no row is skipped. Rows:
-1. `float32, rows whole`: each row runs whole (`actor.share_prompts = False`): the update before prompts were
-   shared, the reference the others are compared with;
+1. `float32, rows whole`: each row runs whole (`actor.share_prompts = False`): no prompt shared, the reference
+   the others are compared with;
 2. `float32, group prompts once`: each group's prompt runs once, but the prompts' common start once per prompt
-   (the default until the common start was shared too);
+   (`packing.COMMON_START_MIN_SAVED` set out of reach);
 3. `float32 (default)`: the kit's float32 update (`actor.dtype=float32`, every CPU profile's): each prompt runs
    once for its group, and the prompts' common start once for all (`packing.share_prompts`);
 4. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`: float32 weights and AdamW state, forward
@@ -24,8 +24,8 @@ advantage), so no row is skipped. Rows:
 6. `LoRA + bf16`: the same adapter under the bf16 autocast.
 With `--baseline-tree DIR` (a `git worktree` of an older commit), one more row comes first: that tree's own float32
 update on the same batch, in a child process (`bench/_update_worker.py`), each row then also compared with it
-(`git worktree add /tmp/old <commit>`, then `--baseline-tree /tmp/old`). The worker knows both package layouts the
-kit has had, so any earlier tree can be the baseline.
+(`git worktree add /tmp/old <commit>`, then `--baseline-tree /tmp/old`). The worker knows the package layout and the
+flat one (`bench/_update_worker.py`), so any earlier tree can be the baseline.
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
 per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
 the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same

@@ -1,6 +1,6 @@
 """`make soak`'s load + fault + crash cycle against the real servers, and what it counted.
 
-Usage: python tools/soak.py [--seed 0] [--burst 48] [--chat-clients 12] [--keep]   (~3 min on 2 cores)
+Usage: python tools/soak.py [--seed 0] [--rounds 3] [--burst 96] [--chat-clients 24] [--keep]   (~3 min on 2 cores)
 
 Exit code 1 when a request was lost, a 5xx came back, a process outlived its parent, /dev/shm kept bytes, or any
 count below did not add up. Everything runs on 127.0.0.1, on free ports, started through the kit's public functions

@@ -1,6 +1,6 @@
 """Run a TRL/OpenEnv-shaped environment class, unchanged, for a few steps of TRL's `GRPOTrainer(environment_factory=)`.
 
-Usage (TRL's own venv, `make trl-env`; CPU; no network):
+Usage (TRL's own venv, `make test-trl-env`; CPU; no network):
     .venv-trl/bin/python tools/trl_environment.py --model MODEL_DIR --env FILE.py:ClassName \
         (--rows ROWS.json | --seeds N) [--steps 2] [--out OUT.json]
 

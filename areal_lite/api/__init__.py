@@ -1,7 +1,8 @@
 """The kit's API layer, as AReaL 1.0.4's `areal.api`: configuration dataclasses (`cli_args`) and their strict YAML
 loader (`config_loader`), the records passed between workflows, engine and trainer (`io_struct`), the workflow base
-class (`workflow_api`) and the process-pool reward wrapper (`reward_api`). Each module defines the AReaL names of
-AReaL's module of the same path, so `from areal_lite.api.cli_args import GRPOConfig` becomes
+class (`workflow_api`), the process-pool reward wrapper (`reward_api`), the engine contracts (`engine_api`), and
+AReaL's config sections the kit accepts without machinery for them (`areal_only`). Each module defines the AReaL
+names of AReaL's module of the same path, so `from areal_lite.api.cli_args import GRPOConfig` becomes
 `from areal.api.cli_args import GRPOConfig`.
 """
 

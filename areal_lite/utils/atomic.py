@@ -8,8 +8,8 @@ One rule for every writer in the kit (weight versions, checkpoints, prepared mod
   leaves the previous copy on disk under the aside name; the next writer or reader of that path puts it back
   (`recover_dir`), so no crash ever loses a complete copy.
 - On failure the temporary copy is removed and the exception propagates; the previous copy is untouched.
-Locking against concurrent writers is the caller's job (see `models.py`, `data.py`): this module only makes a
-single writer crash-safe.
+Locking against concurrent writers is the caller's job (see `utils/model_store.py`, `dataset/common.py`): this
+module only makes a single writer crash-safe.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Design decisions:
   openers (`"<search>x <search>y</search>"`) the innermost, i.e. the opener nearest the closer, wins.
   An empty pair gives `""`, not None: "the model asked for nothing" differs from "it asked nothing".
 - Parsers are total: any string (or None) in, str/None out; they never raise (property-tested).
-- `parse_boxed` scans braces by hand because regexes cannot match nested `{}`; `reward.py` reuses it.
+- `parse_boxed` scans braces by hand because regexes cannot match nested `{}`; `reward/math_answer.py` reuses it.
 - `format_search_results` writes the block the search prompt promises the model
   (`<p title="...">` paragraphs inside `<information>`), reading `wikipedia_title`/`contents`, falling
   back to `title`/`text`, and unwrapping the `{"document": ..., "score": ...}` shape.
