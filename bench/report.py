@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 OUT = os.path.join(HERE, "RESULTS.md")
 TITLES = {  # the order of RESULTS.md's sections; a results file not named here comes after them, by name
+    "demo": "`make demo` as it printed (`bench/demo.py`)",
     "vs_trl": "The kit against TRL's GRPOTrainer (`bench/vs_trl.py`)",
     "vs_trl_bf16": "The kit against TRL's GRPOTrainer, both under bf16 autocast (`bench/vs_trl.py --bf16`)",
     "rollout_throughput": "Rollout throughput, prompts with a shared start (`bench/rollout_throughput.py`)",
@@ -406,6 +407,26 @@ def row_search_prompts(f: dict) -> list:
     return [" / ".join(r[3] for r in rows)]
 
 
+# demo ---------------------------------------------------------------------------------------------------------------
+
+
+def summarise_demo(d: dict) -> dict:
+    walls = sorted(r["wall_s"] for r in d["runs"])
+    return {"lines": d["runs"][0]["lines"], "wall_s": [walls[len(walls) // 2], walls[0], walls[-1]],
+            "runs": len(walls)}  # fmt: skip
+
+
+def latest_demo(f: dict) -> list:
+    took = spread(f["wall_s"], "{:.0f}", " s")
+    lines = [f"What the first of {f['runs']} run(s) printed (README.md shows these lines); the whole command took "
+             f"{took} a run, start-up and evaluations included.", "", "```text"]  # fmt: skip
+    return lines + f["lines"] + ["```"]
+
+
+def row_demo(f: dict) -> list:
+    return [f["lines"][-1].split(": ", 1)[-1], spread(f["wall_s"], "{:.0f}")]
+
+
 # gpu (tools/gpu_check.py) -----------------------------------------------------------------------------------------
 
 
@@ -458,6 +479,7 @@ KINDS = {
         row_tool_exploration,
     ),
     "gpu": (summarise_gpu, latest_gpu, ["GPU", "GPU tests", "notebooks passed"], row_gpu),
+    "demo": (summarise_demo, latest_demo, ["held-out accuracy", "s a run"], row_demo),
 }
 
 

@@ -188,3 +188,29 @@ def test_an_avx2_only_cpus_notebook_times_replace_the_estimate(tmp_path):
     for other in ({"forced_isa": "avx2"}, {"vector_isa": "AVX512 + AMX"}):
         path.write_text(json.dumps({**record, **other}))
         assert _reference_minutes(str(path)) == estimate
+
+
+def _demo_record() -> dict:
+    import json
+
+    with open(os.path.join(ROOT, "bench", "results", "demo.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _training_minutes(after_n_steps_line: str) -> float:
+    """The minutes of training before the last evaluation, from the demo's "greedy accuracy after N steps" line."""
+    return float(re.findall(r"\(([\d.]+)\)", after_n_steps_line)[-1])
+
+
+def test_readmes_demo_output_is_a_recorded_run():
+    """README.md's `make demo` block is what the demo printed in bench/demo.py's latest record, line for line, and
+    the minutes of training it quotes are that record's runs (lowest-highest), not typed by hand."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = re.search(r"```text\n(.*?)\n```", readme, re.S)
+    assert block, "README.md has no ```text block with the demo's output"
+    shown = [line for line in block.group(1).splitlines() if line != "..."]
+    runs = _demo_record()["runs"]
+    assert shown == runs[0]["lines"], "README.md's demo block is not bench/results/demo.json's first run"
+    minutes = sorted(_training_minutes(r["lines"][2]) for r in runs)
+    quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
+    assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
