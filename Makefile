@@ -154,7 +154,7 @@ soak: $(DEVSTAMP)
 	@start=$$(date +%s); \
 	OMP_NUM_THREADS=1 AREAL_LITE_SOAK_EXAMPLES=$(SOAK_EXAMPLES) $(BIN)/python -m pytest tests/test_bad_requests.py \
 		-k generated_bodies -p no:cacheprovider -v \
-	&& OMP_NUM_THREADS=1 $(BIN)/python tools/soak.py; \
+	&& OMP_NUM_THREADS=1 $(BIN)/python tools/soak.py --json bench/results/soak.json; \
 	rc=$$?; echo "make soak: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 
 lab: $(DEVSTAMP)

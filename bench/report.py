@@ -40,6 +40,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "eval_cost_avx2_proxy": "A held-out evaluation against a step's generation, AVX2 proxy (`bench/eval_cost.py`)",
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
+    "soak": "Load, faults and a crash against the real servers (`make soak`: `tools/soak.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
     "search_prompts": "Notebook 05's prompt and its variants, before training (`bench/search_prompts.py`)",
     "tool_exploration": "Tool calls before training, notebook 09's calculator (`bench/tool_exploration.py`)",
@@ -427,6 +428,24 @@ def row_demo(f: dict) -> list:
     return [f["lines"][-1].split(": ", 1)[-1], spread(f["wall_s"], "{:.0f}")]
 
 
+# soak (tools/soak.py) ---------------------------------------------------------------------------------------------
+
+
+def summarise_soak(d: dict) -> dict:
+    return d["counts"]
+
+
+def latest_soak(f: dict) -> list:
+    verdict = f"{'passed' if f['passed'] else 'FAILED'} in {f['seconds']:.0f} s"
+    return [f"Requests sent {f['sent']}, answered {f['answered']}, hung up by their own clients {f['hung_up']}, lost "
+            f"{f['lost']}; 5xx {f['server_errors']}; orphans {f['orphans']}; /dev/shm bytes left "
+            f"{f['shm_bytes_left']}; checks failed {f['checks_failed']}: {verdict}."]  # fmt: skip
+
+
+def row_soak(f: dict) -> list:
+    return [f"{f['sent']} / {f['answered']} / {f['hung_up']} / {f['lost']}", "passed" if f["passed"] else "FAILED"]
+
+
 # gpu (tools/gpu_check.py) -----------------------------------------------------------------------------------------
 
 
@@ -480,6 +499,7 @@ KINDS = {
     ),
     "gpu": (summarise_gpu, latest_gpu, ["GPU", "GPU tests", "notebooks passed"], row_gpu),
     "demo": (summarise_demo, latest_demo, ["held-out accuracy", "s a run"], row_demo),
+    "soak": (summarise_soak, latest_soak, ["sent / answered / hung up / lost", "verdict"], row_soak),
 }
 
 

@@ -1,6 +1,7 @@
 """`make soak`'s load + fault + crash cycle against the real servers, and what it counted.
 
-Usage: python tools/soak.py [--seed 0] [--rounds 3] [--burst 96] [--chat-clients 24] [--keep]   (~3 min on 2 cores)
+Usage: python tools/soak.py [--seed 0] [--rounds 3] [--burst 96] [--chat-clients 24] [--keep] [--json FILE]
+(~3 min on 2 cores; `make soak` records its counts in bench/results/soak.json, which docs/reliability.md quotes)
 
 Exit code 1 when a request was lost, a 5xx came back, a process outlived its parent, /dev/shm kept bytes, or any
 count below did not add up. Everything runs on 127.0.0.1, on free ports, started through the kit's public functions
@@ -672,8 +673,8 @@ def crash_and_resume(model: str, work: str, tally: Tally) -> Tuple[int, int]:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def report(tally: Tally, orphans: int, shm_left: int, elapsed: float) -> int:
-    """The counts, one a line; 1 when any is off."""
+def report(tally: Tally, orphans: int, shm_left: int, elapsed: float) -> dict:
+    """Prints the counts, one a line; returns them, with "passed" False when any is off."""
     statuses = ", ".join(f"{s}: {n}" for s, n in sorted(tally.statuses.items()))
     print(f"\nrequests sent {tally.sent} / answered {tally.answered} / hung up by the client {tally.hung_up} / "
           f"lost {tally.lost}   (HTTP status: {statuses})")  # fmt: skip
@@ -685,7 +686,10 @@ def report(tally: Tally, orphans: int, shm_left: int, elapsed: float) -> int:
         print(f"  - {problem[:500]}")
     ok = tally.lost == tally.server_errors == orphans == shm_left == len(tally.problems) == 0
     print(f"soak {'passed' if ok else 'FAILED'} in {elapsed:.0f} s")
-    return 0 if ok else 1
+    return {"sent": tally.sent, "answered": tally.answered, "hung_up": tally.hung_up, "lost": tally.lost,
+            "statuses": {str(k): n for k, n in sorted(tally.statuses.items())}, "server_errors": tally.server_errors,
+            "orphans": orphans, "shm_bytes_left": shm_left, "checks_failed": len(tally.problems), "passed": ok,
+            "seconds": round(elapsed, 1)}  # fmt: skip
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -695,6 +699,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--burst", type=int, default=96, help="/generate requests in a burst's first wave")
     p.add_argument("--chat-clients", type=int, default=24, help="openai SDK clients in the mixed burst (2 turns each)")
     p.add_argument("--keep", action="store_true", help="keep the temp folder (logs, the run folder)")
+    p.add_argument("--json", default="", help="write the counts there, with the date, commit and CPU (bench/_machine)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     tally = Tally()
@@ -713,7 +718,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    return report(tally, orphans + crash_orphans, shm_left, time.monotonic() - t0)
+    counts = report(tally, orphans + crash_orphans, shm_left, time.monotonic() - t0)
+    if args.json:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        from _machine import write_results
+
+        write_results(args.json, "soak", args, ROOT, counts=counts)
+    return 0 if counts["passed"] else 1
 
 
 if __name__ == "__main__":
