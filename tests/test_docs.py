@@ -214,3 +214,17 @@ def test_readmes_demo_output_is_a_recorded_run():
     minutes = sorted(_training_minutes(r["lines"][2]) for r in runs)
     quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
     assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
+
+
+def test_reliability_quotes_the_recorded_soak():
+    """docs/reliability.md's soak figures are bench/results/soak.json's (`make soak` writes it), not typed by hand."""
+    import json
+
+    with open(os.path.join(ROOT, "bench", "results", "soak.json"), encoding="utf-8") as f:
+        c = json.load(f)["counts"]
+    assert c["passed"], "the recorded soak run failed"
+    text = " ".join(open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read().split())
+    quoted = (f"{c['sent']:,} requests sent, {c['answered']:,} answered, {c['hung_up']:,} hung up by their own "
+              f"clients, {c['lost']} lost, {c['server_errors']} 5xx, {c['orphans']} orphans, {c['shm_bytes_left']} "
+              f"bytes left")  # fmt: skip
+    assert quoted in text, f"docs/reliability.md should quote the recorded soak: {quoted!r}"
