@@ -41,6 +41,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
     "soak": "Load, faults and a crash against the real servers (`make soak`: `tools/soak.py`)",
+    "areal_run": "AReaL's own trainer on notebook 08's export, then resumed (`bench/areal_run.py`)",
     "async_vs_sync": "Asynchronous against synchronous GRPO (`bench/async_vs_sync.py`)",
     "search_prompts": "Notebook 05's prompt and its variants, before training (`bench/search_prompts.py`)",
     "tool_exploration": "Tool calls before training, notebook 09's calculator (`bench/tool_exploration.py`)",
@@ -446,6 +447,24 @@ def row_soak(f: dict) -> list:
     return [f"{f['sent']} / {f['answered']} / {f['hung_up']} / {f['lost']}", "passed" if f["passed"] else "FAILED"]
 
 
+# areal_run --------------------------------------------------------------------------------------------------------
+
+
+def summarise_areal_run(d: dict) -> dict:
+    return {"exit": d["exit"], "runs": d["runs"]}
+
+
+def latest_areal_run(f: dict) -> list:
+    cells = lambda stats: [f"{v:.3f}" if v is not None else "" for v in stats.values()]  # noqa: E731
+    rows = [[r["what"], r["exit"], f"{r['seconds']:.0f}", step, *cells(stats)]
+            for r in f["runs"] for step, stats in r["steps"].items()]  # fmt: skip
+    return table(["run", "exit", "run, s", "step", "reward (mean F1)", "actor loss", "step, s"], rows)
+
+
+def row_areal_run(f: dict) -> list:
+    return [" / ".join(f"{r['what']} {r['seconds']:.0f}" for r in f["runs"]), f["exit"]]
+
+
 # gpu (tools/gpu_check.py) -----------------------------------------------------------------------------------------
 
 
@@ -500,6 +519,7 @@ KINDS = {
     "gpu": (summarise_gpu, latest_gpu, ["GPU", "GPU tests", "notebooks passed"], row_gpu),
     "demo": (summarise_demo, latest_demo, ["held-out accuracy", "s a run"], row_demo),
     "soak": (summarise_soak, latest_soak, ["sent / answered / hung up / lost", "verdict"], row_soak),
+    "areal_run": (summarise_areal_run, latest_areal_run, ["runs, s", "exit"], row_areal_run),
 }
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-__all__ = ["cpu_overrides", "parse_steps", "run_exported", "main"]
+__all__ = ["cpu_overrides", "parse_steps", "run_exported", "run_all", "main"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _DONE = re.compile(r"Train step (\d+)/(\d+) done")
@@ -123,6 +123,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.exists(os.path.join(export, "search_agent_areal.py")):
         print(f"areal-run: no export in {export}: run notebook 08 first (make areal-run does)")
         return 2
+    code, _ = run_all(export, args.steps, resume=not args.no_resume)
+    return code
+
+
+def run_all(export: str, steps: int, resume: bool = True) -> tuple[int, List[dict]]:
+    """The first run (`steps` steps), then the resumed one: (exit code, each run's {"what", "exit", "seconds",
+    "steps": {step: AReaL's stats}}). Prints what `make areal-run` shows. bench/areal_run.py records it."""
     from areal_lite.api.cli_args import EmbeddedServerConfig
     from areal_lite.dataset.factbook import build_factbook_corpus
     from areal_lite.kit.rag import launch_rag_server
@@ -130,28 +137,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     from areal_lite.utils.model_store import as_qwen2_layout
 
     model = as_qwen2_layout("smollm2-135m-instruct")
-    runs = [(args.steps, "train"), *([] if args.no_resume else [(args.steps + 1, "resume")])]
+    plan = [(steps, "train"), *([(steps + 1, "resume")] if resume else [])]
+    done: List[dict] = []
     with launch_rag_server(build_factbook_corpus()) as rag:
         server = launch_server(EmbeddedServerConfig(model_path=model, threads=1), backend="embedded")
         try:
             server.wait_ready()
-            for total, what in runs:
+            for total, what in plan:
                 log_path = os.path.join(export, f"areal_run_{what}.log")
                 code, log, seconds = run_exported(export, model, total, {"server": server.address, "rag": rag.address},
                                                   log_path)  # fmt: skip
-                steps = parse_steps(log)
+                trained = parse_steps(log)
+                done.append({"what": what, "exit": code, "seconds": seconds, "steps": trained})
                 print(f"areal-run {what}: AReaL's PPOTrainer, exit {code}, {seconds:.0f} s, log {log_path}")
-                _print_steps(steps)
-                if code != 0 or total not in steps:
+                _print_steps(trained)
+                if code != 0 or total not in trained:
                     print(_tail(log))
-                    return 1
-                if what == "resume" and sorted(steps) != [total]:
-                    print(f"areal-run: the resumed run trained steps {sorted(steps)}, expected only {total}")
-                    return 1
+                    return 1, done
+                if what == "resume" and sorted(trained) != [total]:
+                    print(f"areal-run: the resumed run trained steps {sorted(trained)}, expected only {total}")
+                    return 1, done
         finally:
             server.stop()
-    print("areal-run: done" + ("" if args.no_resume else "; the second run resumed from AReaL's own checkpoint"))
-    return 0
+    print("areal-run: done" + ("; the second run resumed from AReaL's own checkpoint" if resume else ""))
+    return 0, done
 
 
 if __name__ == "__main__":
