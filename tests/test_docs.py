@@ -228,3 +228,19 @@ def test_reliability_quotes_the_recorded_soak():
               f"clients, {c['lost']} lost, {c['server_errors']} 5xx, {c['orphans']} orphans, {c['shm_bytes_left']} "
               f"bytes left")  # fmt: skip
     assert quoted in text, f"docs/reliability.md should quote the recorded soak: {quoted!r}"
+
+
+def test_areal_run_quotes_its_record():
+    """docs/areal-run.md's recorded seconds are bench/results/areal_run.json's, and inside the range it promises."""
+    import json
+
+    with open(os.path.join(ROOT, "bench", "results", "areal_run.json"), encoding="utf-8") as f:
+        d = json.load(f)
+    first, resumed = d["runs"]
+    steps = [v["step_s"] for r in d["runs"] for v in r["steps"].values()]
+    assert d["exit"] == 0 and 25 <= min(steps) and max(steps) <= 60
+    assert 120 <= first["seconds"] <= 210 and 78 <= resumed["seconds"] <= 120  # 2-3.5 and 1.3-2 minutes
+    text = " ".join(open(os.path.join(ROOT, "docs", "areal-run.md"), encoding="utf-8").read().split())
+    quoted = (f"the first run {first['seconds']:.0f} s, the resumed one {resumed['seconds']:.0f} s, steps of "
+              f"{min(steps):.0f}-{max(steps):.0f} s")  # fmt: skip
+    assert quoted in text, f"docs/areal-run.md should quote its record: {quoted!r}"
