@@ -1,6 +1,6 @@
 """`make demo` on this machine, recorded: what it prints, for README.md's demo block, and its minutes.
 
-    PYTHONPATH=. .venv/bin/python bench/demo.py [--repeats 1] [--json bench/results/demo.json]
+    PYTHONPATH=. .venv/bin/python bench/demo.py [--repeats 3] [--json bench/results/demo.json]
 
 Runs `python -m areal_lite.kit.trainer.demo` (what `make demo` runs once the model and data are prepared)
 `--repeats` times, each in a fresh child process writing its run folder to a temporary `fileroot`, and records
@@ -58,7 +58,7 @@ def run_demo() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=1, help="demo runs, one after another")
+    ap.add_argument("--repeats", type=int, default=3, help="demo runs, one after another")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "demo.json"), help="results file")
     args = ap.parse_args(argv)
     runs = []
