@@ -36,8 +36,7 @@ SUMMARY = ("CPU: ", "rewards by step: ", "greedy accuracy after N steps", "greed
 def summary_lines(stdout: str) -> list[str]:
     """The demo's summary lines from its stdout: the first line naming the CPU, then the three result lines."""
     lines = stdout.splitlines()
-    found = [next((line for line in lines if line.startswith(SUMMARY[0])), "")]
-    found += [next((line for line in lines if line.startswith(p)), "") for p in SUMMARY[1:]]
+    found = [next((line for line in lines if line.startswith(p)), "") for p in SUMMARY]
     missing = [p.strip() for p, line in zip(SUMMARY, found) if not line]
     if missing:
         raise SystemExit(f"demo: its output has no line starting with {missing}:\n{stdout[-3000:]}")

@@ -190,11 +190,17 @@ def test_an_avx2_only_cpus_notebook_times_replace_the_estimate(tmp_path):
         assert _reference_minutes(str(path)) == estimate
 
 
-def _demo_record() -> dict:
+def _record(bench: str) -> dict:
+    """bench/results/BENCH.json, the record a page quotes."""
     import json
 
-    with open(os.path.join(ROOT, "bench", "results", "demo.json"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "bench", "results", f"{bench}.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def _page_text(page: str) -> str:
+    """docs/PAGE with its line breaks and runs of spaces folded into single spaces (a quote may wrap anywhere)."""
+    return " ".join(open(os.path.join(ROOT, "docs", page), encoding="utf-8").read().split())
 
 
 def _training_minutes(after_n_steps_line: str) -> float:
@@ -209,7 +215,7 @@ def test_readmes_demo_output_is_a_recorded_run():
     block = re.search(r"```text\n(.*?)\n```", readme, re.S)
     assert block, "README.md has no ```text block with the demo's output"
     shown = [line for line in block.group(1).splitlines() if line != "..."]
-    runs = _demo_record()["runs"]
+    runs = _record("demo")["runs"]
     assert shown == runs[0]["lines"], "README.md's demo block is not bench/results/demo.json's first run"
     minutes = sorted(_training_minutes(r["lines"][2]) for r in runs)
     quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
@@ -218,12 +224,9 @@ def test_readmes_demo_output_is_a_recorded_run():
 
 def test_reliability_quotes_the_recorded_soak():
     """docs/reliability.md's soak figures are bench/results/soak.json's (`make soak` writes it), not typed by hand."""
-    import json
-
-    with open(os.path.join(ROOT, "bench", "results", "soak.json"), encoding="utf-8") as f:
-        c = json.load(f)["counts"]
+    c = _record("soak")["counts"]
     assert c["passed"], "the recorded soak run failed"
-    text = " ".join(open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read().split())
+    text = _page_text("reliability.md")
     quoted = (f"{c['sent']:,} requests sent, {c['answered']:,} answered, {c['hung_up']:,} hung up by their own "
               f"clients, {c['lost']} lost, {c['server_errors']} 5xx, {c['orphans']} orphans, {c['shm_bytes_left']} "
               f"bytes left")  # fmt: skip
@@ -232,15 +235,12 @@ def test_reliability_quotes_the_recorded_soak():
 
 def test_areal_run_quotes_its_record():
     """docs/areal-run.md's recorded seconds are bench/results/areal_run.json's, and inside the range it promises."""
-    import json
-
-    with open(os.path.join(ROOT, "bench", "results", "areal_run.json"), encoding="utf-8") as f:
-        d = json.load(f)
+    d = _record("areal_run")
     first, resumed = d["runs"]
     steps = [v["step_s"] for r in d["runs"] for v in r["steps"].values()]
     assert d["exit"] == 0 and 25 <= min(steps) and max(steps) <= 60
     assert 120 <= first["seconds"] <= 210 and 78 <= resumed["seconds"] <= 120  # 2-3.5 and 1.3-2 minutes
-    text = " ".join(open(os.path.join(ROOT, "docs", "areal-run.md"), encoding="utf-8").read().split())
+    text = _page_text("areal-run.md")
     quoted = (f"the first run {first['seconds']:.0f} s, the resumed one {resumed['seconds']:.0f} s, steps of "
               f"{min(steps):.0f}-{max(steps):.0f} s")  # fmt: skip
     assert quoted in text, f"docs/areal-run.md should quote its record: {quoted!r}"
