@@ -124,6 +124,8 @@ def summarise_vs_trl(d: dict) -> dict:
     out.update(bf16=bool(d.get("hyperparameters", {}).get("bf16")))
     if out["bf16"]:  # the kit's own line: whether its precision plan chose the autocast on this CPU, and why
         out["kit_precision"] = next(r["precision"] for r in d["runs"] if r["system"] == "kit")
+        # and the dtype its server sampled in (`embedded.dtype=auto`; absent from runs before it existed)
+        out["kit_server_dtype"] = next((r.get("server_dtype") for r in d["runs"] if r["system"] == "kit"), None)
     for side in ("kit", "trl"):
         runs = sorted((r for r in d["runs"] if r["system"] == side), key=lambda r: r["train_s"])
         middle = runs[len(runs) // 2]  # the median repeat's phases
@@ -143,6 +145,8 @@ def latest_vs_trl(f: dict) -> list:
     precision = "float32 both sides"
     if f.get("bf16"):
         precision = f'bf16 autocast both sides (TRL\'s `bf16=True`; the kit said: "{f["kit_precision"]}")'
+        if f.get("kit_server_dtype"):
+            precision += f"; the kit's server sampled in {f['kit_server_dtype']} (`embedded.dtype=auto`)"
     lines = [f"{shape}, {f['threads']} threads each side, alternating; TRL {memory}; {precision}.", ""]
     by_repeat = ", ".join(f"{r:.2f}" for r in f["ratios"])
 

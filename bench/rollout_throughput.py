@@ -504,7 +504,7 @@ def measure(args: argparse.Namespace, path: str, ids: list[list[int]], threads: 
                 runs[name].append(timed(name, run, servers, args.settle))
                 report(name, runs[name][-1], f"(B={len(ids)})")
         few = ids[: args.sequential_requests]
-        for s in servers:
+        for s in servers if few else []:  # --sequential-requests 0: no one-by-one run
             res = timed(s.name, lambda s=s: run_one_by_one(s, few, args.max_new_tokens), servers, args.settle)
             lone[s.name] = {**res, "s_per_request": res["wall_s"] / len(few)}
             report(s.name, res, f"(one by one, {res['wall_s'] / len(few):.2f} s/request)")
@@ -583,7 +583,7 @@ def parse_args() -> tuple[argparse.Namespace, list[int], list[int]]:
                     "(default 0..t-1)")  # fmt: skip
     ap.add_argument("--distinct-starts", action="store_true", help="prompts that share no start (see `prompts`)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype of every system")
-    ap.add_argument("--sequential-requests", type=int, default=4, help="requests of the one-by-one run")
+    ap.add_argument("--sequential-requests", type=int, default=4, help="requests of the one-by-one run (0: none)")
     ap.add_argument("--repeats", type=int, default=3, help="turns of the concurrent runs (medians are compared)")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="interpreter of a venv with vLLM")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM rows: eager, compiled or both ('' none)")

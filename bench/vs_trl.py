@@ -6,8 +6,10 @@
 
 The workload is `make demo` (`configs/arith_grpo_demo.yaml`): SmolLM2-135M-Instruct learns "What is x + y?" by GRPO,
 `--steps` steps of 4 prompts x 8 samples, 16 new tokens at temperature 0.8, group-normalised advantages, no KL,
-AdamW at a constant 1e-5 with gradient clipping 1.0, float32 (`--bf16`: both sides under bf16 autocast, the kit where
-its precision plan measures it faster; `bench/results/vs_trl_bf16.json`), `--threads` torch threads. It runs twice
+AdamW at a constant 1e-5 with gradient clipping 1.0, float32 (`--bf16`: both sides train under bf16 autocast, the
+kit where its precision plan measures it faster, and generate in bf16, TRL with its training model under autocast,
+the kit's server with `embedded.dtype=auto`, bf16 weights where this CPU measures them faster and batch-exact, both
+sides' held-out evaluations on that server; `bench/results/vs_trl_bf16.json`), `--threads` torch threads. It runs twice
 per repeat, alternating, `--repeats` times (kit, TRL, kit, TRL, ...), each run a fresh child process:
 1. the kit: `python -m areal_lite.kit.trainer.demo total_train_steps=N actor.threads=T embedded.threads=T` (a fresh
    trial folder in a temp fileroot), the embedded server and the trainer taking turns on the cores (synchronous GRPO);
@@ -89,9 +91,11 @@ CONFIG_ENV = ("AREAL_LITE_OVERRIDES", "AREAL_LITE_PROFILE")
 def overrides(args) -> list[str]:
     # evaluator.freq_steps=0: held-out accuracy only before and after, as on TRL's side (the demo also evaluates
     # half-way, which would run inside a step's clock)
-    # --bf16: actor.dtype=bfloat16, the kit's precision plan: bf16 autocast where this CPU measures it faster
+    # --bf16: actor.dtype=bfloat16, the kit's precision plan: bf16 autocast where this CPU measures it faster; and
+    # embedded.dtype=auto, the server's: bf16 weights where this CPU measures them faster and batch-exact
+    precision = ["actor.dtype=bfloat16", "embedded.dtype=auto"] if args.bf16 else ["actor.dtype=float32"]
     return [f"total_train_steps={args.steps}", f"actor.threads={args.threads}", f"embedded.threads={args.threads}",
-            "evaluator.freq_steps=0", f"actor.dtype={'bfloat16' if args.bf16 else 'float32'}"]  # fmt: skip
+            "evaluator.freq_steps=0", *precision]  # fmt: skip
 
 
 def load_config(args):
@@ -243,8 +247,19 @@ def run_kit(args, root: str, index: int, fingerprints: list[str]) -> dict:
         "response_length_by_step": [s["response_length"] for s in stats],
         "data_fingerprints": logged,
         "precision": precision,
+        "server_dtype": served_dtype(os.path.join(root, EXPERIMENT, trial, "logs")),
         **proc,
     }
+
+
+def served_dtype(log_dir: str) -> str:
+    """The dtype the kit's server served, from its ready line in `log_dir` (what `embedded.dtype=auto` picked)."""
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            for line in f:
+                if "areal-lite serve: ready on" in line and " dtype=" in line:
+                    return line.split(" dtype=", 1)[1].split()[0]
+    raise SystemExit(f"vs_trl: no server ready line in {log_dir}")
 
 
 def run_trl(args, root: str, index: int, spec: dict) -> dict:
@@ -292,7 +307,7 @@ def evaluate_model(args, root: str, model_dir: str, name: str) -> dict:
     """Greedy held-out accuracy of the model in `model_dir` by the kit's evaluator, in a child process."""
     out = os.path.join(root, f"{name}-eval.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--threads", str(args.threads), "--steps", str(args.steps),
-           "--eval-model", model_dir, "--eval-out", out]  # fmt: skip
+           "--eval-model", model_dir, "--eval-out", out, *(["--bf16"] if args.bf16 else [])]  # fmt: skip
     proc = run_child(cmd, os.path.join(root, f"{name}-eval.log"), child_env(args.threads, kit_path=True))
     with open(out, encoding="utf-8") as fh:
         return dict(json.load(fh), **{f"eval_{k}": v for k, v in proc.items()})
@@ -318,6 +333,7 @@ def eval_main(args) -> int:
         out["n_problems"] = len(data.valid_rows)
     finally:
         handle.stop()
+    out["server_dtype"] = served_dtype(log_dir)
     with open(args.eval_out, "w", encoding="utf-8") as fh:
         json.dump(out, fh)
     return 0
@@ -410,8 +426,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--bf16",
         action="store_true",
-        help="both sides train under bf16 autocast: TRL with bf16=True (its default), the kit with "
-        "actor.dtype=bfloat16 (autocast where this CPU measured it faster; it prints its choice). Default: float32",
+        help="both sides in bf16: TRL with bf16=True (its default), the kit with actor.dtype=bfloat16 (autocast "
+        "where this CPU measured it faster; it prints its choice) and embedded.dtype=auto. Default: float32",
     )
     ap.add_argument("--eval-model", help=argparse.SUPPRESS)  # internal: evaluate a model folder (eval_main)
     ap.add_argument("--eval-out", help=argparse.SUPPRESS)

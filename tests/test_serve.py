@@ -1008,28 +1008,34 @@ def _logits_by_schedule(runner, prompts, schedule) -> dict:
     return got
 
 
-@pytest.mark.parametrize("model_name, threads", [("tiny", 1), ("tiny", 2), ("smollm2", 2)])  # 2: the demo's
-def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_model_path, smollm_path):
+@pytest.mark.parametrize(
+    "model_name, threads, dtype",
+    [("tiny", 1, "float32"), ("tiny", 2, "float32"), ("smollm2", 2, "float32"), ("smollm2", 2, "auto")],
+)  # 2 threads: the demo's
+def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, dtype, tiny_model_path, smollm_path):
     """The fast path on CPU is batch-invariant: a row's logits are bit for bit the same whether it runs alone, with
     others from the start, or joins a running batch whose rows are longer, shorter, leaving and joining (prefill
     alone or beside other prompts, every decode step). This is what makes a seeded run reproducible whatever the
-    arrival order of its requests (`sampling.py`); before it, logits moved by up to 1e-4 with the batch."""
+    arrival order of its requests (`sampling.py`); before it, logits moved by up to 1e-4 with the batch. `auto`:
+    in the dtype `--dtype auto` serves on this CPU (bfloat16 where it measures it faster and exact)."""
     from transformers import AutoModelForCausalLM
 
     from areal_lite.kit.server.fastpath import FastRunner, shared_start
+    from areal_lite.kit.server.weights import auto_dtype
 
     path = tiny_model_path if model_name == "tiny" else smollm_path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = FastRunner(model)
-    g = torch.Generator().manual_seed(0)
-    high = min(model.config.vocab_size, 40000)
-    prompts = [torch.randint(10, high, (n,), generator=g).tolist() for n in (38, 38, 41, 12, 60, 5, 33, 90, 3)]
-    prompts[1][:30] = prompts[0][:30]  # joined together below: their first 30 tokens run once (the shared start)
-    prompts[3][:10] = prompts[4][:10] = prompts[2][:10]  # the same, 10 tokens
-    n_steps = 8
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        torch_dtype = auto_dtype(path, torch.device("cpu")) if dtype == "auto" else getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+        runner = FastRunner(model)
+        g = torch.Generator().manual_seed(0)
+        high = min(model.config.vocab_size, 40000)
+        prompts = [torch.randint(10, high, (n,), generator=g).tolist() for n in (38, 38, 41, 12, 60, 5, 33, 90, 3)]
+        prompts[1][:30] = prompts[0][:30]  # joined together below: their first 30 tokens run once (the shared start)
+        prompts[3][:10] = prompts[4][:10] = prompts[2][:10]  # the same, 10 tokens
+        n_steps = 8
         alone = {i: _logits_by_schedule(runner, prompts, [("join", [i]), ("step", n_steps)])[i] for i in range(9)}
         together = _logits_by_schedule(runner, prompts, [("join", list(range(9))), ("step", n_steps)])
         staggered = _logits_by_schedule(runner, prompts, [
@@ -1045,6 +1051,53 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, tiny_m
             assert n >= 5, (i, n)
             unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
             assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
+
+
+def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch):
+    """`--dtype auto` on a CPU: float32 without bf16 instructions, or where bf16 measured under `MIN_SPEEDUP` times
+    as fast, or where its rows change with the batch; bfloat16 only when all three checks pass. A GPU: bfloat16."""
+    from areal_lite.kit.server import precision
+    from areal_lite.utils import device as device_utils
+
+    cpu = torch.device("cpu")
+    assert precision.serving_dtype(torch.device("cuda"), 576, 1536)[0] == torch.bfloat16
+    assert precision.serving_dtype(torch.device("mps"), 576, 1536)[0] == torch.float32
+    monkeypatch.setattr(device_utils, "cpu_native_bf16", lambda: "")
+    dtype, why = precision.serving_dtype(cpu, 576, 1536)
+    assert dtype == torch.float32 and "no AVX-512 BF16/AMX" in why
+    monkeypatch.setattr(device_utils, "cpu_native_bf16", lambda: "AMX")
+    monkeypatch.setattr("areal_lite.kit.server.fastpath.packs_weights", lambda dtype: True)
+    monkeypatch.setattr(precision, "_rows_exact", lambda hidden, intermediate: True)
+    monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: precision.MIN_SPEEDUP - 0.01)
+    dtype, why = precision.serving_dtype(cpu, 576, 1536)
+    assert dtype == torch.float32 and "1.19x as fast" in why
+    monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: 3.0)
+    dtype, why = precision.serving_dtype(cpu, 576, 1536)
+    assert (
+        dtype == torch.bfloat16
+        and why
+        == "this CPU has AMX; a decode step's matmuls ran 3.00x as fast in bf16 as in float32, rows exact at any batch"
+    )
+    monkeypatch.setattr(precision, "_rows_exact", lambda hidden, intermediate: False)
+    dtype, why = precision.serving_dtype(cpu, 576, 1536)
+    assert dtype == torch.float32 and why.endswith("its bf16 rows change with the batch")
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bf16 kernels")
+def test_bf16_linear_runs_its_rows_in_chunks_that_keep_them_exact():
+    """Above `BF16_ROWS` rows a bf16 `_Linear` runs its input in chunks (the last may be a lone row, given company),
+    and the pieces are the rows' own results: the same bits as each row alone wherever `_rows_exact` holds."""
+    from areal_lite.kit.server import precision
+    from areal_lite.kit.server.fastpath import BF16_ROWS
+
+    up, _ = precision._linears(64, 96, torch.bfloat16)
+    x = torch.randn(2 * BF16_ROWS + 1, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = up(x)
+        chunks = torch.cat([up(x[i : i + BF16_ROWS]) for i in range(0, len(x), BF16_ROWS)])
+    assert whole.shape == (2 * BF16_ROWS + 1, 192) and torch.equal(whole, chunks)
+    if precision._rows_exact(64, 96):
+        assert torch.equal(whole, torch.cat([up(x[i : i + 1]) for i in range(len(x))]))
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "smollm2"])

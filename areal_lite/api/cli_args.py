@@ -375,7 +375,11 @@ class EmbeddedServerConfig:
     config: the launcher passes them itself."""
 
     model_path: str = _f("", "model folder or alias; empty means the actor's path")
-    dtype: str = _f("float32", "weights dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f(
+        "float32",
+        "weights dtype; auto: bfloat16 where this machine measures it faster and batch-exact (kit/server/precision.py)",
+        choices=("float32", "bfloat16", "float16", "auto"),
+    )
     device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto")
     max_running_requests: int = _f(32, "requests decoded together in one batch")
     max_prefill_tokens: int = _f(8192, "padded prompt tokens per prefill batch")

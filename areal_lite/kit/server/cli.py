@@ -172,9 +172,10 @@ async def _serve(args: argparse.Namespace) -> int:
     scheduler.start()
     state.tokenizer, state.model_path, state.scheduler = tokenizer, path, scheduler
     n_params = sum(p.numel() for p in model.parameters())
+    dtype = str(model.dtype).replace("torch.", "")  # what `--dtype auto` chose
     print(
         f"areal-lite serve: ready on http://{args.host}:{args.port} model={path} params={n_params / 1e6:.1f}M "
-        f"device={scheduler.device} dtype={args.dtype} threads={args.threads} runner={type(scheduler.runner).__name__} "
+        f"device={scheduler.device} dtype={dtype} threads={args.threads} runner={type(scheduler.runner).__name__} "
         f"max_running={args.max_running_requests} (loaded in {time.perf_counter() - t0:.1f}s)",
         flush=True,
     )

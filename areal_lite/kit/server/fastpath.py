@@ -321,6 +321,12 @@ def rows_independent_bmm(head_dim: int, rep: int, threads: int, dtype: torch.dty
     return True
 
 
+# oneDNN's bf16 kernels change a row's sums above 32 rows (they block the rows otherwise; measured with AMX), so
+# `_Linear` runs bf16 inputs 32 rows at a time. `precision.serving_dtype` checks that this keeps rows exact on the
+# CPU at hand before `--dtype auto` picks bf16.
+BF16_ROWS = 32
+
+
 def packs_weights(dtype: torch.dtype) -> bool:
     """Whether `_Linear` can hold `dtype` weights as oneDNN-packed copies on this CPU (see `FastRunner`)."""
     return torch.backends.mkldnn.is_available() and (
@@ -332,8 +338,9 @@ class _Linear:
     """`modules` (`nn.Linear`s of one input) as one matmul. Their weights are stored once, fused, and each module's
     parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters) updates this
     matmul and the model's own forward still works. With `pack` (a CPU with oneDNN), a oneDNN-reordered copy of the
-    weight serves every input, whatever its rows: oneDNN computes each row the same way at any batch size of two
-    rows or more (one row takes another kernel on AVX-512 CPUs, so it runs as two), while MKL's result for a row
+    weight serves every input, whatever its rows: oneDNN computes each float32 row the same way at any batch size of
+    two rows or more (one row takes another kernel on AVX-512 CPUs, so it runs as two; bf16 runs `BF16_ROWS` rows at
+    a time), while MKL's result for a row
     changes with the row count. That is what makes the server batch-invariant (module docstring), and oneDNN beats
     MKL on decode batches too, the lm_head most; `refresh()` (re)builds the copy. Without it, with `transpose`, the
     weight is stored as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step)."""
@@ -370,12 +377,17 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if x.shape[:-1].numel() == 1:
+            rows = x.shape[:-1].numel()
+            if rows == 1:
                 # A lone row takes another oneDNN kernel, whose sums differ in the last bit wherever the inputs are
                 # 1536 wide or more (AVX-512 CPUs: measured; any count of rows from 2 up agrees): give it company.
                 two = x.reshape(1, -1).expand(2, -1).contiguous()
                 y = torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "")
                 return y[:1].reshape(*x.shape[:-1], -1)
+            if x.dtype == torch.bfloat16 and rows > BF16_ROWS:
+                flat = x.reshape(rows, -1)
+                parts = [self(flat[i : i + BF16_ROWS]) for i in range(0, rows, BF16_ROWS)]
+                return torch.cat(parts).reshape(*x.shape[:-1], -1)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.wt is not None:
             return torch.mm(x, self.wt) if self.bias is None else torch.addmm(self.bias, x, self.wt)

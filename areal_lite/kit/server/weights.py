@@ -47,11 +47,27 @@ def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]
     if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
         raise FileNotFoundError(f"model folder {path} does not exist")
     torch_device = pick_device(device)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if dtype == "auto":
+        torch_dtype = auto_dtype(path, torch_device)
+    else:
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
     model.requires_grad_(False)
     return model, tokenizer, path
+
+
+def auto_dtype(path: str, device: torch.device) -> torch.dtype:
+    """What `--dtype auto` serves the model in folder `path` on `device` (`precision.serving_dtype`), logged."""
+    from transformers import AutoConfig
+
+    from areal_lite.kit.server.precision import serving_dtype
+
+    cfg = AutoConfig.from_pretrained(path)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 1024)  # the MLP's sizes; a generic pair for other models
+    dtype, why = serving_dtype(device, hidden, int(getattr(cfg, "intermediate_size", 0) or 4 * hidden))
+    log.info("dtype=auto: %s (%s)", str(dtype).replace("torch.", ""), why)
+    return dtype
 
 
 @torch.no_grad()

@@ -1,0 +1,118 @@
+"""`--dtype auto`: the precision the server picks for this machine, bfloat16 only where it is faster and still exact.
+
+Design decisions
+- Measured at start-up, never assumed: having bf16 instructions (AMX, AVX-512 BF16) does not make a CPU's bf16
+  matmuls faster, and oneDNN's bf16 kernels may give a row other bits when other rows share its batch (they switch
+  blocking with the row count). On the model's own MLP shapes, `auto` times both dtypes' packed matmuls at a
+  decode step's `DECODE_ROWS` rows, and checks that batches of 2 to 100 rows give each row the bits it gets alone,
+  through the server's own `fastpath._Linear` (which runs bf16 `BF16_ROWS` rows at a time): bfloat16 only where it
+  is at least `MIN_SPEEDUP` times as fast and exact; float32 otherwise (what the trainer computes, so never wrong).
+  The checks take a few tenths of a second of the server's start.
+- A GPU serves bfloat16 (as SGLang does); Apple's MPS float32.
+- bf16 weights sample from a slightly different policy than the float32 trainer's; the PPO ratio
+  exp(trainer log-prob - server log-prob) and its clipping absorb it, as with AReaL's bf16 SGLang servers.
+  bench/rollout_throughput.py --dtype measures the server in each dtype.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+# A decode step of the demo's batch (max_running_requests).
+DECODE_ROWS = 32
+# bf16 only where a decode step's matmuls ran at least this much faster: a noisy measurement near 1 must not pick it.
+MIN_SPEEDUP = 1.2
+
+__all__ = ["DECODE_ROWS", "MIN_SPEEDUP", "serving_dtype"]
+
+
+def serving_dtype(device: torch.device, hidden: int, intermediate: int) -> tuple[torch.dtype, str]:
+    """(the dtype `--dtype auto` serves on `device`, the reason, for the log) for a model of MLP sizes
+    `hidden` -> `intermediate`. On a CPU: see the module docstring."""
+    if device.type == "cuda":
+        return torch.bfloat16, "a GPU serves bfloat16"
+    if device.type != "cpu":
+        return torch.float32, f"float32 on {device.type}"
+    from areal_lite.kit.server.fastpath import packs_weights
+    from areal_lite.utils.device import cpu_native_bf16
+
+    native = cpu_native_bf16()
+    if not native or not packs_weights(torch.bfloat16):
+        return torch.float32, f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX-512 BF16/AMX"
+    speedup = _decode_speedup(hidden, intermediate)
+    measured = f"a decode step's matmuls ran {speedup:.2f}x as fast in bf16 as in float32"
+    if speedup < MIN_SPEEDUP:
+        return torch.float32, f"this CPU has {native}, but {measured}"
+    if not _rows_exact(hidden, intermediate):
+        return torch.float32, f"this CPU has {native} and {measured}, but its bf16 rows change with the batch"
+    return torch.bfloat16, f"this CPU has {native}; {measured}, rows exact at any batch"
+
+
+def _linears(hidden: int, intermediate: int, dtype: torch.dtype) -> list:
+    """The server's own packed matmuls (`fastpath._Linear`) over seeded weights of the model's MLP shapes."""
+    from areal_lite.kit.server.fastpath import _Linear
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for n_in, n_out in ((hidden, 2 * intermediate), (intermediate, hidden)):
+        module = torch.nn.Linear(n_in, n_out, bias=False)
+        module.weight.data = (torch.randn(n_out, n_in, generator=gen) / n_in**0.5).to(dtype)
+        linear = _Linear([module], pack=True)
+        linear.refresh()
+        out.append(linear)
+    return out
+
+
+@torch.inference_mode()
+def _decode_speedup(hidden: int, intermediate: int, repeats: int = 3, calls: int = 5) -> float:
+    """float32 time / bfloat16 time of the two MLP matmuls at `DECODE_ROWS` rows (medians, taken in turns), on one
+    thread and timed by that thread's CPU clock: a server starts while its trainer starts too, and on a busy machine
+    wall time measures the other process. One thread: no OpenMP team waiting for a core that is elsewhere."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _speedup_on_this_thread(hidden, intermediate, repeats, calls)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _speedup_on_this_thread(hidden: int, intermediate: int, repeats: int, calls: int) -> float:
+    sides = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        up, down = _linears(hidden, intermediate, dtype)
+        x = torch.randn(DECODE_ROWS, hidden).to(dtype)
+        sides[dtype] = (up, down, x)
+
+    def run(dtype: torch.dtype) -> float:
+        up, down, x = sides[dtype]
+        t = time.thread_time()
+        for _ in range(calls):
+            down(up(x)[:, :intermediate])
+        return time.thread_time() - t
+
+    for _ in range(2):  # warm-up: first calls pay kernel set-up
+        run(torch.float32), run(torch.bfloat16)
+    times: dict = {torch.float32: [], torch.bfloat16: []}
+    for _ in range(repeats):
+        for dtype in times:
+            times[dtype].append(run(dtype))
+    return statistics.median(times[torch.float32]) / statistics.median(times[torch.bfloat16])
+
+
+@torch.inference_mode()
+def _rows_exact(hidden: int, intermediate: int, most: int = 100) -> bool:
+    """Whether each of the bf16 `_Linear`s gives every row of a batch the bits it gets alone, for every batch of 2 to
+    two chunks and one row (`BF16_ROWS`), and of `most` rows."""
+    from areal_lite.kit.server.fastpath import BF16_ROWS
+
+    gen = torch.Generator().manual_seed(1)
+    for linear in _linears(hidden, intermediate, torch.bfloat16):
+        x = torch.randn(most, linear.weight.shape[1], generator=gen).to(torch.bfloat16)
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(most)])
+        for m in [*range(2, 2 * BF16_ROWS + 2), most]:
+            if not torch.equal(linear(x[:m]), alone[:m]):
+                return False
+    return True
