@@ -233,6 +233,21 @@ def test_reliability_quotes_the_recorded_soak():
     assert quoted in text, f"docs/reliability.md should quote the recorded soak: {quoted!r}"
 
 
+def test_trl_page_quotes_both_recorded_runs():
+    """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's."""
+    text = _page_text("trl.md")
+    for bench in ("vs_trl", "vs_trl_bf16"):
+        d = _record(bench)
+        s, base = d["summary"], d["base_accuracy"]
+        lo, hi = min(s["trl_over_kit_train_time"]), max(s["trl_over_kit_train_time"])
+        trl, kit = s["trl"], s["kit"]
+        quoted = (f"TRL takes {s['trl_over_kit_median']:.1f}x as long as the kit ({lo:.1f}-{hi:.1f} by repeat; TRL "
+                  f"{trl['train_s_min']:.0f}-{trl['train_s_max']:.0f} s, the kit {kit['train_s_min']:.0f}-"
+                  f"{kit['train_s_max']:.0f} s); held-out accuracy {base:.2f} -> {trl['accuracy_after_median']:.2f} "
+                  f"for TRL, {base:.2f} -> {kit['accuracy_after_median']:.2f} for the kit")  # fmt: skip
+        assert quoted in text, f"docs/trl.md should quote {bench}.json: {quoted!r}"
+
+
 def test_areal_run_quotes_its_record():
     """docs/areal-run.md's recorded seconds are bench/results/areal_run.json's, and inside the range it promises."""
     d = _record("areal_run")
