@@ -1054,10 +1054,11 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, dtype,
 
 
 def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch):
-    """`--dtype auto` on a CPU: float32 without bf16 instructions, or where bf16 measured under `MIN_SPEEDUP` times
+    """`--dtype auto` on a CPU: float32 without bf16 instructions, or where bf16 measured under `BF16_MIN_SPEEDUP` times
     as fast, or where its rows change with the batch; bfloat16 only when all three checks pass. A GPU: bfloat16."""
     from areal_lite.kit.server import precision
     from areal_lite.utils import device as device_utils
+    from areal_lite.utils.device import BF16_MIN_SPEEDUP
 
     cpu = torch.device("cpu")
     assert precision.serving_dtype(torch.device("cuda"), 576, 1536)[0] == torch.bfloat16
@@ -1068,7 +1069,7 @@ def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch)
     monkeypatch.setattr(device_utils, "cpu_native_bf16", lambda: "AMX")
     monkeypatch.setattr("areal_lite.kit.server.fastpath.packs_weights", lambda dtype: True)
     monkeypatch.setattr(precision, "_rows_exact", lambda hidden, intermediate: True)
-    monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: precision.MIN_SPEEDUP - 0.01)
+    monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: BF16_MIN_SPEEDUP - 0.01)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert dtype == torch.float32 and "1.19x as fast" in why
     monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: 3.0)

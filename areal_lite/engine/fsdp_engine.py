@@ -72,6 +72,7 @@ from areal_lite.engine.fsdp_utils.weights import (
     weight_update_specs,
     write_hf_folder,
 )
+from areal_lite.utils.device import BF16_MIN_SPEEDUP
 from areal_lite.utils.functional import (
     grpo_advantages,
     kl_rewards,
@@ -96,9 +97,9 @@ _DTYPES = {
 # AREAL_LITE_CPU_BF16=1 forces bf16 autocast for dtype="bfloat16" on a CPU whatever the hardware, =0 forbids it.
 CPU_BF16_ENV = "AREAL_LITE_CPU_BF16"
 # A CPU with bf16 instructions autocasts only where bf16 measured at least this much faster at start
-# (`utils/device.cpu_bf16_speedup`). CPUs tend to land far on either side of 1; the margin keeps a noisy measurement
-# from choosing a path that is no faster (bench/update_speed.py measures the whole update).
-CPU_BF16_MIN_SPEEDUP = 1.2
+# (`utils/device.cpu_bf16_speedup`; the margin: `utils/device.BF16_MIN_SPEEDUP`; bench/update_speed.py measures the
+# whole update).
+CPU_BF16_MIN_SPEEDUP = BF16_MIN_SPEEDUP
 
 Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
 # train_batch's callables, as AReaL's: loss_fn(logprobs, entropy, input_data, **kwargs) -> scalar, weight_fn(input_data)

@@ -19,14 +19,17 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
 __all__ = [
+    "BF16_MIN_SPEEDUP",
     "KEEP_FREED_TUNABLES",
     "capped_threads",
     "cpu_bf16_speedup",
     "cpu_native_bf16",
+    "speedup_on_one_thread",
     "keep_freed_memory",
     "file_mappings",
     "in_file_mapping",
@@ -139,39 +142,63 @@ def cpu_native_bf16() -> str:
     return ""
 
 
+# bf16 is taken (by the actor's precision plan, by the server's `dtype=auto`) only where it measured at least this much
+# faster: CPUs tend to land far on either side of 1, and the margin keeps a noisy measurement from choosing a path
+# that is no faster.
+BF16_MIN_SPEEDUP = 1.2
+
+
 def cpu_bf16_speedup(rows: int = 512, width: int = 1024, repeats: int = 3) -> float:
     """How many times as fast a linear layer's forward and backward run under bf16 autocast as in float32, on this
-    CPU with this thread's torch threads: a [rows, width] input through a [2 * width, width] weight, the median of
-    `repeats` runs of each, taken in turns after one warm-up each (a fraction of a second). Measured once per
-    process and thread count, so that the actors of one process (an actor and its reference model) agree.
+    CPU: a [rows, width] input through a [2 * width, width] weight (`speedup_on_one_thread`, a fraction of a second).
+    Measured once per process, so that the actors of one process (an actor and its reference model) agree.
 
     Why measure rather than trust the instructions: having AVX-512 BF16 does not make bf16 fast. On some CPUs
     oneDNN's bf16 kernels run a PPO update much slower than float32, on others much faster
     (bench/update_speed.py measures the whole update both ways).
     """
-    return _bf16_speedup(rows, width, repeats, torch.get_num_threads())
+    return _bf16_speedup(rows, width, repeats)
 
 
 @functools.lru_cache(maxsize=None)
-def _bf16_speedup(rows: int, width: int, repeats: int, threads: int) -> float:
+def _bf16_speedup(rows: int, width: int, repeats: int) -> float:
     g = torch.Generator().manual_seed(0)  # its own generator: the caller's random stream is left as it was
     x = torch.randn(rows, width, generator=g, requires_grad=True)
     w = torch.randn(2 * width, width, generator=g, requires_grad=True)
 
-    def step(bf16: bool) -> float:
-        t = time.perf_counter()
+    def step(bf16: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             y = torch.nn.functional.linear(x, w)
         y.float().sum().backward()
         x.grad = w.grad = None
-        return time.perf_counter() - t
 
-    step(False), step(True)  # warm-up: first calls pay kernel set-up
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(repeats):
-        for bf16 in (False, True):
-            times[bf16].append(step(bf16))
-    return statistics.median(times[False]) / statistics.median(times[True])
+    return speedup_on_one_thread(lambda: step(False), lambda: step(True), repeats)
+
+
+def speedup_on_one_thread(base: Callable[[], object], other: Callable[[], object], repeats: int = 3) -> float:
+    """How many times as fast `other` runs as `base`: the median CPU seconds of each, taken in turns `repeats` times
+    after two warm-up calls each (first calls pay kernel set-up), on one torch thread and timed by that thread's CPU
+    clock. Why not wall time on every thread: the trainer and its server start at the same time, and on a busy
+    2-core machine wall time measures the other process (an OpenMP team waits for a core that is elsewhere), which
+    once made a 3x faster bf16 matmul measure 1.00x."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+
+        def seconds(fn: Callable[[], object]) -> float:
+            t = time.thread_time()
+            fn()
+            return time.thread_time() - t
+
+        for _ in range(2):
+            seconds(base), seconds(other)
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(repeats):
+            times[0].append(seconds(base))
+            times[1].append(seconds(other))
+        return statistics.median(times[0]) / max(statistics.median(times[1]), 1e-9)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def file_mappings() -> list[tuple[int, int]]:

@@ -4,10 +4,10 @@ Design decisions
 - Measured at start-up, never assumed: having bf16 instructions (AMX, AVX-512 BF16) does not make a CPU's bf16
   matmuls faster, and oneDNN's bf16 kernels may give a row other bits when other rows share its batch (they switch
   blocking with the row count). On the model's own MLP shapes, `auto` times both dtypes' packed matmuls at a
-  decode step's `DECODE_ROWS` rows, and checks that batches of 2 to 100 rows give each row the bits it gets alone,
-  through the server's own `fastpath._Linear` (which runs bf16 `BF16_ROWS` rows at a time): bfloat16 only where it
-  is at least `MIN_SPEEDUP` times as fast and exact; float32 otherwise (what the trainer computes, so never wrong).
-  The checks take a few tenths of a second of the server's start.
+  decode step's `DECODE_ROWS` rows (one thread's CPU clock: the trainer may be starting beside the server), and
+  checks that batches of 2 to 100 rows give each row the bits it gets alone, through the server's own
+  `fastpath._Linear` (bf16 runs `BF16_ROWS` rows at a time). bfloat16 only where it is `BF16_MIN_SPEEDUP` times as
+  fast and exact; float32 otherwise (what the trainer computes, so never wrong). A few tenths of a second.
 - A GPU serves bfloat16 (as SGLang does); Apple's MPS float32.
 - bf16 weights sample from a slightly different policy than the float32 trainer's; the PPO ratio
   exp(trainer log-prob - server log-prob) and its clipping absorb it, as with AReaL's bf16 SGLang servers.
@@ -16,17 +16,12 @@ Design decisions
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 # A decode step of the demo's batch (max_running_requests).
 DECODE_ROWS = 32
-# bf16 only where a decode step's matmuls ran at least this much faster: a noisy measurement near 1 must not pick it.
-MIN_SPEEDUP = 1.2
 
-__all__ = ["DECODE_ROWS", "MIN_SPEEDUP", "serving_dtype"]
+__all__ = ["DECODE_ROWS", "serving_dtype"]
 
 
 def serving_dtype(device: torch.device, hidden: int, intermediate: int) -> tuple[torch.dtype, str]:
@@ -37,14 +32,14 @@ def serving_dtype(device: torch.device, hidden: int, intermediate: int) -> tuple
     if device.type != "cpu":
         return torch.float32, f"float32 on {device.type}"
     from areal_lite.kit.server.fastpath import packs_weights
-    from areal_lite.utils.device import cpu_native_bf16
+    from areal_lite.utils.device import BF16_MIN_SPEEDUP, cpu_native_bf16
 
     native = cpu_native_bf16()
     if not native or not packs_weights(torch.bfloat16):
         return torch.float32, f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX-512 BF16/AMX"
     speedup = _decode_speedup(hidden, intermediate)
     measured = f"a decode step's matmuls ran {speedup:.2f}x as fast in bf16 as in float32"
-    if speedup < MIN_SPEEDUP:
+    if speedup < BF16_MIN_SPEEDUP:
         return torch.float32, f"this CPU has {native}, but {measured}"
     if not _rows_exact(hidden, intermediate):
         return torch.float32, f"this CPU has {native} and {measured}, but its bf16 rows change with the batch"
@@ -67,39 +62,22 @@ def _linears(hidden: int, intermediate: int, dtype: torch.dtype) -> list:
 
 
 @torch.inference_mode()
-def _decode_speedup(hidden: int, intermediate: int, repeats: int = 3, calls: int = 5) -> float:
-    """float32 time / bfloat16 time of the two MLP matmuls at `DECODE_ROWS` rows (medians, taken in turns), on one
-    thread and timed by that thread's CPU clock: a server starts while its trainer starts too, and on a busy machine
-    wall time measures the other process. One thread: no OpenMP team waiting for a core that is elsewhere."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _speedup_on_this_thread(hidden, intermediate, repeats, calls)
-    finally:
-        torch.set_num_threads(saved)
+def _decode_speedup(hidden: int, intermediate: int, calls: int = 5) -> float:
+    """How many times as fast the two MLP matmuls run at `DECODE_ROWS` rows in bf16 as in float32
+    (`utils.device.speedup_on_one_thread`)."""
+    from areal_lite.utils.device import speedup_on_one_thread
 
-
-def _speedup_on_this_thread(hidden: int, intermediate: int, repeats: int, calls: int) -> float:
-    sides = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    def side(dtype: torch.dtype):
         up, down = _linears(hidden, intermediate, dtype)
         x = torch.randn(DECODE_ROWS, hidden).to(dtype)
-        sides[dtype] = (up, down, x)
 
-    def run(dtype: torch.dtype) -> float:
-        up, down, x = sides[dtype]
-        t = time.thread_time()
-        for _ in range(calls):
-            down(up(x)[:, :intermediate])
-        return time.thread_time() - t
+        def run() -> None:
+            for _ in range(calls):
+                down(up(x)[:, :intermediate])
 
-    for _ in range(2):  # warm-up: first calls pay kernel set-up
-        run(torch.float32), run(torch.bfloat16)
-    times: dict = {torch.float32: [], torch.bfloat16: []}
-    for _ in range(repeats):
-        for dtype in times:
-            times[dtype].append(run(dtype))
-    return statistics.median(times[torch.float32]) / statistics.median(times[torch.bfloat16])
+        return run
+
+    return speedup_on_one_thread(side(torch.float32), side(torch.bfloat16))
 
 
 @torch.inference_mode()
