@@ -1053,6 +1053,96 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, dtype,
             assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
 
 
+@pytest.mark.parametrize("model_name", ["tiny", "smollm2"])  # a Qwen2 and a Llama
+def test_lean_load_is_transformers_load_bit_for_bit(model_name, tiny_model_path, smollm_path):
+    """The server's transformers-free load (`lean.load_lean`) gives the fast path what `from_pretrained` gives it:
+    the same parameters under the same names (tied alike), the same rotary tables, so the same logits at prefill
+    and every decode step, in float32 and bf16; and a tokenizer that encodes and decodes as transformers' does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_lite.kit.server.fastpath import FastRunner
+    from areal_lite.kit.server.lean import lean_files, load_lean
+
+    path = tiny_model_path if model_name == "tiny" else smollm_path
+    assert lean_files(path) is None
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        lean, tok = load_lean(path, dtype, torch.device("cpu"))
+        ours, theirs = lean.state_dict(), ref.state_dict()
+        assert list(ours) == list(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in theirs)
+        assert (lean.lm_head.weight is lean.model.embed_tokens.weight) == (
+            ref.lm_head.weight is ref.get_input_embeddings().weight
+        )
+        x, positions = torch.zeros(1, dtype=dtype), torch.arange(0, 4096, 7)[None]
+        for a, b in zip(lean.model.rotary_emb(x, positions), ref.model.rotary_emb(x, positions)):
+            assert torch.equal(a, b)
+        g = torch.Generator().manual_seed(0)
+        high = min(ref.config.vocab_size, 40000)
+        prompts = [torch.randint(10, high, (n,), generator=g).tolist() for n in (38, 12, 60)]
+        schedule = [("join", [0, 1, 2]), ("step", 4)]
+        got = _logits_by_schedule(FastRunner(lean), prompts, schedule)
+        want = _logits_by_schedule(FastRunner(ref), prompts, schedule)
+        assert all(torch.equal(a, b) for i in want for a, b in zip(got[i], want[i]))
+    hf = AutoTokenizer.from_pretrained(path)
+    texts = ["", "What is 3 + 4?", "  two  spaces\n\nand tabs\t", "<|im_start|>user\nhi<|im_end|>\n", "ünïcödé ✓ 数学",
+             "The answer is \\boxed{42}.", "<search>capital of France</search><answer>Paris</answer>"]  # fmt: skip
+    for text in texts:
+        ids = hf(text)["input_ids"]
+        assert tok(text)["input_ids"] == ids, text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+    assert tok.eos_token_id == hf.eos_token_id and tok.get_vocab() == hf.get_vocab()
+
+
+def test_lean_load_refuses_what_it_does_not_reproduce(tmp_path, smollm_path):
+    """Another model type, another RoPE, a tokenizer class that adds to tokenizer.json or a BOS it adds: `lean_files`
+    says why, and the server loads through transformers instead (its log says which)."""
+    import json
+    import logging
+    import shutil
+
+    from areal_lite.kit.server.lean import lean_files
+
+    def variant(name: str, file: str, change: dict) -> str:
+        folder = tmp_path / name
+        shutil.copytree(smollm_path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+        (folder / "model.safetensors").symlink_to(f"{smollm_path}/model.safetensors")
+        data = json.loads((folder / file).read_text())
+        data.update(change)
+        (folder / file).write_text(json.dumps(data))
+        return str(folder)
+
+    cases = {
+        variant("mistral", "config.json", {"model_type": "mistral"}): "model_type 'mistral'",
+        variant("llama3", "config.json", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}): "'llama3'",
+        variant("gpt2tok", "tokenizer_config.json", {"tokenizer_class": "GPT2Tokenizer"}): "'GPT2Tokenizer'",
+        variant("bos", "tokenizer_config.json", {"add_bos_token": True}): "adds BOS/EOS",
+    }
+    for folder, why in cases.items():
+        assert why in (lean_files(folder) or ""), folder
+    (tmp_path / "empty").mkdir()
+    assert "config" in lean_files(str(tmp_path / "empty"))
+    from areal_lite.kit.server.lean import LeanCausalLM
+    from areal_lite.kit.server.weights import load_model
+
+    logger, lines = logging.getLogger("areal_lite.kit.server"), []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    saved = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        model, _, _ = load_model(str(tmp_path / "bos"), "cpu", "float32")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
+    assert not isinstance(model, LeanCausalLM)
+    assert "loading through transformers (the tokenizer adds BOS/EOS tokens)" in lines
+    assert isinstance(load_model(smollm_path, "cpu", "float32")[0], LeanCausalLM)
+    assert not isinstance(load_model(smollm_path, "cpu", "float32", lean=False)[0], LeanCausalLM)  # --no-fast-path
+
+
 def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch):
     """`--dtype auto` on a CPU: float32 without bf16 instructions, or where bf16 measured under `BF16_MIN_SPEEDUP` times
     as fast, or where its rows change with the batch; bfloat16 only when all three checks pass. A GPU: bfloat16."""

@@ -12,6 +12,7 @@ its request and response shapes, so one client (`RemoteSGLangEngine`) talks to i
 - `scheduler`: one thread that owns the model and runs continuous batching over `batch.RunningBatch`'s KV cache;
 - `fastpath`: a functional forward for Llama/Qwen2-family models; `sampling`: SGLang's sampling and logprobs;
 - `lora`: one LoRA adapter at a time, merged; `weights`: loading the model, updates, what is served;
+- `lean`: a Llama/Qwen2 checkpoint loaded without transformers for the fast path (a server starts seconds sooner);
 - `precision`: what `--dtype auto` serves on this machine (bf16 only where measured faster and batch-exact);
 - `vllm_ext/`: the worker extension a vLLM server loads to take the kit's weight updates.
 Names are exported lazily: launching a server from a notebook does not load the server's own modules.

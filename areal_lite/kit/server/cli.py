@@ -106,7 +106,7 @@ async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) ->
 
     def load_in_thread() -> None:
         try:
-            result = load_model(args.model_path, args.device, args.dtype)
+            result = load_model(args.model_path, args.device, args.dtype, lean=args.fast_path)
         except BaseException as e:
             loop.call_soon_threadsafe(lambda err=e: load.done() or load.set_exception(err))
         else:

@@ -33,16 +33,15 @@ from areal_lite.kit.server.protocol import (
 log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 
-def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]:
-    """Load tokenizer + model (aliases resolved by utils.model_store). Returns (model, tokenizer, path)."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(model_path: str, device: str, dtype: str, lean: bool = True) -> tuple[Any, Any, str]:
+    """Load tokenizer + model (aliases resolved by utils.model_store). Returns (model, tokenizer, path).
 
+    `lean` (the fast path's): a checkpoint `lean.lean_files` accepts loads without transformers, seconds sooner;
+    any other, or `lean=False`, through transformers."""
+    from areal_lite.kit.server.lean import lean_files, load_lean
     from areal_lite.utils.device import pick_device
     from areal_lite.utils.model_store import resolve_model_path
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
     path = resolve_model_path(model_path)
     if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(path)):
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -51,6 +50,17 @@ def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]
         torch_dtype = auto_dtype(path, torch_device)
     else:
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    why_not = lean_files(path) if lean and os.path.isdir(path) else "not asked" if not lean else "a hub id"
+    if why_not is None:
+        model, tokenizer = load_lean(path, torch_dtype, torch_device)
+        log.info("loaded without transformers (kit/server/lean.py)")
+        return model, tokenizer, path
+    log.info("loading through transformers (%s)", why_not)
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
     model.requires_grad_(False)
@@ -59,13 +69,19 @@ def load_model(model_path: str, device: str, dtype: str) -> tuple[Any, Any, str]
 
 def auto_dtype(path: str, device: torch.device) -> torch.dtype:
     """What `--dtype auto` serves the model in folder `path` on `device` (`precision.serving_dtype`), logged."""
-    from transformers import AutoConfig
+    import json
 
     from areal_lite.kit.server.precision import serving_dtype
 
-    cfg = AutoConfig.from_pretrained(path)
-    hidden = int(getattr(cfg, "hidden_size", 0) or 1024)  # the MLP's sizes; a generic pair for other models
-    dtype, why = serving_dtype(device, hidden, int(getattr(cfg, "intermediate_size", 0) or 4 * hidden))
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError:  # a hub id: transformers resolves it
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path).to_dict()
+    hidden = int(cfg.get("hidden_size") or 1024)  # the MLP's sizes; a generic pair for other models
+    dtype, why = serving_dtype(device, hidden, int(cfg.get("intermediate_size") or 4 * hidden))
     log.info("dtype=auto: %s (%s)", str(dtype).replace("torch.", ""), why)
     return dtype
 
