@@ -98,10 +98,21 @@ def load_lean(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Lean
     return model, LeanTokenizer(path)
 
 
+class _Dense(nn.Module):
+    """`nn.Linear`'s parameters (and names) without its initialisation: empty on the meta device until `load_lean`
+    assigns the checkpoint's. (Initialising on meta, or a `torch.device("meta")` block, imports torch's Python
+    decompositions: 1.7 s of a start.)"""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, device="meta"))
+        self.bias = nn.Parameter(torch.empty(n_out, device="meta")) if bias else None
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.empty(size))
         self.variance_epsilon = eps
 
 
@@ -128,19 +139,19 @@ class _Attention(nn.Module):
         super().__init__()
         d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))  # Qwen2: q/k/v always
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.q_proj = _Dense(cfg.hidden_size, h * d, bias=bias)
+        self.k_proj = _Dense(cfg.hidden_size, kv * d, bias=bias)
+        self.v_proj = _Dense(cfg.hidden_size, kv * d, bias=bias)
+        self.o_proj = _Dense(h * d, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
         self.scaling = d**-0.5
 
 
 class _MLP(nn.Module):
     def __init__(self, cfg: Any):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = _Dense(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = _Dense(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = _Dense(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
 
 class _Layer(nn.Module):
@@ -155,7 +166,7 @@ class _Layer(nn.Module):
 class _Inner(nn.Module):
     def __init__(self, cfg: Any):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _Dense(cfg.hidden_size, cfg.vocab_size, bias=False)  # `weight` [vocab, hidden]
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb: Optional[_Rotary] = None  # `load_lean` builds it once the weights are in place
@@ -163,16 +174,16 @@ class _Inner(nn.Module):
 
 class LeanCausalLM(nn.Module):
     """The parameters of a Llama/Qwen2 causal LM under transformers' names, for `fastpath.FastRunner`; it has no
-    forward of its own (the runner computes). Built on the meta device: `load_lean` assigns the checkpoint's tensors.
+    forward of its own (the runner computes). Built empty on the meta device: `load_lean` assigns the checkpoint's
+    tensors.
     """
 
     def __init__(self, cfg: Any):
         super().__init__()
         self.config = cfg
         self.generation_config = None  # `load_lean` sets it from generation_config.json when the folder has one
-        with torch.device("meta"):
-            self.model = _Inner(cfg)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = _Inner(cfg)
+        self.lm_head = _Dense(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -183,7 +194,7 @@ class LeanCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> _Dense:
         return self.model.embed_tokens
 
 
