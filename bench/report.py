@@ -38,6 +38,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "update_speed": "One PPO update (`bench/update_speed.py`)",
     "eval_cost": "A held-out evaluation against a step's generation (`bench/eval_cost.py`)",
     "eval_cost_avx2_proxy": "A held-out evaluation against a step's generation, AVX2 proxy (`bench/eval_cost.py`)",
+    "server_start": "An embedded server's start, lean load against transformers (`bench/server_start.py`)",
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
     "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
     "soak": "Load, faults and a crash against the real servers (`make soak`: `tools/soak.py`)",
@@ -330,6 +331,26 @@ def row_eval_cost(f: dict) -> list:
     return [times(f["time_ratio"]), times(f["work_ratio"])]
 
 
+# server_start -----------------------------------------------------------------------------------------------------
+
+
+def summarise_server_start(d: dict) -> dict:
+    med = d["summary"]
+    out = {way: {"ready_s": [med[way]["ready_s"], min(r["ready_s"] for r in rs), max(r["ready_s"] for r in rs)],
+                 "cpu_s": med[way]["cpu_s"]} for way, rs in d["runs"].items()}  # fmt: skip
+    return {**out, "ratio": d["summary"]["transformers_over_lean"], "model": d.get("model", "")}
+
+
+def latest_server_start(f: dict) -> list:
+    rows = [[way, spread(f[way]["ready_s"], "{:.2f}"), f"{f[way]['cpu_s']:.1f}"] for way in ("lean", "transformers")]
+    lines = [f"{f['model']}: through transformers a server takes {times(f['ratio'])} as long to be ready.", ""]
+    return lines + table(["model load", "s to ready: median (lowest-highest)", "CPU s, median"], rows)
+
+
+def row_server_start(f: dict) -> list:
+    return [f"{f['lean']['ready_s'][0]:.2f}", f"{f['transformers']['ready_s'][0]:.2f}", times(f["ratio"])]
+
+
 # notebook_times ---------------------------------------------------------------------------------------------------
 
 
@@ -511,6 +532,12 @@ KINDS = {
         row_update_speed,
     ),
     "eval_cost": (summarise_eval_cost, latest_eval_cost, ["time, eval / gen", "work, eval / gen"], row_eval_cost),
+    "server_start": (
+        summarise_server_start,
+        latest_server_start,
+        ["lean, s", "transformers, s", "ratio"],
+        row_server_start,
+    ),
     "notebook_times": (summarise_notebook_times, latest_notebook_times, ["notebooks", "minutes"], row_notebook_times),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
     "search_prompts": (summarise_search_prompts, latest_search_prompts, ["sampled F1 by prompt"], row_search_prompts),

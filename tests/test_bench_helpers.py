@@ -267,6 +267,15 @@ def test_eval_cost_counts_the_work_the_server_ran():
     assert w["gflop"] * 1e9 == pytest.approx((15 + 7) * 30 * LAYER + (2 + 7) * HEAD)
 
 
+def test_server_start_times_a_real_server_both_ways(tiny_model_path):
+    """bench/server_start.py's one start: a real server launched, ready, its load time read from its ready line, and
+    stopped; the same through transformers."""
+    server_start = load_bench("server_start")
+    for env in server_start.WAYS.values():
+        r = server_start.start_once(tiny_model_path, 1, env)
+        assert 0 <= r["loaded_s"] < r["ready_s"] and r["cpu_s"] > 0  # "loaded in" has one decimal: 0.0 for tiny
+
+
 def test_report_lists_notebook_times_in_minutes():
     report = load_bench("report")
     record = {"notebooks": {"02_rewards": {"seconds": 30.0}, "01_setup": {"seconds": 45.0}}}

@@ -1095,9 +1095,10 @@ def test_lean_load_is_transformers_load_bit_for_bit(model_name, tiny_model_path,
     assert tok.eos_token_id == hf.eos_token_id and tok.get_vocab() == hf.get_vocab()
 
 
-def test_lean_load_refuses_what_it_does_not_reproduce(tmp_path, smollm_path):
+def test_lean_load_refuses_what_it_does_not_reproduce(tmp_path, smollm_path, monkeypatch):
     """Another model type, another RoPE, a tokenizer class that adds to tokenizer.json or a BOS it adds: `lean_files`
-    says why, and the server loads through transformers instead (its log says which)."""
+    says why, and the server loads through transformers instead (its log says which), as with `--no-fast-path` or
+    AREAL_LITE_SERVER_TRANSFORMERS=1."""
     import json
     import logging
     import shutil
@@ -1141,6 +1142,8 @@ def test_lean_load_refuses_what_it_does_not_reproduce(tmp_path, smollm_path):
     assert "loading through transformers (the tokenizer adds BOS/EOS tokens)" in lines
     assert isinstance(load_model(smollm_path, "cpu", "float32")[0], LeanCausalLM)
     assert not isinstance(load_model(smollm_path, "cpu", "float32", lean=False)[0], LeanCausalLM)  # --no-fast-path
+    monkeypatch.setenv("AREAL_LITE_SERVER_TRANSFORMERS", "1")  # bench/server_start.py's other way
+    assert not isinstance(load_model(smollm_path, "cpu", "float32")[0], LeanCausalLM)
 
 
 def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch):

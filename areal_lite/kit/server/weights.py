@@ -33,11 +33,16 @@ from areal_lite.kit.server.protocol import (
 log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 
+# AREAL_LITE_SERVER_TRANSFORMERS=1: load through transformers even where the lean load applies (a comparison, a
+# suspected difference)
+TRANSFORMERS_ENV = "AREAL_LITE_SERVER_TRANSFORMERS"
+
+
 def load_model(model_path: str, device: str, dtype: str, lean: bool = True) -> tuple[Any, Any, str]:
     """Load tokenizer + model (aliases resolved by utils.model_store). Returns (model, tokenizer, path).
 
-    `lean` (the fast path's): a checkpoint `lean.lean_files` accepts loads without transformers, seconds sooner;
-    any other, or `lean=False`, through transformers."""
+    `lean` (the fast path's): a checkpoint `lean.lean_files` accepts loads without transformers, seconds sooner
+    (bench/server_start.py); any other, `lean=False` or `AREAL_LITE_SERVER_TRANSFORMERS=1`, through transformers."""
     from areal_lite.kit.server.lean import lean_files, load_lean
     from areal_lite.utils.device import pick_device
     from areal_lite.utils.model_store import resolve_model_path
@@ -50,7 +55,12 @@ def load_model(model_path: str, device: str, dtype: str, lean: bool = True) -> t
         torch_dtype = auto_dtype(path, torch_device)
     else:
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    why_not = lean_files(path) if lean and os.path.isdir(path) else "not asked" if not lean else "a hub id"
+    if os.environ.get(TRANSFORMERS_ENV) == "1":
+        why_not: Optional[str] = f"{TRANSFORMERS_ENV}=1"
+    elif not lean:
+        why_not = "the model's own forward was asked for (--no-fast-path)"
+    else:
+        why_not = lean_files(path) if os.path.isdir(path) else "a hub id"
     if why_not is None:
         model, tokenizer = load_lean(path, torch_dtype, torch_device)
         log.info("loaded without transformers (kit/server/lean.py)")
