@@ -1,15 +1,16 @@
 """Loading a Llama/Qwen2-family checkpoint without transformers, for the fast path: a server starts seconds sooner.
 
 Design decisions
-- Why: importing transformers and its model classes costs a server process 3-4 s of CPU at every start (they pull
-  in torch.distributed.tensor, torch._dynamo, sympy, scipy), several times what reading the weights costs, and tests
-  and notebooks start servers dozens of times. `fastpath.FastRunner` reads only the weights, the norms' epsilon,
-  the attention scaling and the rotary tables, so a plain module tree with transformers' parameter names serves it,
-  and `tokenizers` (which transformers' fast tokenizers wrap) does the text.
+- Why: importing transformers and its model classes costs a server process about 4 s of CPU at every start (they
+  pull in torch.distributed.tensor, torch._dynamo, sympy, scipy), many times what reading the weights costs, and
+  tests and notebooks start servers dozens of times (bench/server_start.py measures both ways). The fast path
+  (`fastpath.FastRunner`) reads only the weights, the norms' epsilon, the attention scaling and the rotary tables,
+  so a plain module tree with transformers' parameter names serves it, and `tokenizers` (which transformers' fast
+  tokenizers wrap) does the text.
 - Only what this reproduces exactly (`lean_files`): model_type llama or qwen2, default RoPE, SiLU, no MLP bias, no
   sliding window, one-shard or indexed safetensors, and a tokenizer.json whose transformers class adds nothing to it
-  (`TokenizersBackend`, `PreTrainedTokenizerFast`, no BOS/EOS added, no clean-up). Anything else, and
-  `--no-fast-path`, loads through transformers (`weights.load_model`).
+  (`TokenizersBackend`, `PreTrainedTokenizerFast`, no BOS/EOS added, no clean-up). Anything else, `--no-fast-path`
+  and AREAL_LITE_SERVER_TRANSFORMERS=1 load through transformers (`weights.load_model`).
 - The same numbers and names: parameters named and tied as transformers names and ties them (weight updates and
   LoRA adapters address them by name), RMSNorm epsilon and rotary tables computed by the same float32 operations;
   tests/test_serve.py holds state dicts, rotary tables, logits and tokenization to transformers' bit for bit.
