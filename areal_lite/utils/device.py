@@ -179,8 +179,8 @@ def speedup_on_one_thread(base: Callable[[], object], other: Callable[[], object
     """How many times as fast `other` runs as `base`: the median CPU seconds of each, taken in turns `repeats` times
     after two warm-up calls each (first calls pay kernel set-up), on one torch thread and timed by that thread's CPU
     clock. Why not wall time on every thread: the trainer and its server start at the same time, and on a busy
-    2-core machine wall time measures the other process (an OpenMP team waits for a core that is elsewhere), which
-    once made a 3x faster bf16 matmul measure 1.00x."""
+    2-core machine wall time measures the other process (an OpenMP team waits for a core that is elsewhere): a bf16
+    matmul three times as fast can then read as no faster."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -340,10 +340,10 @@ class _Linear:
     matmul and the model's own forward still works. With `pack` (a CPU with oneDNN), a oneDNN-reordered copy of the
     weight serves every input, whatever its rows: oneDNN computes each float32 row the same way at any batch size of
     two rows or more (one row takes another kernel on AVX-512 CPUs, so it runs as two; bf16 runs `BF16_ROWS` rows at
-    a time), while MKL's result for a row
-    changes with the row count. That is what makes the server batch-invariant (module docstring), and oneDNN beats
-    MKL on decode batches too, the lm_head most; `refresh()` (re)builds the copy. Without it, with `transpose`, the
-    weight is stored as [in, out] row-major (MKL streams that layout faster for the few rows of a decode step)."""
+    a time), while MKL's result for a row changes with the row count. That is what makes the server batch-invariant
+    (module docstring), and oneDNN beats MKL on decode batches too, the lm_head most; `refresh()` (re)builds the
+    copy. Without it, with `transpose`, the weight is stored as [in, out] row-major (MKL streams that layout faster
+    for the few rows of a decode step)."""
 
     def __init__(self, modules: list[Any], transpose: bool = False, pack: bool = False, own: bool = False):
         weights = [m.weight.detach() for m in modules]

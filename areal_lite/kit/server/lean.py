@@ -113,7 +113,7 @@ class _Dense(nn.Module):
 class _RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
+        self.weight = nn.Parameter(torch.empty(size, device="meta"))
         self.variance_epsilon = eps
 
 
