@@ -92,7 +92,7 @@ def load_lean(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Lean
         raise ValueError(f"{path}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.tie()
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.model.rotary_emb = _Rotary(model.config)  # float32 tables whatever the weights, as transformers
+    model.model.rotary_emb = _Rotary(model.config, device)  # float32 tables whatever the weights, as transformers
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):
         model.generation_config = types.SimpleNamespace(**_read_json(gen))
@@ -120,11 +120,11 @@ class _RMSNorm(nn.Module):
 class _Rotary(nn.Module):
     """transformers' default RoPE tables (`LlamaRotaryEmbedding.forward`), operation for operation."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, device: torch.device):
         super().__init__()
         dim = cfg.head_dim
         # a plain attribute, not a buffer: `Module.to(dtype)` must not round it (the tables are float32 math)
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).to(device)
         self.attention_scaling = 1.0
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
