@@ -1124,20 +1124,25 @@ def test_lean_load_refuses_what_it_does_not_reproduce(tmp_path, smollm_path, mon
         assert why in (lean_files(folder) or ""), folder
     (tmp_path / "empty").mkdir()
     assert "config" in lean_files(str(tmp_path / "empty"))
+    from areal_lite.kit.server import weights
     from areal_lite.kit.server.lean import LeanCausalLM
     from areal_lite.kit.server.weights import load_model
 
-    logger, lines = logging.getLogger("areal_lite.kit.server"), []
+    # The module's own logger object, enabled for the call: AReaL's `getLogger` (other tests in this process) runs
+    # logging.config.dictConfig, which disables the loggers that exist and swaps logging's logger registry.
+    logger, lines = weights.log, []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
+    saved = logger.level, logger.disabled
     logger.addHandler(handler)
-    saved = logger.level
     logger.setLevel(logging.INFO)
+    logger.disabled = False
     try:
         model, _, _ = load_model(str(tmp_path / "bos"), "cpu", "float32")
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(saved)
+        logger.setLevel(saved[0])
+        logger.disabled = saved[1]
     assert not isinstance(model, LeanCausalLM)
     assert "loading through transformers (the tokenizer adds BOS/EOS tokens)" in lines
     assert isinstance(load_model(smollm_path, "cpu", "float32")[0], LeanCausalLM)
