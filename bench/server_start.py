@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,19 +29,15 @@ if ROOT not in sys.path:
 
 from _machine import write_results  # noqa: E402
 
+from areal_lite.utils.network import find_free_port  # noqa: E402
+
 WAYS = {"lean": {}, "transformers": {"AREAL_LITE_SERVER_TRANSFORMERS": "1"}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_once(model: str, threads: int, extra_env: dict) -> dict:
     """Launch one server, wait for its ready line, stop it: seconds to ready, its load time, CPU seconds."""
     cmd = [sys.executable, "-m", "areal_lite.kit.server", "--model-path", model, "--threads", str(threads),
-           "--port", str(free_port())]  # fmt: skip
+           "--port", str(find_free_port())]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), **extra_env}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()

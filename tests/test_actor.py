@@ -25,12 +25,12 @@ from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.engine import fsdp_engine
 from areal_lite.engine.fsdp_engine import (
     CPU_BF16_ENV,
-    CPU_BF16_MIN_SPEEDUP,
     FSDPPPOActor,
     _precision_plan,
     count_policy_tokens,
 )
 from areal_lite.engine.fsdp_utils.packing import split_into_microbatches
+from areal_lite.utils.device import BF16_MIN_SPEEDUP
 from areal_lite.utils.functional import grpo_advantages, kl_estimate, normalize, ppo_token_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -998,7 +998,7 @@ def test_cpu_bf16_plan(monkeypatch):
     assert (dtype, autocast) == (fp32, True) and "this CPU has AMX" in line and "2.00x as fast" in line
     # The instructions are not enough: where bf16 measured no faster (a Xeon VM: 0.58-0.64x), float32, and why.
     monkeypatch.setattr(device, "cpu_native_bf16", lambda: "AVX-512 BF16")
-    for speedup, expected in ((0.6, False), (CPU_BF16_MIN_SPEEDUP - 0.01, False), (CPU_BF16_MIN_SPEEDUP, True)):
+    for speedup, expected in ((0.6, False), (BF16_MIN_SPEEDUP - 0.01, False), (BF16_MIN_SPEEDUP, True)):
         monkeypatch.setattr(device, "cpu_bf16_speedup", lambda s=speedup: s)
         dtype, autocast, line = _precision_plan(bf16, cpu)
         assert (dtype, autocast) == (fp32, expected), speedup

@@ -1166,18 +1166,19 @@ def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch)
     assert dtype == torch.float32 and "no AVX-512 BF16/AMX" in why
     monkeypatch.setattr(device_utils, "cpu_native_bf16", lambda: "AMX")
     monkeypatch.setattr("areal_lite.kit.server.fastpath.packs_weights", lambda dtype: True)
-    monkeypatch.setattr(precision, "_rows_exact", lambda hidden, intermediate: True)
-    monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: BF16_MIN_SPEEDUP - 0.01)
+    monkeypatch.setattr(precision, "_linears", lambda hidden, intermediate, dtype: [])  # no real bf16 packing here
+    monkeypatch.setattr(precision, "_rows_exact", lambda bf16: True)
+    monkeypatch.setattr(precision, "_decode_speedup", lambda fp32, bf16: BF16_MIN_SPEEDUP - 0.01)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert dtype == torch.float32 and "1.19x as fast" in why
-    monkeypatch.setattr(precision, "_decode_speedup", lambda hidden, intermediate: 3.0)
+    monkeypatch.setattr(precision, "_decode_speedup", lambda fp32, bf16: 3.0)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert (
         dtype == torch.bfloat16
         and why
         == "this CPU has AMX; a decode step's matmuls ran 3.00x as fast in bf16 as in float32, rows exact at any batch"
     )
-    monkeypatch.setattr(precision, "_rows_exact", lambda hidden, intermediate: False)
+    monkeypatch.setattr(precision, "_rows_exact", lambda bf16: False)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert dtype == torch.float32 and why.endswith("its bf16 rows change with the batch")
 
@@ -1189,13 +1190,14 @@ def test_bf16_linear_runs_its_rows_in_chunks_that_keep_them_exact():
     from areal_lite.kit.server import precision
     from areal_lite.kit.server.fastpath import BF16_ROWS
 
-    up, _ = precision._linears(64, 96, torch.bfloat16)
+    linears = precision._linears(64, 96, torch.bfloat16)
+    up = linears[0]
     x = torch.randn(2 * BF16_ROWS + 1, 64).to(torch.bfloat16)
     with torch.inference_mode():
         whole = up(x)
         chunks = torch.cat([up(x[i : i + BF16_ROWS]) for i in range(0, len(x), BF16_ROWS)])
     assert whole.shape == (2 * BF16_ROWS + 1, 192) and torch.equal(whole, chunks)
-    if precision._rows_exact(64, 96):
+    if precision._rows_exact(linears):
         assert torch.equal(whole, torch.cat([up(x[i : i + 1]) for i in range(len(x))]))
 
 

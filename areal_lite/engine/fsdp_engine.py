@@ -96,10 +96,6 @@ _DTYPES = {
 
 # AREAL_LITE_CPU_BF16=1 forces bf16 autocast for dtype="bfloat16" on a CPU whatever the hardware, =0 forbids it.
 CPU_BF16_ENV = "AREAL_LITE_CPU_BF16"
-# A CPU with bf16 instructions autocasts only where bf16 measured at least this much faster at start
-# (`utils/device.cpu_bf16_speedup`; the margin: `utils/device.BF16_MIN_SPEEDUP`; bench/update_speed.py measures the
-# whole update).
-CPU_BF16_MIN_SPEEDUP = BF16_MIN_SPEEDUP
 
 Batch = Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]]
 # train_batch's callables, as AReaL's: loss_fn(logprobs, entropy, input_data, **kwargs) -> scalar, weight_fn(input_data)
@@ -130,9 +126,10 @@ def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
     On a CPU the weights and optimizer state stay float32 (master weights: a bf16 weight has an 8-bit mantissa, so an
     AdamW step below 1/256 of it is rounded away) and every forward pass runs under bf16 autocast. Only where the
     CPU computes bf16 in hardware (`device.cpu_native_bf16`) and a linear layer measured at least
-    `CPU_BF16_MIN_SPEEDUP` times as fast in bf16 (`device.cpu_bf16_speedup`): emulated bf16 is slower than float32,
-    and native bf16 is not faster on every CPU. Elsewhere the actor trains in float32 and prints one line saying why.
-    `AREAL_LITE_CPU_BF16=1` forces the autocast (tests reach it on any CPU), `=0` forbids it.
+    `BF16_MIN_SPEEDUP` times as fast in bf16 (`device.cpu_bf16_speedup`; bench/update_speed.py times the update):
+    emulated bf16 is slower than float32, and native bf16 is not faster on every CPU. Elsewhere the actor trains in
+    float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1` forces the autocast (tests reach it on any CPU),
+    `=0` forbids it.
     """
     if dtype != torch.bfloat16 or device.type != "cpu":
         return dtype, False, ""
@@ -161,7 +158,7 @@ def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         speedup = float(t)
     measured = f"a linear layer's forward and backward ran {speedup:.2f}x as fast in bf16 as in float32 here"
-    if speedup >= CPU_BF16_MIN_SPEEDUP:
+    if speedup >= BF16_MIN_SPEEDUP:
         return torch.float32, True, f"{autocast} (this CPU has {native}; {measured})"
     return torch.float32, False, f"{head}: this CPU has {native}, but {measured}; training in float32 ({forces})"
 

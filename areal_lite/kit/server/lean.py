@@ -26,20 +26,21 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["LeanCausalLM", "LeanTokenizer", "lean_files", "load_lean"]
+__all__ = ["LeanCausalLM", "LeanTokenizer", "lean_files", "load_lean", "read_config", "model_json"]
 
 _CONFIG_DEFAULTS = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False, "pretraining_tp": 1}
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _read_json(path: str) -> dict:
+def model_json(path: str) -> dict:
+    """A JSON file of a model folder."""
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
 def read_config(path: str) -> types.SimpleNamespace:
     """config.json of folder `path` as attributes, with the defaults transformers' Llama/Qwen2 configs take."""
-    raw = _read_json(os.path.join(path, "config.json"))
+    raw = model_json(os.path.join(path, "config.json"))
     cfg = types.SimpleNamespace(**{**_CONFIG_DEFAULTS, **raw})
     cfg.head_dim = raw.get("head_dim") or cfg.hidden_size // cfg.num_attention_heads
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -52,7 +53,7 @@ def lean_files(path: str) -> Optional[str]:
     """Why folder `path` cannot load lean (see the module docstring), or None when it can."""
     try:
         cfg = read_config(path)
-        tok = _read_json(os.path.join(path, "tokenizer_config.json"))
+        tok = model_json(os.path.join(path, "tokenizer_config.json"))
     except (OSError, ValueError, AttributeError, TypeError) as e:
         return f"config: {e}"
     if cfg.model_type not in ("llama", "qwen2") or cfg.rope_type != "default":
@@ -71,7 +72,7 @@ def lean_files(path: str) -> Optional[str]:
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        return sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
+        return sorted({os.path.join(path, f) for f in model_json(index)["weight_map"].values()})
     single = os.path.join(path, "model.safetensors")
     return [single] if os.path.isfile(single) else []
 
@@ -95,7 +96,7 @@ def load_lean(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Lean
     model.model.rotary_emb = _Rotary(model.config, device)  # float32 tables whatever the weights, as transformers
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):
-        model.generation_config = types.SimpleNamespace(**_read_json(gen))
+        model.generation_config = types.SimpleNamespace(**model_json(gen))
     return model, LeanTokenizer(path)
 
 
@@ -207,7 +208,7 @@ class LeanTokenizer:
         from tokenizers import Tokenizer
 
         self.backend_tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        eos = _read_json(os.path.join(path, "tokenizer_config.json")).get("eos_token")
+        eos = model_json(os.path.join(path, "tokenizer_config.json")).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self.backend_tokenizer.token_to_id(eos) if isinstance(eos, str) else None
 

@@ -37,11 +37,12 @@ def serving_dtype(device: torch.device, hidden: int, intermediate: int) -> tuple
     native = cpu_native_bf16()
     if not native or not packs_weights(torch.bfloat16):
         return torch.float32, f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX-512 BF16/AMX"
-    speedup = _decode_speedup(hidden, intermediate)
+    bf16 = _linears(hidden, intermediate, torch.bfloat16)  # one packing for both checks below
+    speedup = _decode_speedup(_linears(hidden, intermediate, torch.float32), bf16)
     measured = f"a decode step's matmuls ran {speedup:.2f}x as fast in bf16 as in float32"
     if speedup < BF16_MIN_SPEEDUP:
         return torch.float32, f"this CPU has {native}, but {measured}"
-    if not _rows_exact(hidden, intermediate):
+    if not _rows_exact(bf16):
         return torch.float32, f"this CPU has {native} and {measured}, but its bf16 rows change with the batch"
     return torch.bfloat16, f"this CPU has {native}; {measured}, rows exact at any batch"
 
@@ -62,14 +63,15 @@ def _linears(hidden: int, intermediate: int, dtype: torch.dtype) -> list:
 
 
 @torch.inference_mode()
-def _decode_speedup(hidden: int, intermediate: int, calls: int = 5) -> float:
-    """How many times as fast the two MLP matmuls run at `DECODE_ROWS` rows in bf16 as in float32
+def _decode_speedup(fp32: list, bf16: list, calls: int = 5) -> float:
+    """How many times as fast the two MLP matmuls (`_linears`) run at `DECODE_ROWS` rows in bf16 as in float32
     (`utils.device.speedup_on_one_thread`)."""
     from areal_lite.utils.device import speedup_on_one_thread
 
-    def side(dtype: torch.dtype):
-        up, down = _linears(hidden, intermediate, dtype)
-        x = torch.randn(DECODE_ROWS, hidden).to(dtype)
+    def side(linears: list):
+        up, down = linears
+        hidden, intermediate = up.weight.shape[1], down.weight.shape[1]
+        x = torch.randn(DECODE_ROWS, hidden).to(up.weight.dtype)
 
         def run() -> None:
             for _ in range(calls):
@@ -77,17 +79,17 @@ def _decode_speedup(hidden: int, intermediate: int, calls: int = 5) -> float:
 
         return run
 
-    return speedup_on_one_thread(side(torch.float32), side(torch.bfloat16))
+    return speedup_on_one_thread(side(fp32), side(bf16))
 
 
 @torch.inference_mode()
-def _rows_exact(hidden: int, intermediate: int, most: int = 100) -> bool:
-    """Whether each of the bf16 `_Linear`s gives every row of a batch the bits it gets alone, for every batch of 2 to
-    two chunks and one row (`BF16_ROWS`), and of `most` rows."""
+def _rows_exact(bf16: list, most: int = 100) -> bool:
+    """Whether each of the bf16 `_Linear`s (`_linears`) gives every row of a batch the bits it gets alone, for every
+    batch of 2 to two chunks and one row (`BF16_ROWS`), and of `most` rows."""
     from areal_lite.kit.server.fastpath import BF16_ROWS
 
     gen = torch.Generator().manual_seed(1)
-    for linear in _linears(hidden, intermediate, torch.bfloat16):
+    for linear in bf16:
         x = torch.randn(most, linear.weight.shape[1], generator=gen).to(torch.bfloat16)
         alone = torch.cat([linear(x[i : i + 1]) for i in range(most)])
         for m in [*range(2, 2 * BF16_ROWS + 2), most]:

@@ -79,13 +79,11 @@ def load_model(model_path: str, device: str, dtype: str, lean: bool = True) -> t
 
 def auto_dtype(path: str, device: torch.device) -> torch.dtype:
     """What `--dtype auto` serves the model in folder `path` on `device` (`precision.serving_dtype`), logged."""
-    import json
-
+    from areal_lite.kit.server.lean import model_json
     from areal_lite.kit.server.precision import serving_dtype
 
     try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = model_json(os.path.join(path, "config.json"))
     except OSError:  # a hub id: transformers resolves it
         from transformers import AutoConfig
 
