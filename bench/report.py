@@ -24,6 +24,8 @@ import json
 import os
 import sys
 
+from _format import span
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 OUT = os.path.join(HERE, "RESULTS.md")
@@ -95,9 +97,8 @@ def machine(data: dict) -> dict:
 
 
 def spread(values: list, fmt: str = "{:.1f}", unit: str = "") -> str:
-    """[median, lowest, highest] as "m (lo-hi)"."""
-    m, lo, hi = values
-    return f"{fmt.format(m)}{unit} ({fmt.format(lo)}-{fmt.format(hi)})"
+    """A stored [median, lowest, highest] as "m (lo-hi)" (`_format.span`)."""
+    return span(*values, fmt=fmt, unit=unit)
 
 
 def times(x) -> str:

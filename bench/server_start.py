@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from _format import median_range  # noqa: E402
 from _machine import write_results  # noqa: E402
 
 from areal_lite.utils.network import find_free_port  # noqa: E402
@@ -58,10 +59,6 @@ def start_once(model: str, threads: int, extra_env: dict) -> dict:
     return {"ready_s": ready, "loaded_s": loaded, "cpu_s": cpu}
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -85,7 +82,7 @@ def main() -> int:
     summary["transformers_over_lean"] = summary["transformers"]["ready_s"] / summary["lean"]["ready_s"]
     print(f"\n{'way':12s} {'ready, s':>22s} {'model load, s':>22s} {'CPU s':>22s}")
     for way, rs in runs.items():
-        cells = [spread([x[k] for x in rs]) for k in ("ready_s", "loaded_s", "cpu_s")]
+        cells = [median_range([x[k] for x in rs], "{:.2f}") for k in ("ready_s", "loaded_s", "cpu_s")]
         print(f"{way:12s} {cells[0]:>22s} {cells[1]:>22s} {cells[2]:>22s}")
     print(f"through transformers / lean, time to ready: {summary['transformers_over_lean']:.2f}x")
     write_results(args.json, "server_start", args, ROOT, model=args.model, runs=runs, summary=summary)

@@ -79,6 +79,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from _format import median_range  # noqa: E402
+
 TRL_SCRIPT = os.path.join(ROOT, "bench", "_trl_grpo.py")
 EXPERIMENT = "bench-vs-trl"
 # The kit's config may not come from the environment here: this script and its children must load the same one.
@@ -342,14 +344,6 @@ def eval_main(args) -> int:
 # ------------------------------------------------------------------------------------------------ the report
 
 
-def spread(values: list[float], fmt: str = "{:.1f}") -> str:
-    """median (lowest-highest)"""
-    if not values:
-        return "-"
-    med = statistics.median(values)
-    return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def summarise(runs: list[dict]) -> dict:
     kit = [r for r in runs if r["system"] == "kit"]
     trl = [r for r in runs if r["system"] == "trl"]
@@ -394,13 +388,13 @@ def print_report(result: dict) -> None:
         gains = [r["accuracy_after"] - r["accuracy_before"] for r in rs]
         cpu = [r["cpu_user_s"] + r["cpu_sys_s"] for r in rs]
         print(
-            f"{name:4s} train time {spread([r['train_s'] for r in rs])} s, held-out accuracy after "
-            f"{spread([r['accuracy_after'] for r in rs], '{:.2f}')} (gain {spread(gains, '{:+.2f}')}), "
-            f"CPU {spread(cpu, '{:.0f}')} s"
+            f"{name:4s} train time {median_range([r['train_s'] for r in rs])} s, held-out accuracy after "
+            f"{median_range([r['accuracy_after'] for r in rs], '{:.2f}')} (gain {median_range(gains, '{:+.2f}')}), "
+            f"CPU {median_range(cpu, '{:.0f}')} s"
         )
     ratios = s["trl_over_kit_train_time"]
-    print(f"TRL / kit train time: median {spread(ratios, '{:.2f}')}x, per repeat {[round(x, 2) for x in ratios]}")
-    print(f"TRL trainer.train() wall: {spread([r['trainer_train_s'] for r in trl])} s (steps plus its set-up)")
+    print(f"TRL / kit train time: median {median_range(ratios, '{:.2f}')}x, per repeat {[round(x, 2) for x in ratios]}")
+    print(f"TRL trainer.train() wall: {median_range([r['trainer_train_s'] for r in trl])} s (steps plus its set-up)")
     print(f"both accuracies by the kit's evaluator (greedy, {result['n_held_out']} held-out problems); "
           f"base model: {result['base_accuracy']:.2f}; prompt ids equal: {result['prompt_ids_equal']}")  # fmt: skip
 

@@ -395,3 +395,14 @@ def test_vs_trl_gives_trl_and_the_evaluator_the_reward_the_kit_trains_with():
     rows, fingerprints, reward = vs_trl.export_data(config, 1)
     assert reward == "areal_lite.reward.arithmetic:arithmetic_reward_fn"
     assert len(rows) == config.train_dataset.batch_size and len(fingerprints) == 1
+
+
+def test_one_spread_format_for_every_bench():
+    """The benches print and the report shows a spread the same way: median (lowest-highest)."""
+    fmt = load_bench("_format")
+    assert fmt.median_range([3.0, 1.0, 2.5]) == "2.5 (1.0-3.0)"
+    assert fmt.median_range([0.5, 0.25], "{:.2f}", " s") == "0.38 s (0.25-0.50)"
+    assert fmt.median_range([]) == "-"
+    assert fmt.span(2.0, 1.0, 3.0, "{:.0f}", "×") == "2× (1-3)"
+    report = load_bench("report")
+    assert report.spread([2.0, 1.0, 3.0], "{:.0f}", "×") == fmt.span(2.0, 1.0, 3.0, "{:.0f}", "×")
