@@ -154,9 +154,19 @@ def test_plots_read_as_estimates_with_their_n_on_whole_steps():
     fig = plot_time_breakdown(rows, generate_label="wait for rollouts")
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert "logp" not in labels and "wait for rollouts" in labels and "generate" not in labels
+    # a recompute of microseconds (one minibatch: nothing recomputed) draws no bar, so it is not in the legend either
+    tiny = [dict(r, **{"time/logp": 8e-5}) for r in rows]
+    assert "logp" not in plot_time_breakdown(tiny).axes[0].get_legend_handles_labels()[1]
+    assert (
+        "logp"
+        in plot_time_breakdown([dict(r, **{"time/logp": 0.5}) for r in rows]).axes[0].get_legend_handles_labels()[1]
+    )
     assert all(float(t).is_integer() for t in fig.axes[0].get_xticks())
     fig = plot_response_length(rows, n=8)
     assert fig.axes[0].get_ylim()[0] == 0
-    assert any("n=8" in line.get_label() for line in fig.axes[0].get_lines())
+    points, line = fig.axes[0].get_lines()[:2]
+    assert points.get_label() == "generated tokens (per step, n=8)"
+    assert line.get_label() == "generated tokens (moving average, weight 0.6)"
+    assert points.get_zorder() > line.get_zorder()  # the line starts on the first point: drawn under it
     fig = plot_sync_vs_async(fake_stats(4), fake_stats(4, async_=True), show_reward=False)
     assert len(fig.axes) == 1

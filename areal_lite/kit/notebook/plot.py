@@ -130,15 +130,17 @@ def _curve(
     n: Optional[int] = None,
     name: Optional[str] = None,
 ) -> list:
-    """One statistic per step: faint points and their smoothed line (the per-step values of RL are noisy).
+    """One statistic per step: its points and their smoothed line (the per-step values of RL are noisy).
     `n`: how many episodes each point averages, written into the label (an estimate is read with its n); `name`:
     what the legend calls the statistic (default: its key)."""
     key = _key(rows, keys, what)
     xs, ys = _series(rows, key)
     name = name or key
     per_step = f"{name} (per step, n={n})" if n else f"{name} (per step)"
-    ax.plot(xs, ys, "o", alpha=0.35, ms=3, label=per_step if legend else None)
-    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, label=f"{name} (smoothed)" if legend else None)
+    # the points above the line: a smoothed line starts on the first point and would hide it
+    ax.plot(xs, ys, "o", alpha=0.6, ms=4, zorder=3, label=per_step if legend else None)
+    smoothed = f"{name} (moving average, weight {smoothing:g})"
+    ax.plot(xs, smooth(ys, smoothing), "-", lw=2, zorder=2, label=smoothed if legend else None)
     return ys
 
 
@@ -216,7 +218,7 @@ def plot_rewards(
         for x, y in zip(xs, ys):
             target.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8, color="C3")
         lo, hi = ax.get_xlim()
-        ax.set_xlim(lo, max(hi, max(xs) + 0.6))  # room for the last point's value on its right
+        ax.set_xlim(lo, max(hi, max(xs) + 1.0))  # room for the last point's value on its right
         if eval_axis:
             target.set_ylabel(eval_axis, color="C3")
             target.set_ylim(-0.05, 1.1)
@@ -238,14 +240,15 @@ def plot_response_length(
     tokens in forty is drawn as the small change it is."""
     rows = load_stats(stats)
     fig, ax = _axes(ax)
-    _curve(ax, rows, LENGTH_KEYS, "response length", smoothing, n=n)
+    _curve(ax, rows, LENGTH_KEYS, "response length", smoothing, n=n, name="generated tokens")
     ax.set_ylim(bottom=0)
     return _finish(fig, ax, "generated tokens per episode", title)
 
 
 def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step", generate_label: str = "generate"):
-    """Stacked bars per step: generate / logp / update / weight sync (seconds); phases absent or zero everywhere are
-    left out of the bars and the legend. `generate_label` names the first phase: in an asynchronous run it is the
+    """Stacked bars per step: generate / logp / update / weight sync (seconds); phases absent, or under 1% of the
+    tallest bar at every step (a recompute that took microseconds: no bar to see), are left out of the bars and the
+    legend. `generate_label` names the first phase: in an asynchronous run it is the
     time the trainer waited for rollouts, not the time generation took.
 
     When the stats carry the step's wall time, it is drawn as a line: in asynchronous training generation overlaps
@@ -254,20 +257,19 @@ def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step", gen
     rows = load_stats(stats)
     fig, ax = _axes(ax, figsize=(7, 3.5))
     steps = [r.get("step", i) for i, r in enumerate(rows)]
-    bottom = [0.0] * len(rows)
-    drawn = 0
+    phases = []
     for label, names in PHASES:
         key = _key(rows, names, label, required=False)
-        if key is None:
-            continue
-        vals = [float(r.get(key) or 0.0) for r in rows]
-        if not any(vals):
-            continue
+        if key is not None:
+            phases.append((label, [float(r.get(key) or 0.0) for r in rows]))
+    tallest = max((sum(step) for step in zip(*(vals for _, vals in phases))), default=0.0)
+    phases = [(label, vals) for label, vals in phases if max(vals) > 0.01 * tallest]
+    if not phases:
+        raise KeyError(f"no phase times in the stats (looked for {[n for _, ns in PHASES for n in ns]})")
+    bottom = [0.0] * len(rows)
+    for label, vals in phases:
         ax.bar(steps, vals, bottom=bottom, label=generate_label if label == "generate" else label, width=0.8)
         bottom = [b + v for b, v in zip(bottom, vals)]
-        drawn += 1
-    if not drawn:
-        raise KeyError(f"no phase times in the stats (looked for {[n for _, ns in PHASES for n in ns]})")
     wall = _key(rows, STEP_TIME_KEYS, "step time", required=False)
     if wall:
         ax.plot(*_series(rows, wall), "k.-", label="step wall time")
@@ -363,7 +365,8 @@ def plot_turns(
 
     A row's `turns` is the mean over the step's episodes of the answers up to the first correct one (the whole
     budget when none was). Dotted lines mark 1 (every episode right at the first try) and `max_turns` (none right).
-    `n`: the episodes each step's mean is over, written into the legend.
+    `n`: the episodes each step's mean is over, written into the legend. The x-axis reads "step (updates done)", as
+    `plot_rewards`' beside it: step k's episodes come from the model k updates made.
     """
     rows = load_stats(stats)
     fig, ax = _axes(ax)
@@ -372,4 +375,4 @@ def plot_turns(
     if max_turns is not None:
         ax.axhline(max_turns, ls=":", color="gray", lw=1)
         ax.set_ylim(0.9, max_turns + 0.1)
-    return _finish(fig, ax, "answers per episode", title)
+    return _finish(fig, ax, "answers per episode", title, xlabel=STEP_UPDATES)
