@@ -523,6 +523,22 @@ def row_async_vs_sync(f: dict) -> list:
 
 
 # name: (summarise a results file, its headline, its columns in "Earlier runs", their cells)
+# ci_time ----------------------------------------------------------------------------------------------------------
+
+
+def summarise_ci_time(d: dict) -> dict:
+    return {"minutes": d["seconds"] / 60, "returncode": d["returncode"]}
+
+
+def latest_ci_time(f: dict) -> list:
+    verdict = "green" if f["returncode"] == 0 else f"failed (exit {f['returncode']})"
+    return [f"`.ci/run` on a clean clone: {f['minutes']:.1f} min, {verdict} (the target: 20 min or less)."]
+
+
+def row_ci_time(f: dict) -> list:
+    return [f"{f['minutes']:.1f}", f["returncode"]]
+
+
 KINDS = {
     "vs_trl": (summarise_vs_trl, latest_vs_trl, ["kit, s", "TRL, s", "TRL / kit", "accuracy, kit / TRL"], row_vs_trl),
     "rollout_throughput": (summarise_rollout, latest_rollout, ["tok/s: the kit's server against others"], row_rollout),
@@ -552,7 +568,21 @@ KINDS = {
     "demo": (summarise_demo, latest_demo, ["held-out accuracy", "s a run"], row_demo),
     "soak": (summarise_soak, latest_soak, ["sent / answered / hung up / lost", "verdict"], row_soak),
     "areal_run": (summarise_areal_run, latest_areal_run, ["runs, s", "exit"], row_areal_run),
+    "ci_time": (summarise_ci_time, latest_ci_time, ["minutes", "exit"], row_ci_time),
 }
+CPU_CLASSES = {"_avx2_proxy": "AVX2 proxy", "_avx2": "an AVX2-only CPU"}  # bench/cpu_evidence.py's file suffixes
+
+
+def title(name: str) -> str:
+    """A section's title: TITLES', or for bench/cpu_evidence.py's per-CPU files their bench's, with the CPU class."""
+    if name in TITLES:
+        return TITLES[name]
+    if name == "ci_time":
+        return "`.ci/run` on a clean clone, timed (`bench/cpu_evidence.py --ci`)"
+    for suffix, cpu in CPU_CLASSES.items():
+        if name.endswith(suffix) and (base := name[: -len(suffix)]) in TITLES | {"ci_time": ""}:
+            return f"{title(base)}, {cpu}"
+    return name
 
 
 def kind(name: str, data: dict | None = None) -> tuple:
@@ -574,7 +604,7 @@ def machine_cells(rec: dict) -> list:
 def section(name: str, latest: dict | None, history: list) -> list:
     """One bench's part of RESULTS.md: its latest run, then the earlier ones, newest first."""
     _, headline, columns, cells = kind(name, latest)
-    lines = [f"## {TITLES.get(name, name)}", ""]
+    lines = [f"## {title(name)}", ""]
     if latest is None:
         lines += ["No results file: this bench writes none; its runs are recorded below.", ""]
     else:

@@ -406,3 +406,57 @@ def test_one_spread_format_for_every_bench():
     assert fmt.span(2.0, 1.0, 3.0, "{:.0f}", "×") == "2× (1-3)"
     report = load_bench("report")
     assert report.spread([2.0, 1.0, 3.0], "{:.0f}", "×") == fmt.span(2.0, 1.0, 3.0, "{:.0f}", "×")
+
+
+def test_cpu_evidence_names_its_files_by_cpu_class(monkeypatch, capsys):
+    """bench/cpu_evidence.py: the reference files on an AVX-512 CPU, `_avx2` on an AVX2-only one, `_avx2_proxy` when
+    the proxy's switches are set; RESULTS.md titles such a file by its bench and CPU class."""
+    ev = load_bench("cpu_evidence")
+    for var in load_bench("_machine").AVX2_PROXY_ENV:
+        monkeypatch.delenv(var, raising=False)
+    for isa, tag in [("AVX512 + AMX", ""), ("AVX512", ""), ("AVX2", "_avx2"), ("NEON", "_neon")]:
+        monkeypatch.setattr(ev, "describe", lambda isa=isa: {"vector_isa": isa})
+        assert ev.cpu_tag() == tag
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert ev.cpu_tag() == "_avx2_proxy"
+    assert ev.main(["--dry-run", "--only", "demo,eval", "--tag", "_avx2"]) == 0  # the plan, nothing run
+    plan = capsys.readouterr().out
+    assert "== demo_avx2: " in plan and "== eval_cost_avx2: " in plan and "== vs_trl" not in plan
+    with pytest.raises(SystemExit, match="unknown steps"):
+        ev.main(["--dry-run", "--only", "demos"])
+    report = load_bench("report")
+    assert report.title("demo_avx2") == report.TITLES["demo"] + ", an AVX2-only CPU"
+    assert report.title("ci_time_avx2").startswith("`.ci/run` on a clean clone") and report.title("odd") == "odd"
+
+
+def _demo_record(minutes_to_gain: list, rewards: list) -> dict:
+    runs = []
+    for m, r in zip(minutes_to_gain, rewards):
+        line = f"greedy accuracy after N steps (minutes of training): 0: 0.44 (0.0), 4: 0.88 ({m}), 8: 0.96 (1.5)"
+        runs.append({"lines": ["CPU: x", f"rewards by step: {r}", line, "greedy accuracy on 25 ..."]})
+    return {"bench": "demo", "runs": runs}
+
+
+def test_cpu_evidence_checks_each_target_against_the_records(tmp_path, monkeypatch):
+    """The verdicts read the records: the demo's +0.4 within a minute in every run with equal rewards, generation's
+    fraction of the limit, evaluation against generation, TRL's ratio, CI minutes."""
+    ev = load_bench("cpu_evidence")
+    assert ev.demo_verdict(_demo_record([0.5, 0.7], [[0.1], [0.1]]))[1]
+    assert not ev.demo_verdict(_demo_record([0.5, 1.1], [[0.1], [0.1]]))[1]  # one run too slow
+    assert not ev.demo_verdict(_demo_record([0.5, 0.5], [[0.1], [0.2]]))[1]  # the rewards differ run to run
+    never = _demo_record([0.5], [[0.1]])
+    never["runs"][0]["lines"][2] = "greedy accuracy after N steps (minutes of training): 0: 0.44 (0.0), 4: 0.80 (0.3)"
+    assert not ev.demo_verdict(never)[1]
+    records = {
+        "demo_avx2": _demo_record([0.9], [[0.1]]),
+        "rollout_throughput_demo_avx2": {"blocks": [{"threads": 2, "limit": {"fraction": 0.58}}]},
+        "eval_cost_avx2": {"summary": {"time_ratio": 0.97, "work_ratio": 1.04}},
+        "vs_trl_avx2": {"repeats": 3, "summary": {"trl_over_kit_median": 4.2}},
+        "ci_time_avx2": {"seconds": 1250.0, "returncode": 0},
+    }
+    for name, rec in records.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(ev, "RESULTS", str(tmp_path))
+    met = {target.split(":")[0].split(" >=")[0].split(" <=")[0]: ok for target, _, ok in ev.verdicts("_avx2")}
+    assert met == {"demo": True, "generation": False, "evaluation": True, "vs_trl_avx2": True, ".ci/run": False}
+    assert ev.verdicts("_other") == []  # no record of that CPU class: nothing claimed
