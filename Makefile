@@ -161,10 +161,11 @@ lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
 
 # vs_trl.py needs TRL's venv: `make bench-trl`; notebook_times.py runs every notebook (`make notebook-times`);
-# areal_run.py needs notebook 08's export (`make areal-run` makes it);
-# report.py is no benchmark (`make bench-report`).
-bench: $(STAMP)
-	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/notebook_times.py|bench/areal_run.py|bench/report.py) continue;; esac; \
+# areal_run.py needs notebook 08's export (`make areal-run` makes it); cpu_evidence.py runs the others itself;
+# report.py is no benchmark (`make bench-report`). The dev extra: the dense retriever's model (retrieval_recall.py)
+# and nbformat (search_prompts.py, tool_exploration.py read notebook sources).
+bench: $(DEVSTAMP)
+	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/notebook_times.py|bench/areal_run.py|bench/cpu_evidence.py|bench/report.py) continue;; esac; \
 	  echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 # Every notebook top to bottom, alone, full budget, timed on this CPU (about 20 min on a 2-core AVX-512 Xeon, about

@@ -1,6 +1,6 @@
 """areal-lite: a thin helper package behind notebooks that teach (and run) RL of LLM agents.
 
-Every public name is importable from the package itself, so a notebook cell needs one import line:
+The names the notebooks use are importable from the package itself, so a notebook cell needs one import line:
 
     from areal_lite import GRPOConfig, load_expr_config, launch_server, RemoteSGLangEngine
 

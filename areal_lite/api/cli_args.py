@@ -3,7 +3,7 @@
 Design decisions
 - The dataclasses keep AReaL-lite's names and nesting (`GRPOConfig.actor.optimizer.lr`, `config.gconfig`,
   `config.rollout`, `config.sglang`, ...) so a notebook cell moves between the two projects with little change.
-  Every field carries a one-line help in `metadata["help"]` (CleanRL style); `describe(cls)` prints them.
+  Every field carries a one-line help in `metadata["help"]` (CleanRL style); `describe(cls)` returns them as text.
 - The schema is here, how text becomes a config is not: `config_loader` does the strict YAML, override and profile
   layering for any dataclass (re-exported here: `describe`, `resolve_profile`). What stays is what knows these
   fields: `load_expr_config` fills the fields given once for several sections (the group size, the model path, the
@@ -766,7 +766,8 @@ class DatasetConfig:
     """A dataset (AReaL's `_DatasetConfig`): AReaL 1.0.4's fields and order; the kit-only fields come last.
 
     `type` takes AReaL's training method (`rl`, `sft`: then the data is named by `path`, e.g. `openai/gsm8k`) or
-    one of the kit's packaged datasets (`gsm8k`, `arith`, `factbook_qa`); the two sets of names do not overlap."""
+    one of the kit's packaged datasets (`gsm8k`, `arith`, `factbook_qa`, `products`); the two sets of names do not
+    overlap."""
 
     split: str = _f("train", "dataset split")
     path: Optional[str] = _f(None, "local JSON/JSONL file, hub id, or None for the packaged offline data")

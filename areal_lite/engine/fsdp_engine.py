@@ -9,8 +9,8 @@ checkpoints), `fsdp_utils/lora.py` (`use_lora`: only the adapter trains, syncs a
 Design decisions
 - One batch: a right-padded dict of [B, L] tensors, or AReaL's list of trajectories joined into one (normalisation
   pools the whole batch). A key that is read is never rewritten, so calling a method twice gives the same tensors.
-- One update path: `ppo_update` is `ppo_n_minibatches` calls of `train_batch` with `ppo_loss_fn`, so a loss that
-  a notebook hands to `train_batch` trains through exactly the code `ppo_update` uses.
+- One update path: `ppo_update` (`ppo_n_minibatches` steps with `ppo_loss_fn`) and `train_batch` share one step,
+  `_train_rows`, so a loss that a notebook hands to `train_batch` trains through exactly the code `ppo_update` uses.
 - The global mean: each micro-batch's loss is weighted by its policy tokens over those of all micro-batches on all
   ranks, summed before any backward, so any split into micro-batches or ranks gives the one-big-batch gradient.
 - Less compute, same gradient: "Logits only where the loss needs them" (`_logits_for`), "Shared prompts" (a GRPO
@@ -833,11 +833,11 @@ class FSDPPPOActor(_TrainEngine):
     # ---------------------------------------------------------------- PPO update
 
     def ppo_update(self, batch: Batch) -> Dict[str, float]:
-        """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories), each a
-        `train_batch` with the package's PPO loss (`ppo_loss_fn`) on a contiguous chunk of rows (whole GRPO groups
-        when the sizes divide). Returns each minibatch's means over policy tokens, averaged over minibatches, with
-        `skipped`, `n_tokens` and `silent_rows` summed. AReaL's returns None and logs its statistics through
-        `areal.utils.stats_tracker`."""
+        """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories), each
+        `train_batch`'s step (`_train_rows`) with the package's PPO loss (`ppo_loss_fn`) on a contiguous chunk of
+        rows (whole GRPO groups when the sizes divide). Returns each minibatch's means over policy tokens, averaged
+        over minibatches, with `skipped`, `n_tokens` and `silent_rows` summed. AReaL's returns None and logs its
+        statistics through `areal.utils.stats_tracker`."""
         batch = self._train_ready(batch)
         cfg = self.config
         if "advantages" not in batch:
@@ -877,8 +877,8 @@ class FSDPPPOActor(_TrainEngine):
         gradient; 0 elsewhere), aligned like `input_data["logprobs"]`; `entropy` [T] is detached. Each micro-batch's
         loss is scaled by loss_weight_fn(its input_data) / (the sum over all micro-batches and ranks), so the step
         minimises the global mean, however the batch is split. `ppo_update` is this call with `ppo_loss_fn`.
-        Returns the stats of `ppo_update` (approx KL, clip fraction, ... measured from the log-probs, whatever the
-        loss), plus `update_time`.
+        Returns the stats `ppo_update` returns (approx KL, clip fraction, ... measured from the log-probs, whatever
+        the loss, and `update_time`) but `silent_rows`: every row trains here, since any loss may need it.
         """
         batch = self._train_ready(input_)
         t0 = time.perf_counter()

@@ -8,6 +8,6 @@
 - `areal/`: the bridge to AReaL (which names move, cell conversion, config export, AReaL's trainer on the export).
 
 The AReaL-shaped modules (configs, records, engines, workflows, rewards, ...) live outside this package and never
-import it. Every public name here is still importable from `areal_lite` itself. Importing this package loads
+import it. The names the notebooks use are importable from `areal_lite` itself. Importing this package loads
 nothing (no torch).
 """

@@ -58,6 +58,7 @@ class GroupJudge:
         votes: how many times the judge is asked, each with the answers shuffled.
         seed: the shuffles' seed.
         instruction: what the judge is asked after the candidates.
+        max_new_tokens: the judge's reply budget per vote (its answer is one candidate's number).
 
     ```python
     judge = GroupJudge(judge_engine, tokenizer, votes=4)

@@ -50,7 +50,7 @@ def capped_threads(n: int) -> int:
 
     Configs ask for threads per process (a trainer that takes turns with its server may use both cores of a laptop);
     the environment variable is the machine-wide say. `make test` sets it to 1 because it runs two notebooks at once
-    on two cores, where a second OpenMP thread only spin-waits for a descheduled sibling (a process can slow ~10x).
+    on two cores, where a second OpenMP thread only spin-waits for a descheduled sibling (many times slower).
     Both the trainer (`set_torch_threads`) and the launcher of a server process go through this one rule.
     """
     cap = os.environ.get("OMP_NUM_THREADS", "").strip()
@@ -71,13 +71,12 @@ def keep_freed_memory() -> bool:
     """Make glibc's malloc keep the memory torch frees for its next allocations (Linux; once per process).
 
     Why: glibc serves every block over 32 MB with its own mmap and unmaps it when freed, so the next allocation of
-    the same size page-faults all of it back in. One PPO update of SmolLM2-135M on 2 cores allocates about 1.2 GB
-    of such blocks (the logits over the 49k-token vocabulary, their log-softmax and gradients): measured, 313k page
-    faults and 1.1 s of system time per update, the update 3.1 s where it is 2.3 s with the memory kept. On a
-    virtual machine that hands freed pages back to its host, the faults cost more again. So, as jemalloc or
-    tcmalloc would: no mmap for large blocks (`M_MMAP_MAX` 0), and the heap's free top goes back to the OS only
-    past 1 GiB (`M_TRIM_THRESHOLD`). The price is resident memory that stays at its peak (measured: 3.6 GB -> up to
-    4.9 GB for that trainer). Returns whether the setting took effect (False on other C libraries and systems).
+    the same size page-faults all of it back in. A PPO update of SmolLM2-135M allocates such blocks by the gigabyte
+    (the logits over the 49k-token vocabulary, their log-softmax and gradients), and the faults cost a large share
+    of an update's time, more on a virtual machine that hands freed pages back to its host (bench/update_speed.py
+    times the update). So, as jemalloc or tcmalloc would: no mmap for large blocks (`M_MMAP_MAX` 0), and the
+    heap's free top goes back to the OS only past 1 GiB (`M_TRIM_THRESHOLD`). The price is resident memory that
+    stays at its peak. Returns whether the setting took effect (False on other C libraries and systems).
     """
     global _kept
     if _kept:
@@ -227,10 +226,10 @@ def own_file_backed(model: torch.nn.Module) -> None:
 
     Why: `from_pretrained` maps a safetensors file privately and, where no conversion is needed (float32 on a CPU),
     the parameters are views of that mapping. The first write to them (an optimizer step in the trainer, a weight
-    update in the server) then faults and copies each 4 KB page: SmolLM2-135M's first update took 4.2 s against
-    2.3 s for the next ones, all of it in AdamW, and the server's first weight update 0.63 s against 0.07 s. And as
-    long as any tensor points into the mapping, the file stays resident beside the copies the server fuses (+540 MB
-    of RSS). Copied at load (0.16 s for SmolLM2) into memory that can use huge pages, they cost nothing later.
+    update in the server) then faults and copies each 4 KB page, which makes the first update several times slower
+    than the next ones. And as long as any tensor points into the mapping, the file stays resident beside the
+    copies the server fuses (the model's size again in RSS). Copied once at load into memory that can use huge
+    pages, they cost nothing later.
     `.data` is swapped in place, so tied weights stay tied; tensors that are the model's own already (a GPU, a
     converted dtype, the server's fused matrices) are not copied."""
     mapped = file_mappings()

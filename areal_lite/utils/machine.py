@@ -1,6 +1,6 @@
 """What machine this is, in the words a reader compares laptops by: CPU model, cores and vector ISA.
 
-Why: the same notebook runs two to three times as fast on an AVX-512 CPU as on an AVX2-only one, so every time the
+Why: the same notebook runs at very different speeds on an AVX-512 CPU and an AVX2-only one, so every time the
 kit prints (`make demo`, each notebook's first cell, every bench's results file) says which CPU it came from. The
 vector ISA is torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: the kernels it really runs),
 refined by `utils.device.cpu_native_bf16` where the CPU also computes bfloat16 in hardware.

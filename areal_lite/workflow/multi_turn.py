@@ -38,7 +38,7 @@ RETRY_PROMPT = (
 
 
 class MultiTurnWorkflow(RolloutWorkflow):
-    """Multi-attempt workflow that retries generation until the reward is positive (AReaL's docstring).
+    """Multi-attempt workflow that retries generation until the reward is non-zero (AReaL's docstring says positive).
 
     Each turn sends the whole trajectory so far; while the reward is exactly 0.0 and turns remain, the output, an
     EOS token (unless the output ended with one) and `multi_turn_prompt_ids` are appended and the model answers

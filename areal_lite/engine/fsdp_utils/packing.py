@@ -11,10 +11,11 @@ Design decisions, and why
   per-sequence ones.
 - Shared prompts (`share_prompts`): sequences with equal prompts keep one copy of it in the packed row, so a GRPO
   group of n samples runs its prompt once, not n times; position ids are kept, so every token is computed as in the
-  plain row. Micro-batches keep a group together (`prompt_groups`), and the token budget counts its prompt once.
-- Rows go into micro-batches first-fit-decreasing under `max_tokens_per_mb`, at least `n_mbs` of them
-  (`split_into_microbatches`). A row over the budget gets a micro-batch of its own and is never split: a cut
-  sequence would lose the context its later tokens are conditioned on.
+  plain row. Micro-batches keep a group together (`prompt_groups`) unless it exceeds the token budget alone, and the
+  budget counts its prompt once.
+- Rows go into micro-batches longest first, each into the least-loaded one it fits under `max_tokens_per_mb`, at
+  least `n_mbs` of them (`split_into_microbatches`). A row over the budget gets a micro-batch of its own and is never
+  split: a cut sequence would lose the context its later tokens are conditioned on.
 - AReaL hands the trainer a list of trajectories: `join_trajectories` makes them one right-padded batch and
   `split_trajectories` cuts results back. Index-like keys become int64 (`cast_long`): AReaL's hold int32.
 """
@@ -156,7 +157,8 @@ def register_packed_sdpa() -> None:
 
 
 def split_into_microbatches(lengths: Sequence[int], mb_spec: MicroBatchSpec) -> List[List[int]]:
-    """Row indices per micro-batch: first-fit-decreasing under the token budget, at least `n_mbs` bins.
+    """Row indices per micro-batch: longest row first, each into the least-loaded bin it fits under the token budget,
+    at least `n_mbs` bins.
 
     Empty bins (fewer rows than n_mbs) are dropped. Rows inside a bin keep their original order.
     """

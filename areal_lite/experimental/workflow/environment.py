@@ -134,6 +134,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
         reward_per_turn: read the reward after `reset` and after every turn; turn k's reward is its change, so the
             returns credit the turn that earned it (with gamma = 1 they add up to the final reward).
         log: a list to which every episode appends a record (reward, turns, calls, texts) for plots and viewers.
+        chat_template_kwargs: extra variables for the chat template (e.g. `enable_thinking`).
 
     Data rows: `prompt` (chat messages, or a string) plus whatever `reset` takes; the row is passed whole.
     Output: one row with `rewards` [1] = G_0, `env_reward` [1] (the environment's final reward), `turns` [1],

@@ -8,8 +8,8 @@ Design decisions
   tokenized on a worker thread, and answers of more than `OFF_LOOP_TOKENS` tokens are decoded and serialized there;
   smaller ones are handled inline. The tokenizer is only read, never reconfigured, so threads may share it.
 - One error contract for every route, shared with the kit's other servers (`jsonhttp.json_errors_middleware`): a bad
-  body gets 400 `{"error": "..."}`, an unknown route 404 and a wrong method 405 (both listing the routes), a route
-  hit while the model is still loading 503, and a bug 500; the server keeps serving in every case.
+  body gets 400 `{"error": "..."}`, an unknown route 404, a wrong method 405 (both listing the routes), a route hit
+  while the model loads 503 (`/model_info`: nulls), a bug 500; the server keeps serving in every case.
 - The server binds before the model loads (`/health` answers 503 until it is ready), so a launcher can tell
   "still loading" from "crashed". `ServerState.scheduler` is None until then.
 - A client that disconnects cancels its handler (`handler_cancellation`, set in `cli`), which aborts its rows.

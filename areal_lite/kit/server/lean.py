@@ -103,7 +103,7 @@ def load_lean(path: str, dtype: torch.dtype, device: torch.device) -> tuple[Lean
 class _Dense(nn.Module):
     """`nn.Linear`'s parameters (and names) without its initialisation: empty on the meta device until `load_lean`
     assigns the checkpoint's. (Initialising on meta, or a `torch.device("meta")` block, imports torch's Python
-    decompositions: 1.7 s of a start.)"""
+    decompositions: a large share of a start, bench/server_start.py.)"""
 
     def __init__(self, n_in: int, n_out: int, bias: bool):
         super().__init__()

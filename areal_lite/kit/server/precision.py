@@ -1,13 +1,13 @@
 """`--dtype auto`: the precision the server picks for this machine, bfloat16 only where it is faster and still exact.
 
 Design decisions
-- Measured at start-up, never assumed: having bf16 instructions (AMX, AVX-512 BF16) does not make a CPU's bf16
-  matmuls faster, and oneDNN's bf16 kernels may give a row other bits when other rows share its batch (they switch
-  blocking with the row count). On the model's own MLP shapes, `auto` times both dtypes' packed matmuls at a
-  decode step's `DECODE_ROWS` rows (one thread's CPU clock: the trainer may be starting beside the server), and
-  checks that batches of 2 to 100 rows give each row the bits it gets alone, through the server's own
-  `fastpath._Linear` (bf16 runs `BF16_ROWS` rows at a time). bfloat16 only where it is `BF16_MIN_SPEEDUP` times as
-  fast and exact; float32 otherwise (what the trainer computes, so never wrong). A few tenths of a second.
+- Measured at start-up, never assumed: having bf16 instructions (AMX, AVX-512 BF16) does not make a CPU's bf16 matmuls
+  faster, and oneDNN's bf16 kernels may give a row other bits when other rows share its batch (they switch blocking with
+  the row count). On the model's own MLP shapes, `auto` times both dtypes' packed matmuls at a decode step's
+  `DECODE_ROWS` rows (one thread's CPU clock: the trainer may be starting beside the server), and checks that batches of
+  2 to 2 x `BF16_ROWS` + 1 rows, and of 100, give each row the bits it gets alone, through the server's own
+  `fastpath._Linear` (bf16 runs `BF16_ROWS` rows at a time). bfloat16 only where it is `BF16_MIN_SPEEDUP` times as fast
+  and exact; float32 otherwise (what the trainer computes, so never wrong).
 - A GPU serves bfloat16 (as SGLang does); Apple's MPS float32.
 - bf16 weights sample from a slightly different policy than the float32 trainer's; the PPO ratio
   exp(trainer log-prob - server log-prob) and its clipping absorb it, as with AReaL's bf16 SGLang servers.

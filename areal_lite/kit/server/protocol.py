@@ -7,8 +7,8 @@ Design decisions
   scheduler never sees it, so one bad client cannot disturb the batch of the others.
 - SGLang parameters this server does not implement (repetition penalty, min_p, grammars, ...) are accepted only at
   their neutral values and rejected otherwise, rather than silently ignored: a rollout that asks for a repetition
-  penalty must not silently get none. Frequency and presence penalties are implemented (`sampling.apply_penalties`),
-  since the OpenAI-compatible endpoint passes them on.
+  penalty must not silently get none. Frequency and presence penalties are implemented (`sampling.apply_penalties`):
+  SGLang clients may send both, and the OpenAI-compatible endpoint passes frequency_penalty on.
 - Defaults are SGLang's: an unset `max_new_tokens` is 128, shortened to what still fits in the context; a batch with
   a single `rid` string gets `rid_0`, `rid_1`, ...; null means "default" for every sampling field.
 - `GenerationState`, one row of generation, is defined here with the request it comes from and the response it

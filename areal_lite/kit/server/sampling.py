@@ -8,9 +8,9 @@ Design decisions
   the same numbers from either server, so these rules are SGLang's, not the textbook's.
 - Masks that change what can be sampled (EOS suppressed until `min_new_tokens`) and the frequency and presence
   penalties are applied before temperature and logprobs, as SGLang's penalizers are (`apply_penalties`).
-- One batched draw per step (`draw`): rows with different temperatures, top-k and top-p share one softmax and one
-  inverse-CDF draw; greedy rows skip it. Each row brings its own uniform number from its own random stream
-  (`GenerationState.rng`), so what a row samples does not depend on which rows share its batch.
+- Batched draws (`draw`): rows with different temperatures, top-k and top-p share one softmax and one inverse-CDF draw,
+  on CPU `CPU_SAMPLE_ROWS` rows at a time; greedy rows skip it. Each row brings its own uniform number from its own
+  random stream (`GenerationState.rng`), so what a row samples does not depend on which rows share its batch.
 - Reproducible by default (`RowSeeds`): with the fast path's batch-invariant logits (`fastpath.py`), the rollouts of
   a synchronous run repeat from run to run on the same machine, whatever the arrival order and batching. SGLang
   samples from one shared generator unless deterministic inference is on; a learner comparing two runs step by
@@ -138,7 +138,7 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
     The inverse CDF: a binary search for the row's uniform number in the row's cumulative sum. It is the
     distribution `torch.multinomial(probs, 1)` draws from, but on CPU that call draws an exponential variate for every
-    entry (B x V of them: 40-90 ms for 32 x 49k entries on one core, a sixth of a decode step) where this takes ~3 ms.
+    entry (B x V of them: a sizeable share of a decode step at 32 x 49k entries) where this reads each entry once.
     The sum is in float64, so rounding moves no probability mass that matters (float32 would move ~1e-7 per entry).
     """
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # each entry widened, then summed: no float64 copy first

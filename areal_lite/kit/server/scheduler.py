@@ -15,7 +15,7 @@ Design decisions
   and "retract" freeze the running batch. Requests arriving while paused are held until `continue_generation`.
 - Weight updates, LoRA loads included, as in SGLang: at once while paused, else once the running batch drained
   (`_maybe_apply_update`), so a response comes from one weight version.
-- A failing step (a bug, out of memory) aborts that batch's rows and the loop goes on: the server stays up.
+- A failing step (a bug, out of memory) aborts the running and waiting rows and the loop goes on: the server stays up.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def latest_checkpoint(ckpt_root: str) -> Optional[str]:
 
 
 def checkpoint_run_id(ckpt: str) -> Optional[str]:
-    """The `run_id` a checkpoint was written by (None for one written before runs had ids)."""
+    """The `run_id` a checkpoint was written by (None when the checkpoint records none)."""
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     return state.get("run_id")
 
