@@ -93,7 +93,8 @@ def archive(name: str) -> None:
 
 
 def run_ci(name: str, args: argparse.Namespace) -> None:
-    """`.ci/run` on a clean clone of HEAD, timed; its seconds and exit status go to bench/results/<name>.json."""
+    """`.ci/run` on a clean clone of HEAD, timed; its seconds, exit status and last lines go to
+    bench/results/<name>.json, with the clone's commit (what ran, whatever the working tree holds meanwhile)."""
     with tempfile.TemporaryDirectory(prefix="ci-evidence-") as tmp:
         clone = os.path.join(tmp, "clone")
         subprocess.run(["git", "clone", "-q", ROOT, clone], check=True)
@@ -101,11 +102,11 @@ def run_ci(name: str, args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         proc = subprocess.run(["bash", ".ci/run"], cwd=clone, env=dict(env, CI="true"), capture_output=True, text=True)
         seconds = time.perf_counter() - t0
-    tail = (proc.stdout + proc.stderr).splitlines()[-3:]
-    write_results(os.path.join(RESULTS, f"{name}.json"), "ci_time", args, ROOT, seconds=seconds,
-                  returncode=proc.returncode, tail=tail)  # fmt: skip
+        tail = [line for line in proc.stdout.splitlines() if line.strip()][-3:]  # pytest's summary, "CI finished"
+        write_results(os.path.join(RESULTS, f"{name}.json"), "ci_time", args, clone, seconds=seconds,
+                      returncode=proc.returncode, tail=tail)  # fmt: skip
     if proc.returncode:
-        raise SystemExit(f".ci/run failed (exit {proc.returncode}): {tail}")
+        raise SystemExit(f".ci/run failed (exit {proc.returncode}): {tail}\n{proc.stderr[-2000:]}")
 
 
 # ------------------------------------------------------------------------------------------------ the targets

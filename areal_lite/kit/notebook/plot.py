@@ -248,8 +248,8 @@ def plot_response_length(
 def plot_time_breakdown(stats: Stats, ax=None, title: str = "Time per step", generate_label: str = "generate"):
     """Stacked bars per step: generate / logp / update / weight sync (seconds); phases absent, or under 1% of the
     tallest bar at every step (a recompute that took microseconds: no bar to see), are left out of the bars and the
-    legend. `generate_label` names the first phase: in an asynchronous run it is the
-    time the trainer waited for rollouts, not the time generation took.
+    legend. `generate_label` names the first phase: in an asynchronous run it is the time the trainer waited for
+    rollouts, not the time generation took.
 
     When the stats carry the step's wall time, it is drawn as a line: in asynchronous training generation overlaps
     training, so the bars can add up to more than the step took.
