@@ -39,6 +39,18 @@ CHECK_TEXT = {
     "zh": "**检查你的答案** —— 运行下面的单元格，它会告诉你上面的代码是否正确。",
 }
 TODO_TEXT = {"en": "TODO", "zh": "TODO（练习）"}
+# The solved notebook's header names its exercise copy; in the copy that line points back to the solved notebook,
+# whose outputs (the reference run) are what the text describes.
+EXERCISE_LINE = {
+    "en": re.compile(r"> \*\*Exercise\*\*: a version with [^`]* is in `notebooks/exercises/en/(?P<nb>[\w.]+)`\."),
+    "zh": re.compile(r"> \*\*练习\*\*：[^`]*练习版在 `notebooks/exercises/zh/(?P<nb>[\w.]+)`。"),
+}
+SOLVED_LINE = {
+    "en": "> **Exercise version**: the solutions, and the reference run's outputs that the text describes, are in "
+    "[the solved notebook](../../en/{nb}); your own run's numbers will differ.",
+    "zh": "> **练习版**：答案，以及正文所描述的参考运行的输出，都在[完整的 notebook](../../zh/{nb}) 中；"
+    "你自己运行得到的数字会有所不同。",
+}
 
 
 def exercise_source(source: str, lang: str) -> tuple[str, bool]:
@@ -88,13 +100,16 @@ def one_level_deeper(source: str, kind: str) -> str:
     return source.replace("](../", "](../../")  # markdown links to notebooks/README.md, GLOSSARY.md
 
 
-def make_exercise(nb: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode:
+def make_exercise(nb: nbformat.NotebookNode, lang: str, has_exercise: bool = True) -> nbformat.NotebookNode:
     """Blank the solution regions; the `# CHECK` cell after each one gets a short instruction above it."""
     ex = copy.deepcopy(nb)
     ex.metadata.pop("areal_lite", None)  # no reference run: the exercise has no outputs
-    cells = []
+    cells, header = [], False
     for i, cell in enumerate(ex.cells):
         cell.source = one_level_deeper(cell.source, cell.cell_type)
+        if cell.cell_type == "markdown" and EXERCISE_LINE[lang].search(cell.source):
+            cell.source = EXERCISE_LINE[lang].sub(lambda m: SOLVED_LINE[lang].format(nb=m.group("nb")), cell.source)
+            header = True
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
             cell.metadata = {}
@@ -108,6 +123,8 @@ def make_exercise(nb: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode
         if cell.cell_type == "code" and _is_check(cell.source):
             cells.append(nbformat.v4.new_markdown_cell(CHECK_TEXT[lang]))
         cells.append(cell)
+    if has_exercise and not header:
+        raise ValueError("the notebook's header has no line naming its exercise copy (EXERCISE_LINE)")
     ex.cells = cells
     for j, c in enumerate(ex.cells):
         c["id"] = f"e{j:02d}"
@@ -131,7 +148,7 @@ def outputs() -> dict[str, nbformat.NotebookNode]:
             if not has_exercise and not any("run_cells_defining(" in source for source in codes):
                 continue
             out = os.path.join(ROOT, "notebooks", "exercises", lang, os.path.basename(path))
-            result[out] = make_exercise(nb, lang)
+            result[out] = make_exercise(nb, lang, has_exercise)
     return result
 
 
