@@ -42,8 +42,13 @@ def describe() -> dict:
     return {**_describe(), "forced_isa": forced_isa()}
 
 
+# What the benches write: a change there is a result, not a change to the code measured.
+RESULT_PATHS = (":(exclude)bench/results", ":(exclude)bench/RESULTS.md")
+
+
 def git_state(tree: str) -> dict:
-    """{"commit": HEAD of `tree`, "dirty": whether tracked files differ from it} ("" and False without git)."""
+    """{"commit": HEAD of `tree`, "dirty": whether tracked files other than the results (`RESULT_PATHS`) differ from
+    it} ("" and False without git): a run of several benches replaces results files as it goes."""
 
     def git(*args: str) -> str:
         try:
@@ -51,7 +56,8 @@ def git_state(tree: str) -> dict:
         except OSError:
             return ""
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", *RESULT_PATHS)
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty)}
 
 
 def write_results(path: str, bench: str, args, tree: str, **figures) -> dict:

@@ -35,7 +35,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from _machine import describe, forced_isa, write_results  # noqa: E402
+from _machine import describe, forced_isa, git_state, write_results  # noqa: E402
 
 STEPS = ("demo", "rollout", "eval", "start", "update", "trl")
 
@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) - {""}
     if only - set(STEPS):
         raise SystemExit(f"--only: unknown steps {sorted(only - set(STEPS))}; the steps are {', '.join(STEPS)}")
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
-    if dirty and not args.allow_dirty and not args.dry_run:
+    if git_state(ROOT)["dirty"] and not args.allow_dirty and not args.dry_run:
         raise SystemExit("the tree has uncommitted changes: commit them first (the records name the commit measured)")
     plan = [(name, cmd) for step, name, cmd in commands(tag, args.trl_python) if step in only]
     if "trl" in only and not os.path.exists(args.trl_python):

@@ -460,3 +460,25 @@ def test_cpu_evidence_checks_each_target_against_the_records(tmp_path, monkeypat
     met = {target.split(":")[0].split(" >=")[0].split(" <=")[0]: ok for target, _, ok in ev.verdicts("_avx2")}
     assert met == {"demo": True, "generation": False, "evaluation": True, "vs_trl_avx2": True, ".ci/run": False}
     assert ev.verdicts("_other") == []  # no record of that CPU class: nothing claimed
+
+
+def test_a_results_file_written_by_a_bench_does_not_make_the_tree_dirty(tmp_path):
+    """`git_state` says "dirty" when the code measured differs from its commit, not when an earlier bench of the same
+    run (bench/cpu_evidence.py) replaced a results file or RESULTS.md."""
+    machine = load_bench("_machine")
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    for name in ("code.py", "bench/RESULTS.md", "bench/results/demo.json"):
+        (tmp_path / name).write_text("1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    assert machine.git_state(str(tmp_path))["dirty"] is False
+    (tmp_path / "bench" / "results" / "demo.json").write_text("2\n")
+    (tmp_path / "bench" / "RESULTS.md").write_text("2\n")
+    assert machine.git_state(str(tmp_path))["dirty"] is False
+    (tmp_path / "code.py").write_text("2\n")
+    assert machine.git_state(str(tmp_path))["dirty"] is True
