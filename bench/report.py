@@ -31,6 +31,7 @@ RESULTS = os.path.join(HERE, "results")
 OUT = os.path.join(HERE, "RESULTS.md")
 TITLES = {  # the order of RESULTS.md's sections; a results file not named here comes after them, by name
     "demo": "`make demo` as it printed (`bench/demo.py`)",
+    "ci_time": "`.ci/run` on a clean clone, timed (`bench/cpu_evidence.py --ci`)",
     "vs_trl": "The kit against TRL's GRPOTrainer (`bench/vs_trl.py`)",
     "vs_trl_bf16": "The kit against TRL's GRPOTrainer, both under bf16 autocast (`bench/vs_trl.py --bf16`)",
     "rollout_throughput": "Rollout throughput, prompts with a shared start (`bench/rollout_throughput.py`)",
@@ -522,7 +523,6 @@ def row_async_vs_sync(f: dict) -> list:
     return [f.get("model", ""), spread(f["achieved"], "{:.2f}", "×"), spread(f["ideal"], "{:.2f}", "×")]
 
 
-# name: (summarise a results file, its headline, its columns in "Earlier runs", their cells)
 # ci_time ----------------------------------------------------------------------------------------------------------
 
 
@@ -539,6 +539,7 @@ def row_ci_time(f: dict) -> list:
     return [f"{f['minutes']:.1f}", f["returncode"]]
 
 
+# name: (summarise a results file, its headline, its columns in "Earlier runs", their cells)
 KINDS = {
     "vs_trl": (summarise_vs_trl, latest_vs_trl, ["kit, s", "TRL, s", "TRL / kit", "accuracy, kit / TRL"], row_vs_trl),
     "rollout_throughput": (summarise_rollout, latest_rollout, ["tok/s: the kit's server against others"], row_rollout),
@@ -577,11 +578,9 @@ def title(name: str) -> str:
     """A section's title: TITLES', or for bench/cpu_evidence.py's per-CPU files their bench's, with the CPU class."""
     if name in TITLES:
         return TITLES[name]
-    if name == "ci_time":
-        return "`.ci/run` on a clean clone, timed (`bench/cpu_evidence.py --ci`)"
     for suffix, cpu in CPU_CLASSES.items():
-        if name.endswith(suffix) and (base := name[: -len(suffix)]) in TITLES | {"ci_time": ""}:
-            return f"{title(base)}, {cpu}"
+        if name.endswith(suffix) and (base := name[: -len(suffix)]) in TITLES:
+            return f"{TITLES[base]}, {cpu}"
     return name
 
 

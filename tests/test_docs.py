@@ -222,6 +222,17 @@ def test_readmes_demo_output_is_a_recorded_run():
     assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
 
 
+def test_readmes_test_time_is_the_recorded_ci_run():
+    """README.md's `make test` minutes are bench/results/ci_time.json's (`bench/cpu_evidence.py --ci`: `.ci/run` on a
+    clean clone, timed), with that record's CPU, and the run it quotes was green."""
+    record = _record("ci_time")
+    assert record["returncode"] == 0, "the recorded .ci/run failed: record a green one"
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    quoted = f"`make test` took {record['seconds'] / 60:.0f} min from a clean clone on the 2-core AVX-512 Xeon"
+    assert quoted in readme, f"README.md should say {quoted!r} (bench/results/ci_time.json)"
+    assert record["vector_isa"].startswith("AVX512") and record["cores"] == 2
+
+
 def test_reliability_quotes_the_recorded_soak():
     """docs/reliability.md's soak figures are bench/results/soak.json's (`make soak` writes it), not typed by hand."""
     c = _record("soak")["counts"]

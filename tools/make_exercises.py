@@ -101,7 +101,8 @@ def one_level_deeper(source: str, kind: str) -> str:
 
 
 def make_exercise(nb: nbformat.NotebookNode, lang: str, has_exercise: bool = True) -> nbformat.NotebookNode:
-    """Blank the solution regions; the `# CHECK` cell after each one gets a short instruction above it."""
+    """Blank the solution regions; the `# CHECK` cell after each one gets a short instruction above it; the header's
+    line naming the exercise copy points back to the solved notebook instead (required where `has_exercise`)."""
     ex = copy.deepcopy(nb)
     ex.metadata.pop("areal_lite", None)  # no reference run: the exercise has no outputs
     cells, header = [], False
