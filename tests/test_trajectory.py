@@ -315,6 +315,9 @@ def test_html_view_colours_titles_and_escapes(tiny_tokenizer):
     # max_tokens truncates
     short = trajectory_to_html(batch, 0, tiny_tokenizer, max_tokens=3)
     assert "more tokens" in short and short.count('<span style="background') < page.count('<span style="background')
+    # the colour key lists the kinds shown, and only those: the first 3 tokens are prompt
+    assert "tool / feedback (loss 0)" in page and "generated (loss 1)" in page
+    assert "prompt</span>" in short and "tool / feedback" not in short and "generated (loss 1)" not in short
 
 
 def test_text_view_and_show_fallback(tiny_tokenizer, capsys):

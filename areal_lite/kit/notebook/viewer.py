@@ -84,11 +84,17 @@ def trajectory_to_text(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_to
 _COLOURS = {"prompt": "#e8eef7", "output": "#c9f2c7", "observation": "#fde2c4"}
 
 
-_LEGEND = (
-    '<span style="background:#e8eef7">prompt</span> '
-    '<span style="background:#c9f2c7">generated (loss 1)</span> '
-    '<span style="background:#fde2c4">tool / feedback (loss 0)</span>'
-)
+_LEGEND = {
+    "prompt": '<span style="background:#e8eef7">prompt</span>',
+    "output": '<span style="background:#c9f2c7">generated (loss 1)</span>',
+    "observation": '<span style="background:#fde2c4">tool / feedback (loss 0)</span>',
+}
+
+
+def _legend(kinds: set) -> str:
+    """The colour key of the kinds a row shows, and only those (a single-turn row has no tool or feedback tokens)."""
+    shown = {k if k in ("prompt", "output") else "observation" for k in kinds}
+    return " ".join(entry for kind, entry in _LEGEND.items() if kind in shown)
 
 
 def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None) -> str:
@@ -99,15 +105,14 @@ def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_to
     ver = batch["versions"][i].tolist()
     tr = batch["token_returns"][i].tolist() if "token_returns" in batch else None
     limit = n if max_tokens is None else min(n, max_tokens)
+    segments = [seg for seg in trajectory_segments(batch, i) if seg.start < limit]
     parts = [
         '<div class="areal-trajectory" style="font-family:monospace;font-size:12px;line-height:1.6">',
         f"<div><b>trajectory {i}</b> | {html.escape(_row_info(batch, i))}</div>",
-        f"<div>{_LEGEND}</div>",
+        f"<div>{_legend({'output' if seg.generated else seg.kind for seg in segments})}</div>",
         '<div style="white-space:pre-wrap;border:1px solid #ccc;padding:4px">',
     ]
-    for seg in trajectory_segments(batch, i):
-        if seg.start >= limit:
-            break
+    for seg in segments:
         colour = _COLOURS.get(seg.kind, _COLOURS["observation"])
         if seg.generated:
             ret = f", return {tr[seg.start]:.4f}" if tr is not None else ""
