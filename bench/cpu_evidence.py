@@ -37,7 +37,19 @@ if ROOT not in sys.path:
 
 from _machine import describe, forced_isa, git_state, write_results  # noqa: E402
 
-STEPS = ("demo", "rollout", "eval", "start", "update", "trl")
+# step: (its results file's name, the bench's command line but its results-file option)
+BENCHES = {
+    "demo": ("demo", ["bench/demo.py"]),
+    "rollout": (
+        "rollout_throughput_demo",
+        ["bench/rollout_throughput.py", "--requests", "32", "--max-new-tokens", "16", "--vllm-modes", "", "--no-raw"],
+    ),
+    "eval": ("eval_cost", ["bench/eval_cost.py"]),
+    "start": ("server_start", ["bench/server_start.py"]),
+    "update": ("update_speed", ["bench/update_speed.py"]),
+    "trl": ("vs_trl", ["bench/vs_trl.py"]),
+}
+STEPS = tuple(BENCHES)
 
 
 def cpu_tag() -> str:
@@ -49,39 +61,20 @@ def cpu_tag() -> str:
 
 
 def commands(tag: str, trl_python: str) -> list[tuple[str, str, list[str]]]:
-    """(step, results name, argv) in the order they run."""
-    py = [sys.executable]
-    names = {"demo": "demo", "rollout": "rollout_throughput_demo", "eval": "eval_cost", "start": "server_start",
-             "update": "update_speed", "trl": "vs_trl"}  # fmt: skip
-    out = {step: name + tag for step, name in names.items()}
-    path = {s: os.path.join(RESULTS, f"{n}.json") for s, n in out.items()}
-    runs = [
-        ("demo", out["demo"], py + ["bench/demo.py", "--json", path["demo"]]),
-        (
-            "rollout",
-            out["rollout"],
-            py
-            + [
-                "bench/rollout_throughput.py",
-                "--requests",
-                "32",
-                "--max-new-tokens",
-                "16",
-                "--vllm-modes",
-                "",
-                "--no-raw",
-                "--json",
-                path["rollout"],
-            ],
-        ),  # fmt: skip
-        ("eval", out["eval"], py + ["bench/eval_cost.py", "--json", path["eval"]]),
-        ("start", out["start"], py + ["bench/server_start.py", "--json", path["start"]]),
-        ("update", out["update"], py + ["bench/update_speed.py", "--json", path["update"]]),
-        ("trl", out["trl"], py + ["bench/vs_trl.py", "--trl-python", trl_python, "--out", path["trl"]]),
-    ]
-    if "BF16" in describe()["vector_isa"] or "AMX" in describe()["vector_isa"]:
-        bf16 = f"vs_trl_bf16{tag}"
-        runs.append(("trl", bf16, runs[-1][2][:-1] + [os.path.join(RESULTS, f"{bf16}.json"), "--bf16"]))
+    """(step, results name, argv) in the order they run; TRL's comparison once more in bf16 where the CPU has bf16
+    units (`cpu_native_bf16`)."""
+    from areal_lite.utils.device import cpu_native_bf16
+
+    runs = []
+    for step, (name, argv) in BENCHES.items():
+        out = os.path.join(RESULTS, f"{name}{tag}.json")
+        if step != "trl":
+            runs.append((step, name + tag, [sys.executable, *argv, "--json", out]))
+            continue
+        trl = [sys.executable, *argv, "--trl-python", trl_python, "--out"]
+        runs.append((step, name + tag, trl + [out]))
+        if cpu_native_bf16():
+            runs.append((step, f"vs_trl_bf16{tag}", trl + [os.path.join(RESULTS, f"vs_trl_bf16{tag}.json"), "--bf16"]))
     return runs
 
 

@@ -84,17 +84,15 @@ def trajectory_to_text(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_to
 _COLOURS = {"prompt": "#e8eef7", "output": "#c9f2c7", "observation": "#fde2c4"}
 
 
-_LEGEND = {
-    "prompt": '<span style="background:#e8eef7">prompt</span>',
-    "output": '<span style="background:#c9f2c7">generated (loss 1)</span>',
-    "observation": '<span style="background:#fde2c4">tool / feedback (loss 0)</span>',
-}
+_LABELS = {"prompt": "prompt", "output": "generated (loss 1)", "observation": "tool / feedback (loss 0)"}
 
 
 def _legend(kinds: set) -> str:
-    """The colour key of the kinds a row shows, and only those (a single-turn row has no tool or feedback tokens)."""
-    shown = {k if k in ("prompt", "output") else "observation" for k in kinds}
-    return " ".join(entry for kind, entry in _LEGEND.items() if kind in shown)
+    """The colour key of the kinds a row shows, and only those (a single-turn row has no tool or feedback tokens);
+    every kind but prompt and output is an observation."""
+    shown = {k if k in _COLOURS else "observation" for k in kinds}
+    entries = [f'<span style="background:{_COLOURS[k]}">{label}</span>' for k, label in _LABELS.items() if k in shown]
+    return " ".join(entries)
 
 
 def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_tokens: Optional[int] = None) -> str:
@@ -109,7 +107,7 @@ def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_to
     parts = [
         '<div class="areal-trajectory" style="font-family:monospace;font-size:12px;line-height:1.6">',
         f"<div><b>trajectory {i}</b> | {html.escape(_row_info(batch, i))}</div>",
-        f"<div>{_legend({'output' if seg.generated else seg.kind for seg in segments})}</div>",
+        f"<div>{_legend({seg.kind for seg in segments})}</div>",
         '<div style="white-space:pre-wrap;border:1px solid #ccc;padding:4px">',
     ]
     for seg in segments:
