@@ -27,40 +27,51 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "trl: runs TRL's GRPOTrainer (needs `make trl`); run by `make test-trl-env`")
 
 
-# Test files that take 30 s or more of one worker (measured with --durations on 2 cores), longest first. The order
-# only balances the two workers at the end of `make test`; a file missing here still runs, just later.
-SLOW_TEST_FILES = [
+# The files that take 20 s or more of one worker under `make test` (its three workers on 2 cores, measured with
+# --junitxml), longest first; a notebook is named without its folder, so its Chinese twin sorts beside it. The order
+# only balances the workers at the end of the run: a file missing here still runs, among the short ones.
+SLOW_FILES = [
+    "04_gsm8k_training.ipynb",
+    "11_environment.ipynb",
+    "12_judge.ipynb",
+    "10_lora.ipynb",
+    "06_multiturn_feedback.ipynb",
+    "07_async_vs_sync.ipynb",
+    "03_gsm8k_agent.ipynb",
+    "08_to_areal.ipynb",
+    "test_serve.py",
+    "05_search_agent.ipynb",
+    "test_models.py",
+    "test_actor.py",
+    "09_openai_agent.ipynb",
+    "test_faults.py",
     "test_train.py",
     "test_areal_maths.py",
-    "test_launch.py",
-    "test_faults.py",
     "test_areal_config.py",
-    "test_lora.py",
-    "test_actor.py",
-    "test_models.py",
+    "test_reward.py",
+    "test_bench_helpers.py",
     "test_engine.py",
-    "test_chat.py",
-    "test_areal_conformance.py",
+    "test_workflow.py",
+    "test_lora.py",
+    "test_launch.py",
+    "test_rag.py",
+    "test_exercises.py",
 ]
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the notebooks first (each English one next to its Chinese twin when both are collected), then the tests.
+    """The longest files first (`SLOW_FILES`), then the rest; a notebook's cells and a file's tests keep their order.
 
-    `make test` runs two xdist workers that take whole files in this order (`--dist loadfile
-    --no-loadscope-reorder`). The notebooks are the long, indivisible units; the test files follow, the slow ones
-    first and the many short ones last, so they fill the gaps and neither worker idles at the end waiting on the
-    other's long file.
+    `make test` runs its xdist workers on whole files in this order (`--dist loadfile --no-loadscope-reorder`): the
+    long, indivisible files go out first and the many short ones last, so they fill the gaps and no worker idles at
+    the end waiting on another's long file.
     """
 
     def key(item):
-        path = str(item.path)
-        if path.endswith(".ipynb"):
-            return (0, os.path.basename(path), path)
-        name = os.path.basename(path)
-        if name in SLOW_TEST_FILES:  # longest first: a long file handed out last would leave one worker idle
-            return (1, SLOW_TEST_FILES.index(name), path)
-        return (2, 0, "")
+        name = os.path.basename(str(item.path))
+        if name in SLOW_FILES:
+            return (0, SLOW_FILES.index(name), str(item.path))
+        return (1, 0, "")
 
     items.sort(key=key)  # stable: cells of a notebook, and tests of a file, keep their order
 
