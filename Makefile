@@ -91,12 +91,12 @@ prepare: $(STAMP)
 demo: prepare
 	$(BIN)/python -m areal_lite.kit.trainer.demo
 
-# Three workers on a 2-core machine: a notebook or test often waits (a server starting, a subprocess importing, a
-# trainer and its server taking turns), and a third worker fills those gaps. On a clean clone of the 2-core Xeon the
-# suite took 618 s with two workers and 567 s with three, the cores then 4 % idle: a fourth would find little to fill.
-# OMP_NUM_THREADS=1 caps every process (kernels, servers, trainers) at one torch thread: with several notebooks
-# running, a second OpenMP thread would only spin-wait for a descheduled sibling.
-TEST_WORKERS ?= 3
+# Two workers: a notebook keeps about one core busy (its server and trainer mostly take turns), so two at once use a
+# 2-core machine fully: the cores were 5 % idle over a whole `make test` on the 2-core Xeon, and three workers took
+# 582 s against two's 588 s in the same clone, back to back: not worth a third process's memory.
+# OMP_NUM_THREADS=1 caps every process (kernels, servers, trainers) at one torch thread: with two notebooks running,
+# a second OpenMP thread would only spin-wait for a descheduled sibling.
+TEST_WORKERS ?= 2
 # nbval executes the English notebooks: the Chinese ones are built from the same source with identical code cells
 # (tests/test_notebooks.py checks it), so running them too doubled the CI time and tested nothing new.
 # `make test-zh` executes the Chinese ones.
@@ -106,11 +106,11 @@ lint: $(DEVSTAMP)
 	$(BIN)/ruff format --check .
 
 # AReaL's first import (it also writes its bytecode, ~10 s) runs beside `prepare` (the model conversion): both are
-# serial set-up that the test workers would otherwise wait for one after the other.
+# serial set-up that the two test workers would otherwise wait for one after the other.
 AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, areal.workflow.rlvr" \
 	|| { echo "AReaL 1.0.4 failed to import: the conformance tests cannot run"; exit 1; }
 
-# The workers share the cores, each process at one thread (OMP_NUM_THREADS). The few tests that must run two
+# Two workers share the two cores, each process at one thread (OMP_NUM_THREADS). The few tests that must run two
 # threads (batch invariance, same gradients) then compete with the other worker, and OpenMP's default busy-wait at
 # each barrier spins on a core the preempted thread needs: with one busy process beside it, the SmolLM2 invariance
 # test took 27.4-30.8 s with the default policy and 14.6-14.9 s with PASSIVE (10.4 s alone). One thread never waits;
@@ -137,8 +137,8 @@ test-zh: $(DEVSTAMP)
 test-fast: $(DEVSTAMP)
 	$(BIN)/python -m pytest tests -x -q -m "not gpu and not vllm and not areal_run and not trl"
 
-# A flaky test blocks every landing: to check a fix, run it many times, under the same load as `make test` (its
-# workers running repetitions side by side). Stops at the first failure. Not part of `make test`.
+# A flaky test blocks every landing: to check a fix, run it many times, under the same load as `make test` (two workers
+# running repetitions side by side). Stops at the first failure. Not part of `make test`.
 REPEAT ?= 3
 TESTS  ?= tests
 test-repeat: $(DEVSTAMP)

@@ -27,9 +27,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "trl: runs TRL's GRPOTrainer (needs `make trl`); run by `make test-trl-env`")
 
 
-# The files that take 20 s or more of one worker under `make test` (its three workers on 2 cores, measured with
-# --junitxml), longest first; a notebook is named without its folder, so its Chinese twin sorts beside it. The order
-# only balances the workers at the end of the run: a file missing here still runs, among the short ones.
+# The files that take 20 s or more of one worker under `make test` (measured with --junitxml on 2 cores), longest
+# first; a notebook is named without its folder, so its Chinese twin sorts beside it. The order only balances the
+# workers at the end of the run: a file missing here still runs, among the short ones.
 SLOW_FILES = [
     "04_gsm8k_training.ipynb",
     "11_environment.ipynb",
