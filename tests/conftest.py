@@ -78,10 +78,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
-    """A tiny random Qwen2 with a 4k byte-level BPE and the tag tokens, built offline and deterministically."""
+    """A tiny random Qwen2 with a 4k byte-level BPE and the tag tokens, built offline and deterministically.
+
+    Built once per run (~15 s, mostly training the BPE): xdist's workers share the run's folder, the first to need
+    the model builds it under `build_tiny_model`'s lock and the others reuse it. Tests only read it."""
     from areal_lite.utils.model_store import build_tiny_model
 
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-qwen2"), seed=0)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder; each worker's own is a folder inside it
+    return build_tiny_model(str(root / "tiny-qwen2"), seed=0)
 
 
 @pytest.fixture(scope="session")
