@@ -90,7 +90,9 @@ def machine(data: dict) -> dict:
         "commit": commit,
         "dirty": dirty,
         "date": when(data.get("date", "")),
-        "cpu_model": data.get("cpu_model") or data.get("cpu") or "not recorded",
+        # with the CPU's numbers where recorded: a VM's model name alone can hide which generation it ran on
+        "cpu_model": (data.get("cpu_model") or data.get("cpu") or "not recorded")
+        + (f" ({data['cpu_id']})" if data.get("cpu_id") else ""),
         # an AVX2 proxy (bench/_machine.py) says so: its figures are not the AVX-512 CPU's own
         "vector_isa": (data.get("vector_isa") or "not recorded") + (" (AVX2 proxy)" if data.get("forced_isa") else ""),
         "cores": cores,

@@ -46,6 +46,25 @@ def test_the_avx2_proxy_is_recorded_and_documented_as_one_switch_set(monkeypatch
         assert line in f.read()  # the command the docs give sets every switch the benches record
 
 
+def test_a_results_file_names_the_cpus_numbers_beside_its_model(tmp_path):
+    """A VM's model name can be only "Intel(R) Xeon(R) Processor": the record adds family, model, stepping and cache
+    (the first processor's block of /proc/cpuinfo), and RESULTS.md shows them beside the name."""
+    machine, report = load_bench("_machine"), load_bench("report")
+    info = tmp_path / "cpuinfo"
+    block = "processor\t: {}\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+    info.write_text(
+        block.format(0) + "stepping\t: 2\ncache size\t: 307200 KB\n\n" + block.format(1) + "stepping\t: 9\n"
+    )
+    assert machine.cpu_id(str(info)) == "family 6 model 207 stepping 2, cache 307200 KB"
+    info.write_text("processor\t: 0\nmodel name\t: Apple M2\n")
+    assert machine.cpu_id(str(info)) == ""  # nothing to add: no numbers, no cache
+    assert machine.cpu_id(str(tmp_path / "missing")) == ""
+    assert set(machine.describe()) == {"cpu_model", "cores", "vector_isa", "cpu_id", "forced_isa"}
+    rec = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_id": "family 6 model 207 stepping 2", "date": "2026-11-30"}
+    assert report.machine(rec)["cpu_model"] == "Intel(R) Xeon(R) Processor (family 6 model 207 stepping 2)"
+    assert report.machine({"cpu_model": "Apple M2", "date": "2026-11-30"})["cpu_model"] == "Apple M2"
+
+
 def test_the_embedded_server_is_started_from_this_trees_package(tmp_path):
     """The bench starts `python -m <package>` in a source tree; the package moved as the kit grew."""
     module = bench.server_module(ROOT)
