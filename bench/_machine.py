@@ -1,6 +1,6 @@
 """What a benchmark's results file records about where it ran: the machine (CPU model, cores, vector ISA: the package's
-own `areal_lite.utils.machine`; the CPU's family/model/stepping numbers and cache, `cpu_id`), the ISA switches set
-in its environment, and the source tree's commit.
+own `areal_lite.utils.machine`, and its `cpu_id`: the family/model/stepping numbers and cache), the ISA switches
+set in its environment, and the source tree's commit.
 
 An AVX2 proxy: `AVX2_PROXY_ENV` holds each library's own switch to its AVX2 kernels (torch's kernels, MKL's matmuls,
 oneDNN's packed linears: the server's decode runs on all three). Set together on an AVX-512 CPU, they run a bench on
@@ -14,7 +14,7 @@ import os
 import subprocess
 import time
 
-from areal_lite.utils.machine import cpu_model, vector_isa
+from areal_lite.utils.machine import cpu_id, cpu_model, vector_isa
 from areal_lite.utils.machine import describe as _describe
 
 __all__ = [
@@ -36,28 +36,6 @@ def forced_isa() -> str:
     """The ISA switches of `AVX2_PROXY_ENV` set here, e.g. "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"; "" if
     none (the CPU runs its own best kernels)."""
     return " ".join(f"{k}={os.environ[k]}" for k in AVX2_PROXY_ENV if os.environ.get(k))
-
-
-def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's numbers from `cpuinfo`, e.g. "family 6 model 207 stepping 2, cache 307200 KB" ("" where there is no
-    such file). A virtual machine often names its CPU only "Intel(R) Xeon(R) Processor": two hosts of different
-    generations then look alike, yet run at different speeds and may pick kernels that round differently."""
-    fields = {}
-    try:
-        with open(cpuinfo, encoding="utf-8") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if not sep:
-                    if fields:
-                        break  # the first processor's block is enough
-                    continue
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return ""
-    numbers = " ".join(f"{k} {fields[n]}" for k, n in (("family", "cpu family"), ("model", "model"),
-                                                      ("stepping", "stepping")) if fields.get(n))  # fmt: skip
-    cache = fields.get("cache size", "")
-    return ", ".join(part for part in (numbers, f"cache {cache}" if cache else "") if part)
 
 
 def describe() -> dict:

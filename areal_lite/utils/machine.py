@@ -1,4 +1,5 @@
-"""What machine this is, in the words a reader compares laptops by: CPU model, cores and vector ISA.
+"""What machine this is, in the words a reader compares laptops by: CPU model, cores and vector ISA (results files
+add the CPU's family, model and stepping numbers, `cpu_id`: a VM's model name may not tell its generation).
 
 Why: the same notebook runs at very different speeds on an AVX-512 CPU and an AVX2-only one, so every time the
 kit prints (`make demo`, each notebook's first cell, every bench's results file) says which CPU it came from. The
@@ -11,19 +12,40 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["cpu_model", "describe", "describe_line", "usable_cores", "vector_isa"]
+__all__ = ["cpu_id", "cpu_model", "cpuinfo", "describe", "describe_line", "usable_cores", "vector_isa"]
+
+
+def cpuinfo(path: str = "/proc/cpuinfo") -> dict:
+    """The first processor's block of `path` as {field: value} ({} where there is no such file: not Linux)."""
+    fields: dict = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if fields:
+                        break  # the first processor's block is enough
+                    continue
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
 
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (elsewhere what `platform` knows)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    return cpuinfo().get("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_id(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's numbers from `path`, e.g. "family 6 model 207 stepping 2, cache 307200 KB" ("" where it has none).
+    A virtual machine often names its CPU only "Intel(R) Xeon(R) Processor": two hosts of different generations
+    then look alike, yet run at different speeds and may pick kernels that round differently."""
+    fields = cpuinfo(path)
+    names = (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+    numbers = " ".join(f"{label} {fields[key]}" for label, key in names if fields.get(key))
+    cache = fields.get("cache size", "")
+    return ", ".join(part for part in (numbers, f"cache {cache}" if cache else "") if part)
 
 
 def vector_isa() -> str:
