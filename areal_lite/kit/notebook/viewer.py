@@ -87,10 +87,14 @@ _COLOURS = {"prompt": "#e8eef7", "output": "#c9f2c7", "observation": "#fde2c4"}
 _LABELS = {"prompt": "prompt", "output": "generated (loss 1)", "observation": "tool / feedback (loss 0)"}
 
 
+def _colour_kind(kind: str) -> str:
+    """The kind a segment is coloured as: every kind but prompt and output is an observation."""
+    return kind if kind in _COLOURS else "observation"
+
+
 def _legend(kinds: set) -> str:
-    """The colour key of the kinds a row shows, and only those (a single-turn row has no tool or feedback tokens);
-    every kind but prompt and output is an observation."""
-    shown = {k if k in _COLOURS else "observation" for k in kinds}
+    """The colour key of the kinds a row shows, and only those (a single-turn row has no tool or feedback tokens)."""
+    shown = {_colour_kind(k) for k in kinds}
     entries = [f'<span style="background:{_COLOURS[k]}">{label}</span>' for k, label in _LABELS.items() if k in shown]
     return " ".join(entries)
 
@@ -111,7 +115,7 @@ def trajectory_to_html(batch: Dict[str, torch.Tensor], i: int, tokenizer, max_to
         '<div style="white-space:pre-wrap;border:1px solid #ccc;padding:4px">',
     ]
     for seg in segments:
-        colour = _COLOURS.get(seg.kind, _COLOURS["observation"])
+        colour = _COLOURS[_colour_kind(seg.kind)]
         if seg.generated:
             ret = f", return {tr[seg.start]:.4f}" if tr is not None else ""
             parts.append(
