@@ -1,4 +1,4 @@
-"""How close a generation run comes to the CPU's compute limit: the workload's FLOPs over the FLOP/s of a big matmul.
+"""How close generation (or an update) comes to the CPU's compute limit: its FLOPs over the FLOP/s of a big matmul.
 
 - FLOPs are counted, not profiled: 2 per multiply-add of every matmul a Llama-style decoder runs (q/k/v/o, the gated
   MLP, the LM head, attention's scores and weighted values). Norms, rotary, biases, softmax, activations and sampling
@@ -6,6 +6,7 @@
 - The count is the least work the workload needs: the prompts' shared start once, each row's own prompt tokens once,
   the LM head only where a token is sampled. A server that repeats work (a shared start prefilled per batch, padding)
   gets no credit for it: that shows as a lower fraction, which is the point.
+  An update (`update_flops`) counts its forward the same way, and its backward as two forwards.
 - The limit is measured, not read off a datasheet: `torch.mm` of two large square matrices in this process, at the
   thread count and on the cores the systems get. It runs the same kernels (oneDNN/MKL) as the model's linear layers
   and picks AVX2 or AVX-512 as they do, so it is what this CPU attains, not a clock x width figure it never reaches.
@@ -74,6 +75,28 @@ def decode_flops(config, rows: int, prompt_len: Union[int, Sequence[int]], new_t
     decode = rows * (new_tokens - 1) * (body + head) + decode_keys * per_key
     return {"prefill": prefill, "decode": decode, "total": prefill + decode,
             "attention": (prefill_keys + decode_keys) * per_key, "per_token_matmul": body + head}  # fmt: skip
+
+
+def update_flops(config, groups: int, group_size: int, prompt: int, completion: int, common_start: int = 0) -> dict:
+    """FLOPs of one PPO update (forward and backward) of the Llama-style decoder `config` describes on a GRPO batch:
+    `groups` prompts of `prompt` tokens, their first `common_start` shared by all, each with `group_size` completions
+    of `completion` policy tokens, counted as the least the update needs (the kit's packing, bench/update_speed.py):
+    the common start once, each prompt's own tokens once for its group, every completion token but the last (no token
+    follows it), and the LM head once for each logit that scores a policy token (a prompt's last position once for its
+    group). A backward pass costs two forwards (the gradients of the inputs and of the weights): 3 x the forward.
+
+    Returns {"forward", "total", "attention" (the part of total in attention), "positions", "lm_head_positions"}."""
+    if not 0 <= common_start < prompt or completion < 1 or groups < 1 or group_size < 1:
+        raise ValueError(f"groups {groups}, group_size {group_size}, prompt {prompt}, completion {completion}, "
+                         f"common_start {common_start}")  # fmt: skip
+    body, head, per_key = matmul_flops(config)
+    rows = groups * group_size
+    positions = common_start + groups * (prompt - common_start) + rows * (completion - 1)
+    lm_head = groups + rows * (completion - 1)
+    keys = _keys(0, common_start) + groups * _keys(common_start, prompt) + rows * _keys(prompt, prompt + completion - 1)
+    forward = positions * body + lm_head * head + keys * per_key
+    return {"forward": forward, "total": 3 * forward, "attention": 3 * keys * per_key, "positions": positions,
+            "lm_head_positions": lm_head}  # fmt: skip
 
 
 def measure_peak_gflops(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 2.0, n: int = 1024) -> float:

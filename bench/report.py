@@ -285,7 +285,11 @@ def summarise_update_speed(d: dict) -> dict:
         row = {"seconds": [r["median"], min(s), max(s)], "vs_rows_whole": r["speedup"], "trainable_M": r["trainable_M"]}
         if "speedup_vs_baseline" in r:
             row["vs_baseline"] = r["speedup_vs_baseline"]
+        if "limit" in r:  # runs before the update was held against the limit have none
+            row["limit"] = r["limit"]
         out["rows"][name] = row
+    if "update_flops" in d:
+        out["update_gflop"] = d["update_flops"]["total"] / 1e9
     return out
 
 
@@ -298,7 +302,18 @@ def latest_update_speed(f: dict) -> list:
         row = [name, spread(r["seconds"], "{:.2f}"), times(r["vs_rows_whole"])]
         rows.append(row + ([times(r.get("vs_baseline"))] if base else []) + [f"{r['trainable_M']:.1f}"])
     header = ["update", "s: median (lowest-highest)", "× rows whole"] + ([f"× {base}'s update"] if base else [])
-    return lines + table(header + ["trainable params, M"], rows)
+    lines += table(header + ["trainable params, M"], rows)
+    limits = [f"{name}: {r['limit']['gflops']:.0f} of {r['limit']['peak_gflops']:.0f} GFLOP/s = "
+              f"{r['limit']['fraction']:.0%}" for name, r in f["rows"].items() if "limit" in r]  # fmt: skip
+    if limits:
+        lines += [
+            "",
+            f"Against the limit: the update's {f['update_gflop']:.0f} GFLOP of matmuls (counted as the least "
+            "it needs: the common start once, each prompt once for its group, every completion token but the "
+            "last; backward = 2 forwards; `bench/_limit.update_flops`) over the median time, as a share of a "
+            "large `torch.mm`'s GFLOP/s in the row's dtype on the same threads: " + "; ".join(limits) + ".",
+        ]
+    return lines
 
 
 def row_update_speed(f: dict) -> list:

@@ -28,7 +28,9 @@ update on the same batch, in a child process (`bench/_update_worker.py`), each r
 flat one (`bench/_update_worker.py`), so any earlier tree can be the baseline.
 Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
 per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
-the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update). The same
+the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update), and for the
+default and bf16 rows the fraction of the CPU's matmul limit they reach (the update's counted FLOPs over a large
+`torch.mm`'s GFLOP/s in their dtype, `bench/_limit.py`: how much faster that update could still get). The same
 figures go to `--json`, with the date, the commit measured (and whether the tree was dirty), the CPU model, cores and
 vector ISA.
 
@@ -61,6 +63,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from _limit import measure_peak_gflops, update_flops  # noqa: E402
 from _machine import git_state, write_results  # noqa: E402
 from _models import bench_model_path  # noqa: E402  (bench/ is on sys.path when a bench script runs)
 
@@ -290,6 +293,30 @@ def report_rows(
     return result
 
 
+# Rows held against the limit: their matmuls' dtype, whose `torch.mm` rate is the limit.
+LIMIT_ROWS = {"float32 (default)": torch.float32, "bf16 autocast": torch.bfloat16}
+
+
+def against_limit(args: argparse.Namespace, config, result: dict) -> None:
+    """Add to `result` (and print) how close the default and bf16 rows come to the CPU's matmul limit: the update's
+    counted FLOPs (`_limit.update_flops`, the least the update needs) over the row's median time, as a fraction of
+    a large `torch.mm`'s GFLOP/s in the row's dtype at `--threads` (`_limit.measure_peak_gflops`)."""
+    flops = update_flops(config, args.groups, args.group_size, args.prompt, args.completion, args.common_start)
+    result["update_flops"] = flops
+    for name, dtype in LIMIT_ROWS.items():
+        row = result["rows"].get(name)
+        if row is None:
+            continue
+        peak = measure_peak_gflops(args.threads, dtype)
+        achieved = flops["total"] / row["median"] / 1e9
+        row["limit"] = {"peak_gflops": peak, "gflops": achieved, "fraction": achieved / peak}
+        print(
+            f"{name:26s}: {flops['total'] / 1e9:.0f} GFLOP of matmuls ({flops['positions']} positions, "
+            f"{flops['lm_head_positions']} LM-head rows, backward = 2 forwards) in {row['median']:.2f} s = "
+            f"{achieved:.0f} GFLOP/s, {achieved / peak:.0%} of a large {str(dtype)[6:]} torch.mm ({peak:.0f} GFLOP/s)"
+        )
+
+
 def main() -> int:
     args = parse_args()
     path = bench_model_path(args.model)
@@ -308,6 +335,7 @@ def main() -> int:
     if baseline is not None:
         baseline.close()
     result = report_rows(runs, times, native, lp_diff, baseline_name, baseline_state)
+    against_limit(args, actors["float32"].model.config, result)
     write_results(args.json, "update_speed", args, ROOT, **result)  # '' writes no file
     for actor in actors.values():
         actor.destroy()

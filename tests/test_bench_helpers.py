@@ -202,6 +202,21 @@ def test_attention_grows_with_the_context():
     assert long["decode"] - short["decode"] == 2 * 7 * 90 * PER_KEY  # 7 steps per row, each over 90 more keys
 
 
+def test_update_flops_of_the_demo_batch_by_hand():
+    """One update of 2 prompts of 10 tokens (the first 4 common) x 3 completions of 5 tokens: the common start once,
+    each prompt's 6 own tokens once, 4 of each completion's 5 tokens (the last is followed by nothing), the LM head
+    once per prompt (its last position scores every first token of its group) and 4 times per row; backward = 2x."""
+    f = limit.update_flops(smollm2_config(), groups=2, group_size=3, prompt=10, completion=5, common_start=4)
+    assert f["positions"] == 4 + 2 * 6 + 6 * 4 and f["lm_head_positions"] == 2 + 6 * 4
+    keys = (1 + 2 + 3 + 4) + 2 * (5 + 6 + 7 + 8 + 9 + 10) + 6 * (11 + 12 + 13 + 14)
+    assert f["forward"] == 40 * 30 * LAYER + 26 * HEAD + keys * PER_KEY
+    assert f["total"] == 3 * f["forward"] and f["attention"] == 3 * keys * PER_KEY
+    # sharing saves work: no common start is 4 more positions (and their keys) for the second prompt
+    assert limit.update_flops(smollm2_config(), 2, 3, 10, 5)["positions"] == f["positions"] + 4
+    with pytest.raises(ValueError):  # each prompt keeps a token of its own: its last position scores the first token
+        limit.update_flops(smollm2_config(), 2, 3, 10, 5, common_start=10)
+
+
 def test_measure_peak_gflops_is_quick_and_restores_the_thread_count():
     import time
 
@@ -236,6 +251,24 @@ def test_report_shows_the_fraction_of_the_limit_when_a_run_has_it():
     text = "\n".join(report.latest_rollout(report.summarise_rollout(new)))
     assert "matmul kernels reach on their own" in text and "60.0 GFLOP/s = 60.0%" in text
     assert "(25.0% of the limit; kernels 60.0%) against " in report.row_rollout(report.summarise_rollout(new))[0]
+
+
+def test_report_holds_the_update_against_the_limit_when_a_run_has_it():
+    import copy
+    import json
+
+    report = load_bench("report")
+    with open(os.path.join(ROOT, "bench", "results", "update_speed.json"), encoding="utf-8") as f:
+        old = json.load(f)
+    old.pop("update_flops", None)
+    for r in old["rows"].values():
+        r.pop("limit", None)
+    new = copy.deepcopy(old)
+    new["update_flops"] = {"total": 450e9}
+    new["rows"]["float32 (default)"]["limit"] = {"peak_gflops": 200.0, "gflops": 150.0, "fraction": 0.75}
+    text = "\n".join(report.latest_update_speed(report.summarise_update_speed(new)))
+    assert "the update's 450 GFLOP of matmuls" in text and "float32 (default): 150 of 200 GFLOP/s = 75%" in text
+    assert "Against the limit" not in "\n".join(report.latest_update_speed(report.summarise_update_speed(old)))
 
 
 def test_kernel_ceiling_times_the_servers_own_matmuls_and_restores_the_thread_count(monkeypatch):
