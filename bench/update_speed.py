@@ -256,21 +256,23 @@ def print_workload(args: argparse.Namespace, path: str, fp32: FSDPPPOActor, batc
     return native
 
 
-def time_rows(runs: dict, repeats: int, baseline_name: str, peaks: dict) -> dict[str, list[float]]:
-    """One warm-up update per row, then `repeats` turns of one timed update per row: {row name: seconds}. After each
-    turn, the matmul limit of each dtype in `peaks` ({dtype: threads}) joins `peaks["measured"][dtype]`: measured
-    between the updates, it sees the same drift of a shared machine."""
+def time_rows(
+    runs: dict, repeats: int, baseline_name: str, limit_dtypes: list, threads: int
+) -> tuple[dict[str, list[float]], dict[torch.dtype, list[float]]]:
+    """One warm-up update per row, then `repeats` turns of one timed update per row. After each turn, the matmul limit
+    of each of `limit_dtypes` (`_limit.measure_peak_gflops` at `threads`, the updates'): measured between the updates,
+    it sees the same drift of a shared machine. Returns ({row name: seconds}, {dtype: GFLOP/s})."""
     for name, (run, _) in runs.items():
         if name != baseline_name:
             run()  # warm-up: AdamW state, oneDNN kernels (the baseline worker warmed up on its own)
     times = {name: [] for name in runs}
-    measured = peaks.setdefault("measured", {})
+    peaks = {dtype: [] for dtype in limit_dtypes}
     for _ in range(repeats):  # interleaved, so background load hits every row alike
         for name, (run, _) in runs.items():
             times[name].append(run())
-        for dtype, threads in peaks["dtypes"].items():
-            measured.setdefault(dtype, []).append(measure_peak_gflops(threads, dtype, seconds=1.0))
-    return times
+        for dtype in limit_dtypes:
+            peaks[dtype].append(measure_peak_gflops(threads, dtype, seconds=1.0))
+    return times, peaks
 
 
 def report_rows(
@@ -302,11 +304,10 @@ def report_rows(
 LIMIT_ROWS = {"float32 (default)": torch.float32, "bf16 autocast": torch.bfloat16}
 
 
-def against_limit(args: argparse.Namespace, config, result: dict, peaks: dict) -> None:
+def limit_rows(args: argparse.Namespace, config, result: dict, peaks: dict) -> None:
     """Add to `result` (and print) how close the default and bf16 rows come to the CPU's matmul limit: the update's
     counted FLOPs (`_limit.update_flops`, the least the update needs) over the row's median time, as a fraction of
-    a large `torch.mm`'s GFLOP/s in the row's dtype at `--threads` (`_limit.measure_peak_gflops`, the median of its
-    measurements between the turns: `time_rows`)."""
+    a large `torch.mm`'s GFLOP/s in the row's dtype (`peaks`: `time_rows`'s measurements, their median)."""
     flops = update_flops(config, args.groups, args.group_size, args.prompt, args.completion, args.common_start)
     result["update_flops"] = flops
     for name, dtype in LIMIT_ROWS.items():
@@ -316,10 +317,11 @@ def against_limit(args: argparse.Namespace, config, result: dict, peaks: dict) -
         peak = statistics.median(peaks[dtype])
         achieved = flops["total"] / row["median"] / 1e9
         row["limit"] = {"peak_gflops": peak, "peak_runs": peaks[dtype], "gflops": achieved, "fraction": achieved / peak}
+        kind = str(dtype).removeprefix("torch.")
         print(
             f"{name:26s}: {flops['total'] / 1e9:.0f} GFLOP of matmuls ({flops['positions']} positions, "
             f"{flops['lm_head_positions']} LM-head rows, backward = 2 forwards) in {row['median']:.2f} s = "
-            f"{achieved:.0f} GFLOP/s, {achieved / peak:.0%} of a large {str(dtype)[6:]} torch.mm ({peak:.0f} GFLOP/s)"
+            f"{achieved:.0f} GFLOP/s, {achieved / peak:.0%} of a large {kind} torch.mm ({peak:.0f} GFLOP/s)"
         )
 
 
@@ -337,12 +339,12 @@ def main() -> int:
     if baseline is not None:
         runs = {baseline_name: (baseline.update, baseline.trainable_M), **runs}
     native = print_workload(args, path, actors["float32"], batch)
-    peaks = {"dtypes": {dtype: args.threads for name, dtype in LIMIT_ROWS.items() if name in runs}}
-    times = time_rows(runs, args.repeats, baseline_name, peaks)
+    limit_dtypes = [dtype for name, dtype in LIMIT_ROWS.items() if name in runs]
+    times, peaks = time_rows(runs, args.repeats, baseline_name, limit_dtypes, args.threads)
     if baseline is not None:
         baseline.close()
     result = report_rows(runs, times, native, lp_diff, baseline_name, baseline_state)
-    against_limit(args, actors["float32"].model.config, result, peaks["measured"])
+    limit_rows(args, actors["float32"].model.config, result, peaks)
     write_results(args.json, "update_speed", args, ROOT, **result)  # '' writes no file
     for actor in actors.values():
         actor.destroy()
