@@ -61,13 +61,15 @@ def cpu_tag() -> str:
 
 
 def commands(tag: str, trl_python: str) -> list[tuple[str, str, list[str]]]:
-    """(step, results name, argv) in the order they run; TRL's comparison once more in bf16 where the CPU has bf16
-    units (`cpu_native_bf16`)."""
+    """(step, results name, argv) in the order they run; TRL's comparison once more in bf16 and update_speed's bf16
+    rows only where the CPU has bf16 units (`cpu_native_bf16`)."""
     from areal_lite.utils.device import cpu_native_bf16
 
     runs = []
     for step, (name, argv) in BENCHES.items():
         out = os.path.join(RESULTS, f"{name}{tag}.json")
+        if step == "update" and not cpu_native_bf16():
+            argv = [*argv, "--no-bf16"]  # emulated bf16 (no AVX-512 BF16/AMX): its two rows take half an hour
         if step != "trl":
             runs.append((step, name + tag, [sys.executable, *argv, "--json", out]))
             continue

@@ -476,6 +476,12 @@ def test_cpu_evidence_names_its_files_by_cpu_class(monkeypatch, capsys):
     assert "== demo_avx2: " in plan and "== eval_cost_avx2: " in plan and "== vs_trl" not in plan
     with pytest.raises(SystemExit, match="unknown steps"):
         ev.main(["--dry-run", "--only", "demos"])
+    import areal_lite.utils.device as device  # update_speed's bf16 rows only where bf16 runs in hardware
+
+    for native in (False, True):
+        monkeypatch.setattr(device, "cpu_native_bf16", lambda native=native: native)
+        update = next(argv for step, _, argv in ev.commands("_avx2", "python") if step == "update")
+        assert ("--no-bf16" in update) is not native
     report = load_bench("report")
     assert report.title("demo_avx2") == report.TITLES["demo"] + ", an AVX2-only CPU"
     assert report.title("ci_time_avx2").startswith("`.ci/run` on a clean clone") and report.title("odd") == "odd"
