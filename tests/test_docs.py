@@ -106,18 +106,27 @@ def test_docs_cover_the_optional_routes():
 NOTEBOOK_TIMES = os.path.join(ROOT, "bench", "results", "notebook_times.json")
 
 
+def _avx2_seconds(times: str = NOTEBOOK_TIMES) -> dict:
+    """{"01": seconds} of the notebooks bench/notebook_times.py timed on an AVX2-only CPU (not a forced-AVX2 proxy, not
+    an AVX-512 CPU); empty without such a results file."""
+    import json
+
+    if not os.path.exists(times):
+        return {}
+    record = json.load(open(times, encoding="utf-8"))
+    if not record["vector_isa"].startswith("AVX2") or record.get("forced_isa"):
+        return {}
+    return {name[:2]: r["seconds"] for name, r in record["notebooks"].items()}
+
+
 def _reference_minutes(times: str = NOTEBOOK_TIMES) -> dict:
     """{"01": (Xeon minutes, AVX2 minutes)} as the READMEs must state them: the committed reference run's wall time in
-    minutes to one decimal; then an AVX2-only CPU's time (bench/notebook_times.py's results file, when it comes from
-    such a CPU and has the notebook), else the reference time scaled by 2.2, rounded up to one decimal."""
+    minutes to one decimal; then an AVX2-only CPU's time (`_avx2_seconds`) rounded up to one decimal, else the
+    reference time scaled by 2.2, rounded up."""
     import json
     import math
 
-    avx2 = {}
-    if os.path.exists(times):
-        record = json.load(open(times, encoding="utf-8"))
-        if record["vector_isa"].startswith("AVX2") and not record.get("forced_isa"):  # not a forced-AVX2 proxy
-            avx2 = {name[:2]: r["seconds"] for name, r in record["notebooks"].items()}
+    avx2 = _avx2_seconds(times)
 
     def up(minutes: float) -> str:
         return f"{math.ceil(round(minutes * 10, 6)) / 10:.1f}"
@@ -159,16 +168,21 @@ HEADER_TIMES = {  # each notebook's first cell, in the source of both languages:
     "en": r"\*\*Time\*\* ~([\d.]+) min on a 2-core AVX-512 CPU, an estimated ([\d.]+) on an AVX2-only one",
     "zh": r"\*\*耗时\*\* 2 核 AVX-512 CPU 上约 ([\d.]+) 分钟，仅支持 AVX2 的 CPU 上估计约 ([\d.]+) 分钟",
 }
+HEADER_TIMES_MEASURED = {  # the same, once an AVX2-only CPU has timed the notebook: no longer an estimate
+    "en": r"\*\*Time\*\* ~([\d.]+) min on a 2-core AVX-512 CPU, ([\d.]+) on a 2-core AVX2-only one",
+    "zh": r"\*\*耗时\*\* 2 核 AVX-512 CPU 上约 ([\d.]+) 分钟，2 核仅支持 AVX2 的 CPU 上约 ([\d.]+) 分钟",
+}
 
 
 def test_each_notebooks_header_gives_the_same_minutes_as_the_readmes():
     """A learner reads the time in the notebook's own header: it must be the READMEs' figure (`_reference_minutes`),
-    in English and in Chinese, not the time of an earlier run."""
-    expected = _reference_minutes()
+    in English and in Chinese, not the time of an earlier run, and call the AVX2 figure an estimate exactly when it
+    is one."""
+    expected, timed = _reference_minutes(), _avx2_seconds()
     for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "src", "[01]*.nb.md"))):
         n, text = os.path.basename(path)[:2], open(path, encoding="utf-8").read()
-        for lang, pattern in HEADER_TIMES.items():
-            found = re.findall(pattern, text)
+        for lang in HEADER_TIMES:
+            found = re.findall((HEADER_TIMES_MEASURED if n in timed else HEADER_TIMES)[lang], text)
             name = os.path.basename(path)
             assert found == [expected[n]], f"{name} ({lang}): the header says {found}, the READMEs {expected[n]}"
 
@@ -220,6 +234,11 @@ def test_readmes_demo_output_is_a_recorded_run():
     minutes = sorted(_training_minutes(r["lines"][2]) for r in runs)
     quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
     assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
+    if os.path.exists(os.path.join(ROOT, "bench", "results", "demo_avx2.json")):  # and an AVX2-only CPU's, if timed
+        avx2 = _record("demo_avx2")
+        minutes = sorted(_training_minutes(r["lines"][2]) for r in avx2["runs"])
+        quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
+        assert f"{quoted} min of training on a 2-core AVX2-only {avx2['cpu_model']}" in " ".join(readme.split())
 
 
 def test_readmes_test_time_is_the_recorded_ci_run():
@@ -231,6 +250,10 @@ def test_readmes_test_time_is_the_recorded_ci_run():
     quoted = f"`make test` took {record['seconds'] / 60:.0f} min from a clean clone on the 2-core AVX-512 Xeon"
     assert quoted in readme, f"README.md should say {quoted!r} (bench/results/ci_time.json)"
     assert record["vector_isa"].startswith("AVX512") and record["cores"] == 2
+    if os.path.exists(os.path.join(ROOT, "bench", "results", "ci_time_avx2.json")):  # and an AVX2-only CPU's, if timed
+        avx2 = _record("ci_time_avx2")
+        assert avx2["returncode"] == 0 and avx2["vector_isa"] == "AVX2" and not avx2["forced_isa"]
+        assert f"and {avx2['seconds'] / 60:.0f} min on the 2-core AVX2-only {avx2['cpu_model']}" in readme
 
 
 def test_reliability_quotes_the_recorded_soak():
@@ -245,9 +268,11 @@ def test_reliability_quotes_the_recorded_soak():
 
 
 def test_trl_page_quotes_both_recorded_runs():
-    """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's."""
+    """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's, and an
+    AVX2-only CPU's (vs_trl_avx2.json) where one was recorded."""
     text = _page_text("trl.md")
-    for bench in ("vs_trl", "vs_trl_bf16"):
+    avx2 = ["vs_trl_avx2"] if os.path.exists(os.path.join(ROOT, "bench", "results", "vs_trl_avx2.json")) else []
+    for bench in ["vs_trl", "vs_trl_bf16", *avx2]:
         d = _record(bench)
         s, base = d["summary"], d["base_accuracy"]
         lo, hi = min(s["trl_over_kit_train_time"]), max(s["trl_over_kit_train_time"])
