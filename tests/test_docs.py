@@ -222,6 +222,12 @@ def _training_minutes(after_n_steps_line: str) -> float:
     return float(re.findall(r"\(([\d.]+)\)", after_n_steps_line)[-1])
 
 
+def _quoted_training_minutes(record: dict) -> str:
+    """A demo record's minutes of training over its runs, as README quotes them: "lowest–highest" or one figure."""
+    minutes = sorted(_training_minutes(r["lines"][2]) for r in record["runs"])
+    return f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
+
+
 def test_readmes_demo_output_is_a_recorded_run():
     """README.md's `make demo` block is what the demo printed in bench/demo.py's latest record, line for line, and
     the minutes of training it quotes are that record's runs (lowest-highest), not typed by hand."""
@@ -229,16 +235,14 @@ def test_readmes_demo_output_is_a_recorded_run():
     block = re.search(r"```text\n(.*?)\n```", readme, re.S)
     assert block, "README.md has no ```text block with the demo's output"
     shown = [line for line in block.group(1).splitlines() if line != "..."]
-    runs = _record("demo")["runs"]
-    assert shown == runs[0]["lines"], "README.md's demo block is not bench/results/demo.json's first run"
-    minutes = sorted(_training_minutes(r["lines"][2]) for r in runs)
-    quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
+    record = _record("demo")
+    assert shown == record["runs"][0]["lines"], "README.md's demo block is not bench/results/demo.json's first run"
+    quoted = _quoted_training_minutes(record)
     assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
     if os.path.exists(os.path.join(ROOT, "bench", "results", "demo_avx2.json")):  # and an AVX2-only CPU's, if timed
         avx2 = _record("demo_avx2")
-        minutes = sorted(_training_minutes(r["lines"][2]) for r in avx2["runs"])
-        quoted = f"{minutes[0]:.1f}–{minutes[-1]:.1f}" if minutes[0] != minutes[-1] else f"{minutes[0]:.1f}"
-        assert f"{quoted} min of training on a 2-core AVX2-only {avx2['cpu_model']}" in " ".join(readme.split())
+        quoted = f"{_quoted_training_minutes(avx2)} min of training on a 2-core AVX2-only {avx2['cpu_model']}"
+        assert quoted in " ".join(readme.split()), f"README.md should say {quoted!r} (bench/results/demo_avx2.json)"
 
 
 def test_readmes_test_time_is_the_recorded_ci_run():
