@@ -212,6 +212,11 @@ def _record(bench: str) -> dict:
         return json.load(f)
 
 
+def _record_if_any(bench: str) -> dict | None:
+    """`_record(bench)`, or None where that bench has no results file (an AVX2-only CPU's records, until one ran)."""
+    return _record(bench) if os.path.exists(os.path.join(ROOT, "bench", "results", f"{bench}.json")) else None
+
+
 def _page_text(page: str) -> str:
     """docs/PAGE with its line breaks and runs of spaces folded into single spaces (a quote may wrap anywhere)."""
     return " ".join(open(os.path.join(ROOT, "docs", page), encoding="utf-8").read().split())
@@ -239,8 +244,7 @@ def test_readmes_demo_output_is_a_recorded_run():
     assert shown == record["runs"][0]["lines"], "README.md's demo block is not bench/results/demo.json's first run"
     quoted = _quoted_training_minutes(record)
     assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
-    if os.path.exists(os.path.join(ROOT, "bench", "results", "demo_avx2.json")):  # and an AVX2-only CPU's, if timed
-        avx2 = _record("demo_avx2")
+    if avx2 := _record_if_any("demo_avx2"):  # and an AVX2-only CPU's, if timed
         quoted = f"{_quoted_training_minutes(avx2)} min of training on a 2-core AVX2-only {avx2['cpu_model']}"
         assert quoted in " ".join(readme.split()), f"README.md should say {quoted!r} (bench/results/demo_avx2.json)"
 
@@ -254,8 +258,7 @@ def test_readmes_test_time_is_the_recorded_ci_run():
     quoted = f"`make test` took {record['seconds'] / 60:.0f} min from a clean clone on the 2-core AVX-512 Xeon"
     assert quoted in readme, f"README.md should say {quoted!r} (bench/results/ci_time.json)"
     assert record["vector_isa"].startswith("AVX512") and record["cores"] == 2
-    if os.path.exists(os.path.join(ROOT, "bench", "results", "ci_time_avx2.json")):  # and an AVX2-only CPU's, if timed
-        avx2 = _record("ci_time_avx2")
+    if avx2 := _record_if_any("ci_time_avx2"):  # and an AVX2-only CPU's, if timed
         assert avx2["returncode"] == 0 and avx2["vector_isa"] == "AVX2" and not avx2["forced_isa"]
         assert f"and {avx2['seconds'] / 60:.0f} min on the 2-core AVX2-only {avx2['cpu_model']}" in readme
 
@@ -275,9 +278,10 @@ def test_trl_page_quotes_both_recorded_runs():
     """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's, and an
     AVX2-only CPU's (vs_trl_avx2.json) where one was recorded."""
     text = _page_text("trl.md")
-    avx2 = ["vs_trl_avx2"] if os.path.exists(os.path.join(ROOT, "bench", "results", "vs_trl_avx2.json")) else []
-    for bench in ["vs_trl", "vs_trl_bf16", *avx2]:
-        d = _record(bench)
+    records = {bench: _record(bench) for bench in ("vs_trl", "vs_trl_bf16")}
+    if avx2 := _record_if_any("vs_trl_avx2"):  # an AVX2-only CPU's, where one was recorded
+        records["vs_trl_avx2"] = avx2
+    for bench, d in records.items():
         s, base = d["summary"], d["base_accuracy"]
         lo, hi = min(s["trl_over_kit_train_time"]), max(s["trl_over_kit_train_time"])
         trl, kit = s["trl"], s["kit"]
