@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Optional, Sequence, Union
 
@@ -172,14 +173,28 @@ def measure_kernel_gflops(
         torch.set_num_threads(before)
 
 
-def against_limit(tokens_per_s: float, flops: dict, peak_gflops: float, kernel_gflops: Optional[float] = None) -> dict:
+def against_limit(
+    tokens_per_s: float,
+    flops: dict,
+    peak_gflops: float,
+    kernel_gflops: Optional[float] = None,
+    paired: Optional[Sequence[tuple[float, float]]] = None,
+) -> dict:
     """A generation run against the limit: achieved GFLOP/s = `tokens_per_s` x the workload's FLOPs per token (=
     total FLOPs / wall seconds, for a run that makes the workload's tokens); `flops` as `decode_flops` returns it,
     with the workload's generated "tokens" added. `kernel_gflops` (`measure_kernel_gflops`), when given, is kept
-    beside it with its own fraction of the limit."""
-    achieved = tokens_per_s * flops["total"] / flops["tokens"] / 1e9
+    beside it with its own fraction of the limit.
+
+    `paired` ([(a run's tokens/s, the peak measured just before that run)]): the fraction is then the median of
+    the runs' own fractions ("fraction_runs"), so a CPU whose speed drifts during a bench (a shared VM's clock
+    moves by a fifth within minutes) is held against itself; pass the median peak as `peak_gflops`."""
+    per_token = flops["total"] / flops["tokens"] / 1e9
+    achieved = tokens_per_s * per_token
     out = {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_tok_s": tokens_per_s,
            "embedded_gflops": achieved, "fraction": achieved / peak_gflops}  # fmt: skip
+    if paired:
+        runs = [tok_s * per_token / peak for tok_s, peak in paired]
+        out.update(fraction=statistics.median(runs), fraction_runs=runs, peak_runs=[peak for _, peak in paired])
     if kernel_gflops is not None:
         out.update(kernel_gflops=kernel_gflops, kernel_fraction=kernel_gflops / peak_gflops)
     return out
@@ -191,6 +206,10 @@ def fraction_line(limit: dict) -> str:
     line = (f"{limit['embedded_gflops']:.1f} GFLOP/s = {limit['embedded_tok_s']:.1f} tok/s x {per_token:.3f} "
             f"GFLOP/token; limit (torch.mm peak) {limit['peak_gflops']:.1f} GFLOP/s; fraction of the limit "
             f"{limit['fraction']:.3f}")  # fmt: skip
+    if "fraction_runs" in limit:
+        peaks, runs = limit["peak_runs"], limit["fraction_runs"]
+        line += (f" (the median of {len(runs)} runs' own, {min(runs):.3f}-{max(runs):.3f}, each over the peak "
+                 f"measured just before it, {min(peaks):.1f}-{max(peaks):.1f} GFLOP/s)")  # fmt: skip
     if "kernel_gflops" in limit:
         line += (f"; the weight matmuls alone at the batch's rows {limit['kernel_gflops']:.1f} GFLOP/s, "
                  f"{limit['kernel_fraction']:.3f} of the limit")  # fmt: skip

@@ -28,15 +28,17 @@ computes at a time (the others idle); the systems take turns `--repeats` times, 
 and medians are compared, because a shared machine drifts. Then each server decodes `--sequential-requests`
 requests one at a time (`one-by-one`: the latency of a lone request).
 
-Printed per thread count: the cores each server's process tree may run on (read back from /proc), each timed run,
-then a table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and cores busy (CPU-s / wall-s), both
-medians, and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
+Printed per thread count: the cores each server's process tree may run on (read back from /proc), each timed run
+(an embedded server's with the prefill batches it ran: one where the whole burst was admitted together), then a
+table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and cores busy (CPU-s / wall-s), both medians,
+and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
 so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (the
 kit's target: its server at least as fast as vLLM's CPU backend); then the embedded server's fraction of the limit
 (bench/_limit.py, `--no-limit` skips it): the workload's FLOPs (counted from the model's config, the shared start
-once) / its median wall time, over the GFLOP/s of a large `torch.mm` measured in this process on the same cores and
-threads just before the systems start, and beside it what the server's own matmul kernels reach on the model's weight
-shapes at `--requests` rows (the ceiling those kernels set). `--json` (default
+once) / a run's wall time, over the GFLOP/s of a large `torch.mm` measured in this process on the same cores and
+threads just before that run's turn (the systems idle), the median of the runs' fractions (a shared machine's speed
+drifts between turns), and beside it what the server's own matmul kernels reach on the model's weight shapes at
+`--requests` rows (the ceiling those kernels set). `--json` (default
 bench/results/rollout_throughput.json, '' for none) gets every run, the medians and spreads, the ratios, the limit,
 the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the arguments;
 `bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
@@ -275,6 +277,10 @@ class Server:
     def generate(self, ids: list[int], max_new_tokens: int) -> int:
         raise NotImplementedError
 
+    def prefill_batches(self) -> Optional[int]:
+        """The server's count of prefill batches so far, where it reports one."""
+        return None
+
     def stop(self) -> None:
         self.proc.stop(timeout=30)
 
@@ -303,6 +309,10 @@ class EmbeddedServer(Server):
         params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
         body = {"input_ids": ids, "return_logprob": True, "sampling_params": params}
         return post(self.url + "/generate", body)["meta_info"]["completion_tokens"]
+
+    def prefill_batches(self) -> Optional[int]:
+        with urllib.request.urlopen(self.url + "/server_info", timeout=60) as r:
+            return json.loads(r.read())["prefill_batches"]
 
 
 class VLLMServer(Server):
@@ -441,20 +451,28 @@ def kernel_on(cpus: list[int], threads: int, dtype: str, path: str, rows: int) -
 
 def timed(name: str, run: Callable[[], tuple[int, float]], servers: list[Server], settle: float) -> dict:
     """One timed phase of system `name`: tokens, wall seconds, CPU seconds of its process tree (this process's own
-    CPU for the in-process raw generate), and the CPU seconds the other servers used meanwhile."""
+    CPU for the in-process raw generate), the CPU seconds the other servers used meanwhile, and the prefill batches
+    the server ran, where it counts them (one when a burst of requests was admitted together)."""
+    server = next((s for s in servers if s.name == name), None)
     time.sleep(settle)
+    p0 = server.prefill_batches() if server else None
     c0, own0 = phase_cpu(servers), time.process_time()
     tokens, dt = run()
     c1, own1 = phase_cpu(servers), time.process_time()
     used = {k: c1[k] - c0[k] for k in c0}
     cpu = used.pop(name) if name in used else own1 - own0
-    return {"tokens": tokens, "wall_s": dt, "cpu_s": cpu, "idle_servers_cpu_s": sum(used.values())}
+    out = {"tokens": tokens, "wall_s": dt, "cpu_s": cpu, "idle_servers_cpu_s": sum(used.values())}
+    if p0 is not None:
+        out["prefill_batches"] = server.prefill_batches() - p0
+    return out
 
 
 def report(name: str, r: dict, extra: str = "") -> None:
     tok_s, busy = r["tokens"] / r["wall_s"], r["cpu_s"] / r["wall_s"]
     line = (f"  {name:<14}: {r['tokens']:5d} tokens in {r['wall_s']:7.2f}s = {tok_s:7.1f} tok/s, "
             f"CPU {r['cpu_s']:6.1f}s ({busy:4.2f} cores busy) {extra}")  # fmt: skip
+    if "prefill_batches" in r:
+        line += f" {r['prefill_batches']} prefill batch(es)"
     if r["idle_servers_cpu_s"] > IDLE_WARN * r["wall_s"]:
         line += f"  [idle servers used {r['idle_servers_cpu_s']:.1f} CPU-s meanwhile]"
     print(line, flush=True)
@@ -475,7 +493,9 @@ def row_stats(runs: list[dict]) -> dict:
 
 
 def measure(args: argparse.Namespace, path: str, ids: list[list[int]], threads: int, log_dir: str) -> dict:
-    """One thread count: {"cores", "affinity", "rows": {name: row_stats (+ "one_by_one")}}."""
+    """One thread count: {"cores", "affinity", "rows": {name: row_stats (+ "one_by_one")}, "peak_runs"}: unless
+    `--no-limit`, the torch.mm peak is measured before each turn (`peak_on`, the servers idle), so that each run is
+    held against the CPU's speed of that moment."""
     import torch
 
     cpus = args.cores[:threads]
@@ -498,8 +518,11 @@ def measure(args: argparse.Namespace, path: str, ids: list[list[int]], threads: 
         runs[raw.name] = []
         systems.append((raw.name, lambda: raw.run(args.max_new_tokens)))
     lone: dict[str, dict] = {}
+    peaks: list[float] = []
     try:
         for r in range(args.repeats):
+            if not args.no_limit:
+                peaks.append(peak_on(cpus, threads, args.dtype))
             for name, run in systems if r % 2 == 0 else systems[::-1]:  # alternate the order too
                 runs[name].append(timed(name, run, servers, args.settle))
                 report(name, runs[name][-1], f"(B={len(ids)})")
@@ -516,7 +539,7 @@ def measure(args: argparse.Namespace, path: str, ids: list[list[int]], threads: 
         rows[name] = row_stats(rs)
         if name in lone:
             rows[name]["one_by_one"] = lone[name]
-    return {"threads": threads, "cores": format_cpu_list(cpus), "affinity": affinity, "rows": rows}
+    return {"threads": threads, "cores": format_cpu_list(cpus), "affinity": affinity, "rows": rows, "peak_runs": peaks}
 
 
 def ratios(rows: dict) -> dict:
@@ -669,18 +692,21 @@ def measure_blocks(args: argparse.Namespace, path: str, ids: list[list[int]], th
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as log_dir:
         for threads in thread_counts:
             print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)
-            peak = kernel = None
+            kernel = None
             if flops is not None:
                 peak = peak_on(args.cores[:threads], threads, args.dtype)
                 kernel = kernel_on(args.cores[:threads], threads, args.dtype, path, args.requests)
-                print(f"  limit: torch.mm {args.dtype} {peak:.1f} GFLOP/s; the weight matmuls alone at "
-                      f"{args.requests} rows {kernel:.1f} GFLOP/s", flush=True)  # fmt: skip
+                print(f"  limit: torch.mm {args.dtype} {peak:.1f} GFLOP/s (measured again before each turn); the "
+                      f"weight matmuls alone at {args.requests} rows {kernel:.1f} GFLOP/s", flush=True)  # fmt: skip
             block = measure(args, path, ids, threads, log_dir)
             block["ratios"] = ratios(block["rows"])
-            if peak is not None:
+            peaks = block.pop("peak_runs")
+            if flops is not None:
                 from _limit import against_limit
 
-                block["limit"] = against_limit(block["rows"]["embedded"]["tok_s"]["median"], flops, peak, kernel)
+                emb = block["rows"]["embedded"]["tok_s"]
+                paired = list(zip(emb["runs"], peaks))
+                block["limit"] = against_limit(emb["median"], flops, statistics.median(peaks), kernel, paired)
             result["blocks"].append(block)
             result["load_average_end"] = os.getloadavg()[0]
             if args.json:

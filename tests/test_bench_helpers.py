@@ -299,6 +299,24 @@ def test_kernel_ceiling_times_the_servers_own_matmuls_and_restores_the_thread_co
     assert "the weight matmuls alone at the batch's rows 120.0 GFLOP/s, 0.600 of the limit" in line
 
 
+def test_a_run_is_held_against_the_peak_measured_just_before_it():
+    """With the peak measured before each run, the fraction is the median of the runs' own fractions: a CPU that
+    slows down during the bench is not charged for it (median GFLOP/s over median peak would say 0.5 here)."""
+    flops = {"total": 2e12, "tokens": 2000}  # 1 GFLOP a token: tok/s = GFLOP/s
+    paired = [(60.0, 100.0), (40.0, 60.0), (50.0, 80.0)]  # the CPU's speed drifts; each run keeps pace with it
+    lim = limit.against_limit(50.0, flops, 80.0, paired=paired)
+    assert lim["fraction_runs"] == [0.6, 40.0 / 60.0, 0.625] and lim["fraction"] == 0.625
+    assert lim["peak_runs"] == [100.0, 60.0, 80.0] and lim["embedded_gflops"] == 50.0
+    line = limit.fraction_line(lim)
+    assert "fraction of the limit 0.625 (the median of 3 runs' own, 0.600-0.667" in line and "60.0-100.0" in line
+    assert "fraction_runs" not in limit.against_limit(50.0, flops, 80.0)  # one peak: median GFLOP/s over it
+    report = load_bench("report")
+    block = {"threads": 2, "limit": dict(lim)}
+    assert "the median of the runs' fractions 62.5%" in report._against_limit(block)
+    del block["limit"]["peak_runs"]
+    assert report._against_limit(block).endswith("50.0 of 80.0 GFLOP/s = 62.5%")
+
+
 def test_eval_cost_counts_the_work_the_server_ran():
     """Prefill runs each distinct prompt once and their shared start once; decode every answer token but the last."""
     eval_cost = load_bench("eval_cost")

@@ -43,8 +43,8 @@ COUNTERS = (
     "aborted_requests", "weight_updates",
 )  # fmt: skip
 _DEFERRED = object()  # a command handler's result meaning "its future is resolved later by the scheduler"
-ADMIT_QUIET = 0.003  # seconds without a new request that end an idle server's burst (`_gather_burst`)
-ADMIT_MAX = 0.02  # the longest an idle server holds a burst's first request back
+ADMIT_QUIET = 0.01  # seconds without a new request that end an idle server's burst (`_gather_burst`)
+ADMIT_MAX = 0.1  # the longest an idle server holds a burst's first request back
 
 
 def _abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
@@ -227,6 +227,11 @@ class Scheduler:
 
         A GRPO client sends a batch as one request per sample, within milliseconds. Had the first been prefilled
         alone, the others would need a second prefill, their prompt computed again, and start a decode step later.
+        Why 10 ms of quiet and at most 100 ms: on a 2-core CPU the client prepares each prompt and the server parses
+        each body on the cores that also compute, so a burst's requests arrive milliseconds apart; a window of a few
+        ms would split bursts (the evaluation's first request most often), and a request missing the prefill costs
+        a second prefill, far more than the window. A lone request waits `admit_quiet`. bench/eval_cost.py and
+        bench/rollout_throughput.py print the prefill batches each timed run took (one when nothing was split).
         A command arriving in the window (an abort, a pause) ends it and is handled after the prefill, as it would
         have been without the wait. Sampling is batch-invariant, so the tokens are the same either way."""
         deadline = time.monotonic() + self.admit_max
