@@ -243,9 +243,10 @@ def test_readmes_demo_output_is_a_recorded_run():
     record = _record("demo")
     assert shown == record["runs"][0]["lines"], "README.md's demo block is not bench/results/demo.json's first run"
     quoted = _quoted_training_minutes(record)
-    assert f"{quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
+    # a space before the figure: "2.3 min" must not pass inside a stale "2.2–2.3 min"
+    assert f" {quoted} min of training" in readme, f"README.md should quote {quoted} min of training (the record's)"
     if avx2 := _record_if_any("demo_avx2"):  # and an AVX2-only CPU's, if timed
-        quoted = f"{_quoted_training_minutes(avx2)} min of training on a 2-core AVX2-only {avx2['cpu_model']}"
+        quoted = f" {_quoted_training_minutes(avx2)} min of training on a 2-core AVX2-only {avx2['cpu_model']}"
         assert quoted in " ".join(readme.split()), f"README.md should say {quoted!r} (bench/results/demo_avx2.json)"
 
 
