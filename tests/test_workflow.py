@@ -24,6 +24,7 @@ from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineCo
 from areal_lite.api.io_struct import ModelRequest, ModelResponse
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
+from areal_lite.infra.workflow_executor import resolve_workflow
 from areal_lite.kit.notebook.viewer import trajectory_segments
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.functional import discounted_returns
@@ -369,6 +370,43 @@ def test_grouped_rejects_whole_group_when_one_episode_is_rejected(tok, engine, r
 
     wf = GroupedWorkflow(RejectSome())
     assert asyncio.run(wf.arun_episode(engine, {"messages": _msgs(), "answer": "x"})) is None
+
+
+def test_grouped_rows_do_not_depend_on_which_episode_got_which_sample(tok):
+    """The server answers a group's identical requests in arrival order, so which episode gets which sample varies
+    from run to run; with `sort_rows` the group's rows do not (the update sums them in order). Each episode here
+    takes the next of three scripted answers, handed out in two different orders; the rows come out the same."""
+    answers = [
+        {"input_ids": torch.tensor([[5, 6, 9]]), "rewards": torch.tensor([1.0])},
+        {"input_ids": torch.tensor([[5, 6, 7, 8]]), "rewards": torch.tensor([0.0])},
+        {"input_ids": torch.tensor([[5, 6, 7]]), "rewards": torch.tensor([0.5])},
+    ]
+
+    class Scripted(RolloutWorkflow):
+        def __init__(self, order):
+            self.gconfig, self.order = _gconfig(n_samples=3), list(order)
+
+        async def arun_episode(self, engine, data):
+            await asyncio.sleep(0)  # the episodes of the group run at once
+            return answers[self.order.pop(0)]
+
+    def group(order, **kw):
+        return asyncio.run(GroupedWorkflow(Scripted(order), **kw).arun_episode(None, {}))
+
+    groups = [group(order, sort_rows=True) for order in ([0, 1, 2], [2, 0, 1])]
+    for key in ("input_ids", "rewards"):
+        assert torch.equal(groups[0][key], groups[1][key])
+    assert groups[0]["input_ids"].tolist() == [[5, 6, 7, 0], [5, 6, 7, 8], [5, 6, 9, 0]]  # by content, padded
+    assert groups[0]["rewards"].tolist() == [0.5, 0.0, 1.0]  # each row keeps its own fields
+    assert group([2, 0, 1])["rewards"].tolist() == [0.5, 1.0, 0.0]  # by default AReaL's order: as started
+    # the engine's group_size= sorts, and so does the kit's trainer (build_workflow)
+    assert resolve_workflow(Scripted([0, 1, 2]), None, group_size=3).sort_rows
+    from areal_lite.api.cli_args import load_expr_config
+    from areal_lite.kit.trainer.train import TrainConfig, build_workflow
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config, _ = load_expr_config(["--config", os.path.join(root, "configs", "arith_grpo_demo.yaml")], TrainConfig)
+    assert build_workflow(config, tok).sort_rows
 
 
 # ---------------------------------------------------------------------------------------------- reflection

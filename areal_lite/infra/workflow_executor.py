@@ -76,8 +76,9 @@ def resolve_workflow(workflow: Any, workflow_kwargs: Optional[dict], group_size:
             GroupedWorkflow,  # the workflow module never imports the executor: no cycle
         )
 
-        # AReaL's rule: group_size decides, whatever the workflow's gconfig.n_samples says
-        workflow = GroupedWorkflow(workflow, group_size=group_size, check_n_samples=False)
+        # AReaL's rule: group_size decides, whatever the workflow's gconfig.n_samples says. The rows sorted: a seeded
+        # run repeats whatever order the server received the group's identical requests in (grouped.py)
+        workflow = GroupedWorkflow(workflow, group_size=group_size, check_n_samples=False, sort_rows=True)
     return workflow
 
 

@@ -145,7 +145,7 @@ def build_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] 
         inner = MultiTurnFeedbackWorkflow(reward_fn, g, tokenizer, num_turns=config.max_turns, **turns)
     else:
         raise ValueError(f"workflow must be one of {WORKFLOWS}, got {kind!r}")
-    return GroupedWorkflow(inner, group_size=config.gconfig.n_samples)
+    return GroupedWorkflow(inner, group_size=config.gconfig.n_samples, sort_rows=True)  # reproducible: grouped.py
 
 
 def build_eval_workflow(config: GRPOConfig, tokenizer, reward_fn: Optional[Callable] = None):
