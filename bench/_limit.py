@@ -186,8 +186,8 @@ def against_limit(
     beside it with its own fraction of the limit.
 
     `paired` ([(a run's tokens/s, the peak measured just before that run)]): the fraction is then the median of
-    the runs' own fractions ("fraction_runs"), so a CPU whose speed drifts during a bench (a shared VM's clock
-    moves by a fifth within minutes) is held against itself; pass the median peak as `peak_gflops`."""
+    the runs' own fractions ("fraction_runs"), so a CPU whose speed drifts during a bench (a shared VM's does) is
+    held against itself; pass the median peak as `peak_gflops`."""
     per_token = flops["total"] / flops["tokens"] / 1e9
     achieved = tokens_per_s * per_token
     out = {"peak_gflops": peak_gflops, "workload_flops": flops, "embedded_tok_s": tokens_per_s,

@@ -227,11 +227,8 @@ class Scheduler:
 
         A GRPO client sends a batch as one request per sample, within milliseconds. Had the first been prefilled
         alone, the others would need a second prefill, their prompt computed again, and start a decode step later.
-        Why 10 ms of quiet and at most 100 ms: on a 2-core CPU the client prepares each prompt and the server parses
-        each body on the cores that also compute, so a burst's requests arrive milliseconds apart; a window of a few
-        ms would split bursts (the evaluation's first request most often), and a request missing the prefill costs
-        a second prefill, far more than the window. A lone request waits `admit_quiet`. bench/eval_cost.py and
-        bench/rollout_throughput.py print the prefill batches each timed run took (one when nothing was split).
+        Why 10 ms (100 at most): on 2 cores a burst's requests arrive ms apart, and a straggler costs a second prefill,
+        far more than the wait (bench/eval_cost.py and bench/rollout_throughput.py print each run's prefill batches).
         A command arriving in the window (an abort, a pause) ends it and is handled after the prefill, as it would
         have been without the wait. Sampling is batch-invariant, so the tokens are the same either way."""
         deadline = time.monotonic() + self.admit_max
