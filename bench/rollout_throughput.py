@@ -523,6 +523,7 @@ def measure(args: argparse.Namespace, path: str, ids: list[list[int]], threads: 
         for r in range(args.repeats):
             if not args.no_limit:
                 peaks.append(peak_on(cpus, threads, args.dtype))
+                print(f"  limit: torch.mm {args.dtype} {peaks[-1]:.1f} GFLOP/s before this turn", flush=True)
             for name, run in systems if r % 2 == 0 else systems[::-1]:  # alternate the order too
                 runs[name].append(timed(name, run, servers, args.settle))
                 report(name, runs[name][-1], f"(B={len(ids)})")
@@ -693,11 +694,9 @@ def measure_blocks(args: argparse.Namespace, path: str, ids: list[list[int]], th
         for threads in thread_counts:
             print(f"== threads={threads} cores={format_cpu_list(args.cores[:threads])}", flush=True)
             kernel = None
-            if flops is not None:
-                peak = peak_on(args.cores[:threads], threads, args.dtype)
+            if flops is not None:  # the torch.mm peak itself is measured before each turn (`measure`)
                 kernel = kernel_on(args.cores[:threads], threads, args.dtype, path, args.requests)
-                print(f"  limit: torch.mm {args.dtype} {peak:.1f} GFLOP/s (measured again before each turn); the "
-                      f"weight matmuls alone at {args.requests} rows {kernel:.1f} GFLOP/s", flush=True)  # fmt: skip
+                print(f"  limit: the weight matmuls alone at {args.requests} rows {kernel:.1f} GFLOP/s", flush=True)
             block = measure(args, path, ids, threads, log_dir)
             block["ratios"] = ratios(block["rows"])
             peaks = block.pop("peak_runs")
