@@ -1271,7 +1271,7 @@ def test_shared_start_is_the_common_prefix_that_leaves_each_prompt_a_token():
 @pytest.mark.parametrize("threads, per_token", [(1, None), (2, None), (2, True)])
 def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, per_token, smollm_path, monkeypatch):
     """A prompt's prefill logits, keys and values are bit for bit the same prefilled alone (whole), beside prompts
-    that share its start (which then runs once), or with its attention in chunks of a few queries; and they are
+    that share its start (which then runs once), or with its attention in chunks of a few queries or of one; and are
     the model's own forward's up to rounding. `per_token`: None takes the attention this CPU measured
     (`rows_independent_bmm`), True the one-product-per-token attention whatever it measured."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1292,14 +1292,16 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
         with torch.inference_mode():
             together = runner.prefill(prompts)
             alone = [runner.prefill([p]) for p in prompts]
-            monkeypatch.setattr(fastpath, "QUERY_CHUNK", 7)
-            chunked = runner.prefill(prompts)
+            chunked = []  # 7 queries a product; and one leaving the shared start's last token alone in its product
+            for chunk in (7, fastpath.shared_start(prompts) - 1):
+                monkeypatch.setattr(fastpath, "QUERY_CHUNK", chunk)
+                chunked.append(runner.prefill(prompts))
             reference = [model(torch.tensor([p])).logits[0, -1] for p in prompts]
     finally:
         torch.set_num_threads(saved)
     for i, (part, logits) in enumerate(alone):
         n = len(prompts[i])
-        for got_part, got_logits in (together, chunked):
+        for got_part, got_logits in (together, *chunked):
             assert torch.equal(got_logits[i], logits[0]), i
             assert torch.equal(got_part.mask[i, :n], part.mask[0]) and not got_part.mask[i, n:].any()
             for a, b in zip(part.keys + part.values, got_part.keys + got_part.values):

@@ -216,6 +216,8 @@ def _return_freed_memory() -> None:
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """`LlamaRMSNorm`/`Qwen2RMSNorm`, operation for operation."""
     dtype = x.dtype
+    if dtype == torch.float32 and norm.weight.dtype == dtype:  # torch's one call: the same bits, fewer dispatches
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * variance.add_(norm.variance_epsilon).rsqrt_()  # in place on our own temporaries: the same numbers
@@ -276,11 +278,14 @@ def _causal_attention(
         if per_token:
             _attend_per_token(q[c : c + mc], keys, values, bias, scaling, out[c : c + mc])
             continue
-        qs = q[c : c + mc].view(mc, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * mc, d)
-        scores = torch.bmm(qs, keys.transpose(1, 2)).view(kv_heads, rep, mc, width)
+        chunk, mq = q[c : c + mc], max(mc, 2)
+        if mc == 1:  # a lone token's `rep` rows take another kernel (`rows_independent_bmm`): give it company
+            chunk, bias = chunk.expand(2, -1, -1), bias.expand(2, -1)
+        qs = chunk.reshape(mq, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * mq, d)
+        scores = torch.bmm(qs, keys.transpose(1, 2)).view(kv_heads, rep, mq, width)
         probs = torch.softmax(scores.mul_(scaling).add_(bias), dim=-1)
-        o = torch.bmm(probs.view(kv_heads, rep * mc, width), values).view(kv_heads, rep, mc, d)
-        out[c : c + mc].view(mc, kv_heads, rep, d).copy_(o.permute(2, 0, 1, 3))
+        o = torch.bmm(probs.view(kv_heads, rep * mq, width), values).view(kv_heads, rep, mq, d)
+        out[c : c + mc].view(mc, kv_heads, rep, d).copy_(o.permute(2, 0, 1, 3)[:mc])
 
 
 def _attend_per_token(
@@ -301,8 +306,9 @@ def _attend_per_token(
 def rows_independent_bmm(head_dim: int, rep: int, threads: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether this CPU's batched matmul gives a row the same bits whatever the rows beside it, measured for prefill
     attention's two products (queries x keys over `head_dim`, weights x values over KV_ALIGN-padded keys) at row
-    counts from `rep` to 256 tokens' worth and at two offsets, against one large call. MKL's AVX-512 kernels do;
-    its AVX2 kernels (Intel CPUs without AVX-512) change with the row count, so prefill then runs `per_token`.
+    counts from two tokens' worth (`2 * rep`; `_causal_attention` never runs a lone token's rows alone) to 256 and
+    at two offsets, against one large call. MKL's AVX-512 kernels pass; its AVX2 kernels may give a lone token's
+    few rows other bits (hence the company), and where larger counts differ too prefill runs `per_token`.
     `threads`: the caller's torch thread count, a key of the cache only (the answer may depend on it); `dtype`: the
     model's (bf16 products take other kernels)."""
     gen = torch.Generator().manual_seed(0)
@@ -314,7 +320,7 @@ def rows_independent_bmm(head_dim: int, rep: int, threads: int, dtype: torch.dty
     )
     for a, b in ((q, keys.transpose(1, 2)), (weights, values)):
         whole = torch.bmm(a, b)
-        for m in (rep, 2 * rep, 8 * rep, 16 * rep, 32 * rep, 64 * rep, 256 * rep):
+        for m in (2 * rep, 3 * rep, 8 * rep, 16 * rep, 32 * rep, 64 * rep, 256 * rep):
             for offset in (0, rep):
                 if not torch.equal(torch.bmm(a[:, offset : offset + m], b), whole[:, offset : offset + m]):
                     return False
