@@ -1310,9 +1310,9 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
 
 
 def test_prefill_numbers_hold_under_mkls_avx2_kernels():
-    """MKL's AVX2 kernels (what an Intel CPU without AVX-512 runs) pick a batched matmul kernel by the row count, so
-    the probe chooses the per-token attention there and a prompt keeps its bits: the test above, run by pytest in a
-    process where MKL is held to AVX2 (its own switch, as an AVX2-only CPU would have it)."""
+    """MKL's AVX2 kernels (what an Intel CPU without AVX-512 runs) may pick a batched matmul kernel by the row count;
+    a lone token's company and the probe's choice of attention keep a prompt's bits there: the test above, run by
+    pytest in a process where MKL is held to AVX2 (its own switch, as an AVX2-only CPU would have it)."""
     import os
     import subprocess
     import sys
