@@ -1271,9 +1271,10 @@ def test_shared_start_is_the_common_prefix_that_leaves_each_prompt_a_token():
 @pytest.mark.parametrize("threads, per_token", [(1, None), (2, None), (2, True)])
 def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, per_token, smollm_path, monkeypatch):
     """A prompt's prefill logits, keys and values are bit for bit the same prefilled alone (whole), beside prompts
-    that share its start (which then runs once), or with its attention in chunks of a few queries or of one; and are
-    the model's own forward's up to rounding. `per_token`: None takes the attention this CPU measured
-    (`rows_independent_bmm`), True the one-product-per-token attention whatever it measured."""
+    that share its start (which then runs once), with its attention in chunks of a few queries or of one, batched
+    with the other prompts' or alone; and are the model's own forward's up to rounding. `per_token`: None takes the
+    attention this CPU measured (`rows_independent_bmm`), True the one-product-per-token attention whatever it
+    measured."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from areal_lite.kit.server import fastpath
@@ -1292,11 +1293,18 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
         with torch.inference_mode():
             together = runner.prefill(prompts)
             alone = [runner.prefill([p]) for p in prompts]
-            chunked = []  # 7 queries a product; and one leaving the shared start's last token alone in its product
-            for chunk in (7, fastpath.shared_start(prompts) - 1):
+            chunked = []  # 7 queries a product; one leaving the shared start's last token alone in its product;
+            # and prompts' own tokens one prompt at a time (no batch of prompts fits in 0 scores)
+            for chunk, scores in ((7, None), (fastpath.shared_start(prompts) - 1, None), (7, 0)):
                 monkeypatch.setattr(fastpath, "QUERY_CHUNK", chunk)
+                if scores is not None:
+                    monkeypatch.setattr(fastpath, "BATCHED_SCORES", scores)
                 chunked.append(runner.prefill(prompts))
             reference = [model(torch.tensor([p])).logits[0, -1] for p in prompts]
+            # two prompts that differ in their last token only: one own token each, batched
+            pair = [prompts[0], prompts[0][:-1] + [prompts[1][-1]]]
+            pair_together = runner.prefill(pair)[1]
+            pair_alone = [runner.prefill([p])[1][0] for p in pair]
     finally:
         torch.set_num_threads(saved)
     for i, (part, logits) in enumerate(alone):
@@ -1307,6 +1315,8 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
             for a, b in zip(part.keys + part.values, got_part.keys + got_part.values):
                 assert torch.equal(b[i, :, :n], a[0]), i
         assert (logits[0] - reference[i]).abs().max().item() < 1e-3, i
+    assert fastpath.shared_start(pair) == len(pair[0]) - 1
+    assert all(torch.equal(pair_together[i], pair_alone[i]) for i in range(2))
 
 
 def test_prefill_numbers_hold_under_mkls_avx2_kernels():

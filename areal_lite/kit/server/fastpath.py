@@ -11,9 +11,9 @@ Design decisions
   copies (faster than MKL on decode batches, the weights held twice, re-packed by `refresh`).
 - Batch-invariant on CPU: a row's logits are bit for bit the same whatever rows share its batch, so a seeded request
   samples the same tokens alone, beside others or joining a running batch (with `sampling.py`'s per-request
-  streams). It takes oneDNN for every weight matmul (`_Linear`), prefill attention per prompt over keys padded to
-  whole `KV_ALIGN` columns (`_causal_attention`; one product per token where this CPU's batched matmul changes with
-  the row count, measured at start-up), and decode over a newest-first cache window (`StaticKV`). Tested by
+  streams). It takes oneDNN for every weight matmul (`_Linear`), prefill attention over each prompt's keys padded
+  to whole `KV_ALIGN` columns, prompts batched (`_PromptsAttention`; one product per token where this CPU's batched
+  matmul changes with the row count, measured at start-up), and decode over a newest-first cache window. Tested by
   `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
 - Only what this forward reproduces takes this path (`supports`); any other model runs its own (`batch.HFRunner`).
 - Prefill packs the prompts and runs the start they all share once (`prefill`), exactly: a prompt's logits and keys
@@ -235,6 +235,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 MIN_SHARED_START = 8  # a shorter common start is not worth a segment of its own
 QUERY_CHUNK = 256  # prefill attention's query rows per matmul: bounds its scores to 256 x the prompt's length
+BATCHED_SCORES = 1 << 23  # floats of scores (32 MB in float32) up to which prompts' attention runs batched
 
 
 def shared_start(prompts: list[list[int]]) -> int:
@@ -300,6 +301,76 @@ def _attend_per_token(
         scores = torch.bmm(qh[:, h], keys[h].t().expand(mc, d, width))  # [mc, rep, width]
         probs = torch.softmax(scores.mul_(scaling).add_(bias[:, None, :]), dim=-1)
         oh[:, h].copy_(torch.bmm(probs, values[h].expand(mc, width, d)))  # [mc, rep, d]
+
+
+class _PromptsAttention:
+    """Every prompt's own tokens (positions `first` on) over its whole sequence, in one pair of products for as many
+    prompts as `BATCHED_SCORES` allows (a prompt's call is a dozen small tensor calls: for 32 short prompts that
+    costs more than their products). Prompt i's queries are rows own_at[i] .. of the packed q, its keys and values
+    rows seq_at[i] .. of the packed sequences. A group pads its queries to its most (at least two: a lone token's
+    rows take another kernel) and its keys to its widest whole KV_ALIGN columns; a row's numbers are those of
+    `_causal_attention` alone, since rows do not change with their count (`rows_independent_bmm`) and masked columns
+    past a row's keys add exact zeros (as in decode). With `per_token`, or a prompt too long for the bound alone,
+    a prompt runs `_causal_attention` itself. The plan (groups, index rows, masks) is made once per prefill."""
+
+    def __init__(self, first: int, own_at: list[int], seq_at: list[int], lens: list[int], heads: int, per_token: bool):
+        self.first, self.own_at, self.seq_at, self.lens, self.per_token = first, own_at, seq_at, lens, per_token
+        groups: list[list[int]] = []
+        for i in range(len(lens)):
+            if groups and not per_token and self._size(groups[-1] + [i], heads) <= BATCHED_SCORES:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        self.groups = [
+            (g, None if per_token or self._size(g, heads) > BATCHED_SCORES else self._plan(g)) for g in groups
+        ]
+
+    def _shape(self, group: list[int]) -> tuple[int, int]:
+        """(queries, key columns) each prompt of `group` is padded to."""
+        longest = max(self.lens[i] for i in group)
+        return max(2, longest - self.first), -(-longest // KV_ALIGN) * KV_ALIGN
+
+    def _size(self, group: list[int], heads: int) -> int:
+        m, width = self._shape(group)
+        return len(group) * m * heads * width
+
+    def _plan(self, group: list[int]) -> tuple[torch.Tensor, ...]:
+        """Where the group's queries and keys come from (rows) and go in its padded layout (slots); which columns
+        each padded query sees (query j of every prompt sits at position first + j; padded queries see key 0)."""
+        (m, width), own = self._shape(group), [self.lens[i] - self.first for i in group]
+        q_rows = torch.cat([torch.arange(self.own_at[i], self.own_at[i] + n) for i, n in zip(group, own)])
+        q_slot = torch.cat([torch.arange(j * m, j * m + n) for j, n in enumerate(own)])
+        k_rows = torch.cat([torch.arange(self.seq_at[i], self.seq_at[i] + self.lens[i]) for i in group])
+        k_slot = torch.cat([torch.arange(j * width, j * width + self.lens[i]) for j, i in enumerate(group)])
+        hidden = torch.arange(width) > torch.arange(self.first, self.first + m)[:, None]  # [m, width]
+        return q_rows, q_slot, k_rows, k_slot, hidden
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, out: torch.Tensor) -> None:
+        for group, plan in self.groups:
+            if plan is not None:
+                self._batched(group, [t.to(q.device) for t in plan], q, k, v, scaling, out)
+                continue
+            for i in group:
+                n, o, a = self.lens[i], self.own_at[i], self.seq_at[i]
+                own = slice(o, o + n - self.first)
+                _causal_attention(q[own], k[a : a + n], v[a : a + n], self.first, scaling, out[own], self.per_token)
+
+    def _batched(self, group: list[int], plan: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scaling: float, out: torch.Tensor) -> None:  # fmt: skip
+        (P, (m, width)), (q_rows, q_slot, k_rows, k_slot, hidden) = (len(group), self._shape(group)), plan
+        heads, d, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+        rep = heads // kv_heads
+        qs = q.new_zeros(P * m, heads, d).index_copy_(0, q_slot, q.index_select(0, q_rows))
+        qs = qs.view(P, m, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(P * kv_heads, rep * m, d)
+        kvs = []
+        for t in (k, v):  # [P * kv_heads, width, d], zeros past each prompt's keys
+            padded = t.new_zeros(P * width, kv_heads, d).index_copy_(0, k_slot, t.index_select(0, k_rows))
+            kvs.append(padded.view(P, width, kv_heads, d).transpose(1, 2).reshape(P * kv_heads, width, d))
+        bias = torch.zeros(m, width, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        scores = torch.bmm(qs, kvs[0].transpose(1, 2)).view(P * kv_heads, rep, m, width)
+        probs = torch.softmax(scores.mul_(scaling).add_(bias), dim=-1)
+        o = torch.bmm(probs.view(P * kv_heads, rep * m, width), kvs[1]).view(P, kv_heads, rep, m, d)
+        out.index_copy_(0, q_rows, o.permute(0, 3, 1, 2, 4).reshape(P * m, heads * d).index_select(0, q_slot))
 
 
 @functools.lru_cache(maxsize=None)
@@ -477,10 +548,11 @@ class FastRunner:
     def prefill(self, prompts: list[list[int]]) -> tuple[PrefillKV, torch.Tensor]:
         """Run `prompts`. Returns their keys/values (newest token first) and last-position logits [B, V].
 
-        Packed: projections and MLPs run on the real tokens only, attention on each prompt alone. The tokens every
-        prompt starts with (a shared system prompt, a chat template's start) run once, and each prompt's own tokens
-        attend over those keys and theirs (SGLang's radix cache shares such prefixes too). Exact, because
-        `_causal_attention` gives a token the same numbers whether its prompt's start ran in the same call or apart.
+        Packed: projections and MLPs run on the real tokens only, attention over each prompt's own keys. The tokens
+        every prompt starts with (a shared system prompt, a chat template's start) run once, and each prompt's own
+        tokens attend over those keys and theirs (SGLang's radix cache shares such prefixes too). Exact, because a
+        token's attention has the same numbers whether its prompt's start ran in the same call or apart, and
+        whichever prompts share its batch (`_causal_attention`, `_PromptsAttention`).
         """
         lens = [len(p) for p in prompts]
         B, L, dev = len(lens), max(lens), self.device
@@ -497,6 +569,7 @@ class FastRunner:
         mask = torch.zeros(B * L, dtype=torch.bool, device=dev).index_fill_(0, slot, True).view(B, L)
         x = F.embedding(ids, self.inner.embed_tokens.weight)
         cos, sin = self._rope_tables(x, pos)
+        prompts_attention = _PromptsAttention(s, own_at, seq_at, lens, self.heads, self.per_token_attention)
         keys, values = [], []
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin)
@@ -506,11 +579,7 @@ class FastRunner:
             attn = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
             if s:  # the shared start, over itself
                 _causal_attention(q[:s], k[:s], v[:s], 0, layer.scaling, attn[:s], self.per_token_attention)
-            for o, a, n in zip(own_at, seq_at, lens):  # each prompt's own tokens, over its whole sequence
-                own = slice(o, o + n - s)
-                _causal_attention(
-                    q[own], seq_k[a : a + n], seq_v[a : a + n], s, layer.scaling, attn[own], self.per_token_attention
-                )
+            prompts_attention(q, seq_k, seq_v, layer.scaling, attn)  # each prompt's own tokens, over its sequence
             x = self._finish_layer(layer, x, attn)
         last = torch.tensor([o + n - s - 1 for o, n in zip(own_at, lens)], device=dev)
         return PrefillKV(keys, values, mask), self._logits(x.index_select(0, last))
