@@ -307,22 +307,26 @@ class _PromptsAttention:
     """Every prompt's own tokens (positions `first` on) over its whole sequence, in one pair of products for as many
     prompts as `BATCHED_SCORES` allows (a prompt's call is a dozen small tensor calls: for 32 short prompts that
     costs more than their products). Prompt i's queries are rows own_at[i] .. of the packed q, its keys and values
-    rows seq_at[i] .. of the packed sequences. A group pads its queries to its most (at least two: a lone token's
-    rows take another kernel) and its keys to its widest whole KV_ALIGN columns; a row's numbers are those of
-    `_causal_attention` alone, since rows do not change with their count (`rows_independent_bmm`) and masked columns
-    past a row's keys add exact zeros (as in decode). With `per_token`, or a prompt too long for the bound alone,
-    a prompt runs `_causal_attention` itself. The plan (groups, index rows, masks) is made once per prefill."""
+    rows seq_at[i] .. of the packed sequences. Prompts whose keys pad to the same whole KV_ALIGN columns run
+    together, their queries padded to the group's most (at least two: a lone token's rows take another kernel): a
+    row's numbers are then those of `_causal_attention` alone, since its products' columns are the same and rows do
+    not change with their count (`rows_independent_bmm`). With `per_token`, or a prompt too long for the bound
+    alone, a prompt runs `_causal_attention` itself. The plan (groups, index rows, masks) is made once per prefill."""
 
-    def __init__(self, first: int, own_at: list[int], seq_at: list[int], lens: list[int], heads: int, per_token: bool):
+    def __init__(self, first: int, own_at: list[int], seq_at: list[int], lens: list[int], heads: int,
+                 per_token: bool, device: torch.device):  # fmt: skip
         self.first, self.own_at, self.seq_at, self.lens, self.per_token = first, own_at, seq_at, lens, per_token
-        groups: list[list[int]] = []
-        for i in range(len(lens)):
+        by_width: dict[int, list[list[int]]] = {}
+        for i, n in enumerate(lens):
+            groups = by_width.setdefault(-(-n // KV_ALIGN), [])
             if groups and not per_token and self._size(groups[-1] + [i], heads) <= BATCHED_SCORES:
                 groups[-1].append(i)
             else:
                 groups.append([i])
         self.groups = [
-            (g, None if per_token or self._size(g, heads) > BATCHED_SCORES else self._plan(g)) for g in groups
+            (g, None if per_token or self._size(g, heads) > BATCHED_SCORES else [t.to(device) for t in self._plan(g)])
+            for groups in by_width.values()
+            for g in groups
         ]
 
     def _shape(self, group: list[int]) -> tuple[int, int]:
@@ -348,7 +352,7 @@ class _PromptsAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, out: torch.Tensor) -> None:
         for group, plan in self.groups:
             if plan is not None:
-                self._batched(group, [t.to(q.device) for t in plan], q, k, v, scaling, out)
+                self._batched(group, plan, q, k, v, scaling, out)
                 continue
             for i in group:
                 n, o, a = self.lens[i], self.own_at[i], self.seq_at[i]
@@ -569,7 +573,7 @@ class FastRunner:
         mask = torch.zeros(B * L, dtype=torch.bool, device=dev).index_fill_(0, slot, True).view(B, L)
         x = F.embedding(ids, self.inner.embed_tokens.weight)
         cos, sin = self._rope_tables(x, pos)
-        prompts_attention = _PromptsAttention(s, own_at, seq_at, lens, self.heads, self.per_token_attention)
+        prompts_attention = _PromptsAttention(s, own_at, seq_at, lens, self.heads, self.per_token_attention, dev)
         keys, values = [], []
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin)
