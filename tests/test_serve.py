@@ -1293,6 +1293,10 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
         with torch.inference_mode():
             together = runner.prefill(prompts)
             alone = [runner.prefill([p]) for p in prompts]
+            # two prompts that differ in their last token only: one own token each, batched
+            pair = [prompts[0], prompts[0][:-1] + [prompts[1][-1]]]
+            pair_together = runner.prefill(pair)[1]
+            pair_alone = [runner.prefill([p])[1][0] for p in pair]
             chunked = []  # 7 queries a product; one leaving the shared start's last token alone in its product;
             # and prompts' own tokens one prompt at a time (no batch of prompts fits in 0 scores)
             for chunk, scores in ((7, None), (fastpath.shared_start(prompts) - 1, None), (7, 0)):
@@ -1301,10 +1305,6 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
                     monkeypatch.setattr(fastpath, "BATCHED_SCORES", scores)
                 chunked.append(runner.prefill(prompts))
             reference = [model(torch.tensor([p])).logits[0, -1] for p in prompts]
-            # two prompts that differ in their last token only: one own token each, batched
-            pair = [prompts[0], prompts[0][:-1] + [prompts[1][-1]]]
-            pair_together = runner.prefill(pair)[1]
-            pair_alone = [runner.prefill([p])[1][0] for p in pair]
     finally:
         torch.set_num_threads(saved)
     for i, (part, logits) in enumerate(alone):
