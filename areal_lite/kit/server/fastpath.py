@@ -303,6 +303,12 @@ def _attend_per_token(
         oh[:, h].copy_(torch.bmm(probs, values[h].expand(mc, width, d)))  # [mc, rep, d]
 
 
+def _pad(t: torch.Tensor, slot: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    """Packed [N, heads, D] -> [B, heads, L, D] at `slot` (zeros in padding)."""
+    out = t.new_zeros(B * L, t.shape[1], t.shape[2]).index_copy_(0, slot, t)
+    return out.view(B, L, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
+
+
 class _PromptsAttention:
     """Every prompt's own tokens (positions `first` on) over its whole sequence, in one pair of products for as many
     prompts as `BATCHED_SCORES` allows (a prompt's call is a dozen small tensor calls: for 32 short prompts that
@@ -364,12 +370,10 @@ class _PromptsAttention:
         (P, (m, width)), (q_rows, q_slot, k_rows, k_slot, hidden) = (len(group), self._shape(group)), plan
         heads, d, kv_heads = q.shape[1], q.shape[2], k.shape[1]
         rep = heads // kv_heads
-        qs = q.new_zeros(P * m, heads, d).index_copy_(0, q_slot, q.index_select(0, q_rows))
-        qs = qs.view(P, m, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(P * kv_heads, rep * m, d)
-        kvs = []
-        for t in (k, v):  # [P * kv_heads, width, d], zeros past each prompt's keys
-            padded = t.new_zeros(P * width, kv_heads, d).index_copy_(0, k_slot, t.index_select(0, k_rows))
-            kvs.append(padded.view(P, width, kv_heads, d).transpose(1, 2).reshape(P * kv_heads, width, d))
+        # [P * kv_heads, rep * m, d]: a key head's query heads one after another, each over the group's m queries
+        qs = _pad(q.index_select(0, q_rows), q_slot, P, m).view(P * kv_heads, rep * m, d)
+        # [P * kv_heads, width, d], zeros past each prompt's keys
+        kvs = [_pad(t.index_select(0, k_rows), k_slot, P, width).view(P * kv_heads, width, d) for t in (k, v)]
         bias = torch.zeros(m, width, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
         scores = torch.bmm(qs, kvs[0].transpose(1, 2)).view(P * kv_heads, rep, m, width)
         probs = torch.softmax(scores.mul_(scaling).add_(bias), dim=-1)
@@ -578,8 +582,8 @@ class FastRunner:
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin)
             seq_k, seq_v = (k, v) if src is None else (k.index_select(0, src), v.index_select(0, src))
-            keys.append(self._pad(seq_k, slot, B, L))
-            values.append(self._pad(seq_v, slot, B, L))
+            keys.append(_pad(seq_k, slot, B, L))
+            values.append(_pad(seq_v, slot, B, L))
             attn = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
             if s:  # the shared start, over itself
                 _causal_attention(q[:s], k[:s], v[:s], 0, layer.scaling, attn[:s], self.per_token_attention)
@@ -587,12 +591,6 @@ class FastRunner:
             x = self._finish_layer(layer, x, attn)
         last = torch.tensor([o + n - s - 1 for o, n in zip(own_at, lens)], device=dev)
         return PrefillKV(keys, values, mask), self._logits(x.index_select(0, last))
-
-    @staticmethod
-    def _pad(t: torch.Tensor, slot: torch.Tensor, B: int, L: int) -> torch.Tensor:
-        """Packed [N, heads, D] -> [B, heads, L, D] at `slot` (zeros in padding)."""
-        out = t.new_zeros(B * L, t.shape[1], t.shape[2]).index_copy_(0, slot, t)
-        return out.view(B, L, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
 
     def decode(self, batch: Any) -> torch.Tensor:
         """Feed every row's newest token (`batch.next_ids`, at `batch.pos`); returns the next logits [B, V]. Advances
