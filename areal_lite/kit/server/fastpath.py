@@ -323,26 +323,38 @@ class _PromptsAttention:
                  per_token: bool, device: torch.device):  # fmt: skip
         self.first, self.own_at, self.seq_at, self.lens, self.per_token = first, own_at, seq_at, lens, per_token
         by_width: dict[int, list[list[int]]] = {}
+        longest: dict[int, int] = {}  # the longest prompt of each width's last group: its padded shape, kept as we go
         for i, n in enumerate(lens):
-            groups = by_width.setdefault(-(-n // KV_ALIGN), [])
-            if groups and not per_token and self._size(groups[-1] + [i], heads) <= BATCHED_SCORES:
+            cols = -(-n // KV_ALIGN)
+            groups = by_width.setdefault(cols, [])
+            joined = max(longest.get(cols, 0), n)
+            if groups and not per_token and (len(groups[-1]) + 1) * self._cells(joined, heads) <= BATCHED_SCORES:
                 groups[-1].append(i)
+                longest[cols] = joined
             else:
                 groups.append([i])
+                longest[cols] = n
         self.groups = [
             (g, None if per_token or self._size(g, heads) > BATCHED_SCORES else [t.to(device) for t in self._plan(g)])
             for groups in by_width.values()
             for g in groups
         ]
 
-    def _shape(self, group: list[int]) -> tuple[int, int]:
-        """(queries, key columns) each prompt of `group` is padded to."""
-        longest = max(self.lens[i] for i in group)
+    def _padded(self, longest: int) -> tuple[int, int]:
+        """(queries, key columns) each prompt of a group whose longest prompt has `longest` tokens is padded to."""
         return max(2, longest - self.first), -(-longest // KV_ALIGN) * KV_ALIGN
 
+    def _shape(self, group: list[int]) -> tuple[int, int]:
+        """(queries, key columns) each prompt of `group` is padded to."""
+        return self._padded(max(self.lens[i] for i in group))
+
+    def _cells(self, longest: int, heads: int) -> int:
+        """Scores per prompt of a group whose longest prompt has `longest` tokens."""
+        m, width = self._padded(longest)
+        return m * heads * width
+
     def _size(self, group: list[int], heads: int) -> int:
-        m, width = self._shape(group)
-        return len(group) * m * heads * width
+        return len(group) * self._cells(max(self.lens[i] for i in group), heads)
 
     def _plan(self, group: list[int]) -> tuple[torch.Tensor, ...]:
         """Where the group's queries and keys come from (rows) and go in its padded layout (slots); which columns
