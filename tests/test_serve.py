@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import json
+import logging
 import random
 import threading
 import time
@@ -1159,7 +1160,7 @@ def test_lean_load_refuses_what_it_does_not_reproduce(tmp_path, smollm_path, mon
 def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch):
     """`--dtype auto` on a CPU: float32 without bf16 instructions, or where bf16 measured under `BF16_MIN_SPEEDUP` times
     as fast, or where its rows change with the batch; bfloat16 only when all three checks pass. A GPU: bfloat16."""
-    from areal_lite.kit.server import precision
+    from areal_lite.kit.server import fastpath, precision
     from areal_lite.utils import device as device_utils
     from areal_lite.utils.device import BF16_MIN_SPEEDUP
 
@@ -1170,9 +1171,9 @@ def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert dtype == torch.float32 and "no AVX-512 BF16/AMX" in why
     monkeypatch.setattr(device_utils, "cpu_native_bf16", lambda: "AMX")
-    monkeypatch.setattr("areal_lite.kit.server.fastpath.packs_weights", lambda dtype: True)
-    monkeypatch.setattr(precision, "_linears", lambda hidden, intermediate, dtype: [])  # no real bf16 packing here
-    monkeypatch.setattr(precision, "_rows_exact", lambda bf16: True)
+    monkeypatch.setattr(fastpath, "packs_weights", lambda dtype: True)
+    monkeypatch.setattr(fastpath, "probe_linears", lambda hidden, intermediate, dtype: [])  # no real bf16 packing here
+    monkeypatch.setattr(fastpath, "rows_exact", lambda bf16: True)
     monkeypatch.setattr(precision, "_decode_speedup", lambda fp32, bf16: BF16_MIN_SPEEDUP - 0.01)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert dtype == torch.float32 and "1.19x as fast" in why
@@ -1183,26 +1184,80 @@ def test_dtype_auto_takes_bf16_only_where_measured_faster_and_exact(monkeypatch)
         and why
         == "this CPU has AMX; a decode step's matmuls ran 3.00x as fast in bf16 as in float32, rows exact at any batch"
     )
-    monkeypatch.setattr(precision, "_rows_exact", lambda bf16: False)
+    monkeypatch.setattr(fastpath, "rows_exact", lambda bf16: False)
     dtype, why = precision.serving_dtype(cpu, 576, 1536)
     assert dtype == torch.float32 and why.endswith("its bf16 rows change with the batch")
+
+
+def test_weight_matmuls_keep_rows_exact_or_the_log_says_so(monkeypatch, tiny_model_path):
+    """A CPU server's weight matmuls are chosen by what this CPU measures at start-up (`fastpath.weight_matmuls`):
+    oneDNN-packed where its rows are exact, else the plain matmul where those are, else the packed ones with a
+    warning that seeded requests repeat only in the same batch; the runner follows the choice."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.server import fastpath
+
+    threads = torch.get_num_threads()
+    if fastpath.packs_weights(torch.float32):  # the kit's x86 CPUs: oneDNN's float32 rows are exact
+        assert fastpath.weight_matmuls(576, 1536, torch.float32, threads)[:2] == (True, True)
+
+    class BatchDependent:
+        """A matmul whose rows change, in the last bit, above 16 rows: what the probe must catch."""
+
+        weight = torch.randn(8, 4)
+
+        def __call__(self, x):
+            return (x @ self.weight.t()) * (1 + 2**-20 * (x.shape[0] > 16))
+
+    assert not fastpath.rows_exact([BatchDependent()], fastpath.EXACT_COUNTS, fastpath.EXACT_MOST)
+    messages = []
+    handler = logging.Handler(logging.INFO)  # on the server's own logger: importing areal elsewhere replaces the root
+    handler.emit = lambda record: messages.append((record.levelno, record.getMessage()))
+    fastpath.log.addHandler(handler)
+    saved_level = fastpath.log.level
+    fastpath.log.setLevel(logging.INFO)  # as the server's process sets it
+    cfg = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).config
+    try:
+        for exact, want in (
+            (lambda pack: not pack, (False, True)),  # packed rows change, plain ones do not: plain
+            (lambda pack: False, (True, False)),  # neither: packed, and the log says what that costs
+        ):
+            monkeypatch.setattr(fastpath, "packs_weights", lambda dtype: True)
+            monkeypatch.setattr(fastpath, "probe_linears", lambda hidden, inter, dtype, pack=True: pack)
+            monkeypatch.setattr(fastpath, "rows_exact", lambda pack, counts, most, f=exact: f(pack))
+            fastpath.weight_matmuls.cache_clear()
+            assert fastpath.weight_matmuls(cfg.hidden_size, cfg.intermediate_size, torch.float32, threads)[:2] == want
+            monkeypatch.undo()  # the runner below packs for real, as the probe's answer (still cached) says
+            messages.clear()
+            runner = fastpath.FastRunner(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32))
+            pack, invariant = want
+            assert (runner.layers[0].qkv.pack, runner.lm_head.pack, runner.batch_invariant) == (pack, pack, invariant)
+            [(level, text)] = [m for m in messages if m[1].startswith("weight matmuls: ")]
+            if invariant:
+                assert level == logging.INFO and text.startswith("weight matmuls: plain (torch.mm), each row's bits")
+            else:
+                assert level == logging.WARNING and text.endswith("samples the same tokens only in the same batch")
+    finally:
+        fastpath.log.removeHandler(handler)
+        fastpath.log.setLevel(saved_level)
+        fastpath.weight_matmuls.cache_clear()  # later runners measure this CPU again
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bf16 kernels")
 def test_bf16_linear_runs_its_rows_in_chunks_that_keep_them_exact():
     """Above `BF16_ROWS` rows a bf16 `_Linear` runs its input in chunks (the last may be a lone row, given company),
-    and the pieces are the rows' own results: the same bits as each row alone wherever `_rows_exact` holds."""
-    from areal_lite.kit.server import precision
+    and the pieces are the rows' own results: the same bits as each row alone wherever `rows_exact` holds."""
+    from areal_lite.kit.server import fastpath
     from areal_lite.kit.server.fastpath import BF16_ROWS
 
-    linears = precision._linears(64, 96, torch.bfloat16)
+    linears = fastpath.probe_linears(64, 96, torch.bfloat16)
     up = linears[0]
     x = torch.randn(2 * BF16_ROWS + 1, 64).to(torch.bfloat16)
     with torch.inference_mode():
         whole = up(x)
         chunks = torch.cat([up(x[i : i + BF16_ROWS]) for i in range(0, len(x), BF16_ROWS)])
     assert whole.shape == (2 * BF16_ROWS + 1, 192) and torch.equal(whole, chunks)
-    if precision._rows_exact(linears):
+    if fastpath.rows_exact(linears):
         assert torch.equal(whole, torch.cat([up(x[i : i + 1]) for i in range(len(x))]))
 
 

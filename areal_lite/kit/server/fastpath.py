@@ -11,10 +11,10 @@ Design decisions
   copies (faster than MKL on decode batches, the weights held twice, re-packed by `refresh`).
 - Batch-invariant on CPU: a row's logits are bit for bit the same whatever rows share its batch, so a seeded request
   samples the same tokens alone, beside others or joining a running batch (with `sampling.py`'s per-request
-  streams). It takes oneDNN for every weight matmul (`_Linear`), prefill attention over each prompt's keys padded
-  to whole `KV_ALIGN` columns, prompts batched (`_PromptsAttention`; one product per token where this CPU's batched
-  matmul changes with the row count, measured at start-up), and decode over a newest-first cache window. Tested by
-  `tests/test_serve.py`; `HFRunner` (other models) and GPUs make no such promise.
+  streams). It takes weight matmuls that keep rows exact (oneDNN's; `weight_matmuls` checks at start-up),
+  prefill attention over each prompt's keys padded to whole `KV_ALIGN` columns, prompts batched (one product per
+  token where this CPU's batched matmul changes with the row count, also measured at start-up), and decode over a
+  newest-first cache window. Tested by `tests/test_serve.py`; `HFRunner` and GPUs make no such promise.
 - Only what this forward reproduces takes this path (`supports`); any other model runs its own (`batch.HFRunner`).
 - Prefill packs the prompts and runs the start they all share once (`prefill`), exactly: a prompt's logits and keys
   are bit for bit those it gets prefilled alone. bench/rollout_throughput.py measures the server.
@@ -23,7 +23,8 @@ Design decisions
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+import logging
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from areal_lite.kit.server.batch import HFRunner
 from areal_lite.utils.device import own_file_backed
 from areal_lite.utils.prefix import common_start
+
+log = logging.getLogger("areal_lite.kit.server")  # the server's one logger
 
 
 def supports(model: Any) -> bool:
@@ -431,6 +434,60 @@ def packs_weights(dtype: torch.dtype) -> bool:
     )
 
 
+# Batch sizes `weight_matmuls` checks against each row alone: the small counts where kernels switch blocking and
+# both sides of 16 and 32, out of `EXACT_MOST` rows.
+EXACT_COUNTS = (2, 3, 5, 8, 16, 17, 32, 33, 40)
+EXACT_MOST = 40
+
+
+@functools.lru_cache(maxsize=None)
+def weight_matmuls(hidden: int, intermediate: int, dtype: torch.dtype, threads: int) -> tuple[bool, bool, str]:
+    """How a CPU server runs its weight matmuls for a model of MLP sizes `hidden` -> `intermediate` in `dtype`:
+    (oneDNN-packed, rows exact, the reason for the log). Packed where this CPU packs `dtype` and the packed matmuls
+    give every row of a batch the bits it gets alone (`rows_exact` at `EXACT_COUNTS` rows); else the plain matmul
+    where that does; else the first of the two this CPU has, rows not exact. Measured once per process and `threads`
+    (the caller's torch thread count: a kernel's blocking may depend on it)."""
+    kinds = [True, False] if packs_weights(dtype) else [False]
+    names = {True: "oneDNN-packed", False: "plain (torch.mm)"}
+    for pack in kinds:
+        if rows_exact(probe_linears(hidden, intermediate, dtype, pack), EXACT_COUNTS, EXACT_MOST):
+            return pack, True, f"{names[pack]}, each row's bits the same at any batch (measured at start-up)"
+    tried = " and ".join(names[k] for k in kinds)
+    why = (f"{names[kinds[0]]}; on this CPU the {tried} matmuls give a row other bits beside other rows (measured at "
+           "start-up), so a seeded request samples the same tokens only in the same batch")  # fmt: skip
+    return kinds[0], False, why
+
+
+def probe_linears(hidden: int, intermediate: int, dtype: torch.dtype, pack: bool = True) -> list:
+    """`_Linear`s as a CPU runner builds them (oneDNN-packed with `pack`) over seeded weights of a model's MLP shapes:
+    what `weight_matmuls` and `precision.serving_dtype` measure."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for n_in, n_out in ((hidden, 2 * intermediate), (intermediate, hidden)):
+        module = torch.nn.Linear(n_in, n_out, bias=False)
+        module.weight.data = (torch.randn(n_out, n_in, generator=gen) / n_in**0.5).to(dtype)
+        linear = _Linear([module], transpose=True, pack=pack)
+        linear.refresh()
+        out.append(linear)
+    return out
+
+
+@torch.inference_mode()
+def rows_exact(linears: list, counts: Optional[Sequence[int]] = None, most: int = 100) -> bool:
+    """Whether each of `linears` (`probe_linears`) gives every row of a batch the bits it gets alone, for batches of
+    `counts` rows (by default every batch of 2 to two bf16 chunks and one row, `BF16_ROWS`, and `most`) out of `most`
+    rows."""
+    counts = [*range(2, 2 * BF16_ROWS + 2), most] if counts is None else counts
+    gen = torch.Generator().manual_seed(1)
+    for linear in linears:
+        x = torch.randn(most, linear.weight.shape[1], generator=gen).to(linear.weight.dtype)
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(most)])
+        for m in counts:
+            if not torch.equal(linear(x[:m]), alone[:m]):
+                return False
+    return True
+
+
 class _Linear:
     """`modules` (`nn.Linear`s of one input) as one matmul. Their weights are stored once, fused, and each module's
     parameters are re-bound as views of that storage, so a weight update (`copy_` into the parameters) updates this
@@ -513,11 +570,15 @@ class FastRunner:
         self.model = model
         self.inner = model.model
         cpu = next(model.parameters()).device.type == "cpu"
-        # oneDNN copies (weights held twice) on CPU, for every matmul of the layers and the lm_head. oneDNN packs
-        # bf16 weights only where the CPU has bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere it
-        # raises, so bf16 there runs the plain matmuls.
         dtype = model.model.embed_tokens.weight.dtype
-        packed = cpu and packs_weights(dtype)
+        threads = torch.get_num_threads()  # what is measured below is this CPU's at the computing thread's count
+        # oneDNN copies (weights held twice) on CPU, for every matmul of the layers and the lm_head, where they keep a
+        # row's bits independent of its batch (`weight_matmuls`). oneDNN packs bf16 weights only where the CPU has
+        # bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere bf16 runs the plain matmuls.
+        packed, self.batch_invariant = False, False  # a GPU makes no such promise (module docstring)
+        if cpu:
+            packed, self.batch_invariant, why = weight_matmuls(cfg.hidden_size, cfg.intermediate_size, dtype, threads)
+            (log.info if self.batch_invariant else log.warning)("weight matmuls: %s", why)
         self.layers = [_Layer(layer, cpu, packed) for layer in self.inner.layers]
         if cpu:  # what the fusion left in the checkpoint's mapping (embeddings, norms), before the lm_head takes
             own_file_backed(model)  # its weight: else updates copy it on write, and the file stays resident
@@ -526,9 +587,7 @@ class FastRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = cfg.intermediate_size
         self.lm_head = _Linear([model.lm_head], pack=packed)
-        # measured on this CPU, at this thread's thread count (the runner is built on the thread that computes)
         rep = self.heads // self.kv_heads
-        threads = torch.get_num_threads()
         self.per_token_attention = cpu and not rows_independent_bmm(self.head_dim, rep, threads, dtype)
         weight = self.inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device

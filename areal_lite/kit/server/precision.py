@@ -31,41 +31,26 @@ def serving_dtype(device: torch.device, hidden: int, intermediate: int) -> tuple
         return torch.bfloat16, "a GPU serves bfloat16"
     if device.type != "cpu":
         return torch.float32, f"float32 on {device.type}"
-    from areal_lite.kit.server.fastpath import packs_weights
+    from areal_lite.kit.server.fastpath import packs_weights, probe_linears, rows_exact
     from areal_lite.utils.device import BF16_MIN_SPEEDUP, cpu_native_bf16
 
     native = cpu_native_bf16()
     if not native or not packs_weights(torch.bfloat16):
         return torch.float32, f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX-512 BF16/AMX"
-    bf16 = _linears(hidden, intermediate, torch.bfloat16)  # one packing for both checks below
-    speedup = _decode_speedup(_linears(hidden, intermediate, torch.float32), bf16)
+    bf16 = probe_linears(hidden, intermediate, torch.bfloat16)  # one packing for both checks below
+    speedup = _decode_speedup(probe_linears(hidden, intermediate, torch.float32), bf16)
     measured = f"a decode step's matmuls ran {speedup:.2f}x as fast in bf16 as in float32"
     if speedup < BF16_MIN_SPEEDUP:
         return torch.float32, f"this CPU has {native}, but {measured}"
-    if not _rows_exact(bf16):
+    if not rows_exact(bf16):
         return torch.float32, f"this CPU has {native} and {measured}, but its bf16 rows change with the batch"
     return torch.bfloat16, f"this CPU has {native}; {measured}, rows exact at any batch"
 
 
-def _linears(hidden: int, intermediate: int, dtype: torch.dtype) -> list:
-    """The server's own packed matmuls (`fastpath._Linear`) over seeded weights of the model's MLP shapes."""
-    from areal_lite.kit.server.fastpath import _Linear
-
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for n_in, n_out in ((hidden, 2 * intermediate), (intermediate, hidden)):
-        module = torch.nn.Linear(n_in, n_out, bias=False)
-        module.weight.data = (torch.randn(n_out, n_in, generator=gen) / n_in**0.5).to(dtype)
-        linear = _Linear([module], pack=True)
-        linear.refresh()
-        out.append(linear)
-    return out
-
-
 @torch.inference_mode()
 def _decode_speedup(fp32: list, bf16: list, calls: int = 5) -> float:
-    """How many times as fast the two MLP matmuls (`_linears`) run at `DECODE_ROWS` rows in bf16 as in float32
-    (`utils.device.speedup_on_one_thread`)."""
+    """How many times as fast the two MLP matmuls (`fastpath.probe_linears`) run at `DECODE_ROWS` rows in bf16 as in
+    float32 (`utils.device.speedup_on_one_thread`)."""
     from areal_lite.utils.device import speedup_on_one_thread
 
     def side(linears: list):
@@ -80,19 +65,3 @@ def _decode_speedup(fp32: list, bf16: list, calls: int = 5) -> float:
         return run
 
     return speedup_on_one_thread(side(fp32), side(bf16))
-
-
-@torch.inference_mode()
-def _rows_exact(bf16: list, most: int = 100) -> bool:
-    """Whether each of the bf16 `_Linear`s (`_linears`) gives every row of a batch the bits it gets alone, for every
-    batch of 2 to two chunks and one row (`BF16_ROWS`), and of `most` rows."""
-    from areal_lite.kit.server.fastpath import BF16_ROWS
-
-    gen = torch.Generator().manual_seed(1)
-    for linear in bf16:
-        x = torch.randn(most, linear.weight.shape[1], generator=gen).to(torch.bfloat16)
-        alone = torch.cat([linear(x[i : i + 1]) for i in range(most)])
-        for m in [*range(2, 2 * BF16_ROWS + 2), most]:
-            if not torch.equal(linear(x[:m]), alone[:m]):
-                return False
-    return True
