@@ -7,8 +7,8 @@ Design decisions
 - The same numbers as the model's own forward: the same operations in the same order (RMSNorm in float32, the
   model's own `rotary_emb` tables), so logprobs stay the trainer's up to matmul rounding.
 - Weights (`_Linear`): q/k/v and gate/up are one matmul each over a fused matrix whose views are the model's
-  parameters, so a weight update's `copy_` reaches it. On CPU every weight matmul runs through oneDNN-reordered
-  copies (faster than MKL on decode batches, the weights held twice, re-packed by `refresh`).
+  parameters, so a weight update's `copy_` reaches it. On CPU the weight matmuls run through oneDNN-reordered copies
+  where those keep rows exact (faster than MKL on decode batches, the weights held twice, re-packed by `refresh`).
 - Batch-invariant on CPU: a row's logits are bit for bit the same whatever rows share its batch, so a seeded request
   samples the same tokens alone, beside others or joining a running batch (with `sampling.py`'s per-request
   streams). It takes weight matmuls that keep rows exact (oneDNN's; `weight_matmuls` checks at start-up),
