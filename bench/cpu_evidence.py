@@ -83,8 +83,8 @@ def commands(tag: str, trl_python: str) -> list[tuple[str, str, list[str]]]:
 def archive(name: str) -> None:
     """Keep the results file a new run is about to replace (its history holds every earlier run)."""
     if os.path.exists(os.path.join(RESULTS, f"{name}.json")):
-        subprocess.run([sys.executable, "bench/report.py", "--archive", name, "--note", "before bench/cpu_evidence.py"],
-                       cwd=ROOT, check=True)  # fmt: skip
+        note = "replaced by a later bench/cpu_evidence.py run"
+        subprocess.run([sys.executable, "bench/report.py", "--archive", name, "--note", note], cwd=ROOT, check=True)
 
 
 def run_ci(name: str, args: argparse.Namespace) -> None:
