@@ -1243,6 +1243,31 @@ def test_weight_matmuls_keep_rows_exact_or_the_log_says_so(monkeypatch, tiny_mod
         fastpath.weight_matmuls.cache_clear()  # later runners measure this CPU again
 
 
+def test_the_plain_matmul_check_also_runs_the_lm_heads_layout(monkeypatch):
+    """Unpacked, the lm_head runs `F.linear` over the model's [out, in] weight, another matmul than the layers'
+    transposed one: the start-up check probes that layout too, so a CPU where only the layers' plain matmul keeps
+    rows exact is not given the plain path as exact."""
+    from areal_lite.kit.server import fastpath
+
+    plain = fastpath.probe_linears(64, 96, torch.float32, pack=False)
+    assert [linear.wt is not None for linear in plain] == [True, True, False]
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.equal(plain[2](x), torch.nn.functional.linear(x, plain[2].weight))  # the lm_head's own call
+    assert len(fastpath.probe_linears(64, 96, torch.float32, pack=True)) == 2  # packed: one path for all weights
+
+    def exact(linears, counts, most):  # packed rows change; plain ones are exact in the layers' layout only
+        return all(not linear.pack and linear.wt is not None for linear in linears)
+
+    monkeypatch.setattr(fastpath, "packs_weights", lambda dtype: True)
+    monkeypatch.setattr(fastpath, "rows_exact", exact)
+    fastpath.weight_matmuls.cache_clear()
+    try:
+        assert fastpath.weight_matmuls(64, 96, torch.float32, torch.get_num_threads())[:2] == (True, False)
+    finally:
+        fastpath.weight_matmuls.cache_clear()  # later runners measure this CPU again
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bf16 kernels")
 def test_bf16_linear_runs_its_rows_in_chunks_that_keep_them_exact():
     """Above `BF16_ROWS` rows a bf16 `_Linear` runs its input in chunks (the last may be a lone row, given company),

@@ -460,13 +460,18 @@ def weight_matmuls(hidden: int, intermediate: int, dtype: torch.dtype, threads: 
 
 def probe_linears(hidden: int, intermediate: int, dtype: torch.dtype, pack: bool = True) -> list:
     """`_Linear`s as a CPU runner builds them (oneDNN-packed with `pack`) over seeded weights of a model's MLP shapes:
-    what `weight_matmuls` and `precision.serving_dtype` measure."""
+    what `weight_matmuls` and `precision.serving_dtype` measure. Unpacked, the lm_head keeps the model's [out, in]
+    layout (a tied lm_head's weight is the embedding's) and so runs another matmul than the layers' transposed ones:
+    a third probe, of the lm_head's input width, runs that one."""
     gen = torch.Generator().manual_seed(0)
     out = []
-    for n_in, n_out in ((hidden, 2 * intermediate), (intermediate, hidden)):
+    shapes = [(hidden, 2 * intermediate, True), (intermediate, hidden, True)]
+    if not pack:  # packed, every weight takes the same path
+        shapes.append((hidden, 2 * intermediate, False))
+    for n_in, n_out, transpose in shapes:
         module = torch.nn.Linear(n_in, n_out, bias=False)
         module.weight.data = (torch.randn(n_out, n_in, generator=gen) / n_in**0.5).to(dtype)
-        linear = _Linear([module], transpose=True, pack=pack)
+        linear = _Linear([module], transpose=transpose, pack=pack)
         linear.refresh()
         out.append(linear)
     return out
