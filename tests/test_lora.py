@@ -286,6 +286,13 @@ def test_areals_lora_fields_load(tmp_path, tiny_model_path, capsys):
         load_expr_config(["--config", str(path), "backend=vllm"], TrainConfig, verbose=False)
     with pytest.raises(ConfigError, match="sglang.enable_lora=true"):
         load_expr_config(["--config", str(path), "backend=sglang"], TrainConfig, verbose=False)
+    on_sglang = ["--config", str(path), "backend=sglang", "sglang.enable_lora=true"]
+    config, _ = load_expr_config(on_sglang, TrainConfig, verbose=False)
+    assert config.sglang.max_lora_rank == 8  # unset: SGLang reserves room for the actor's rank
+    config, _ = load_expr_config(on_sglang + ["sglang.max_lora_rank=16"], TrainConfig, verbose=False)
+    assert config.sglang.max_lora_rank == 16
+    with pytest.raises(ConfigError, match=r"sglang.max_lora_rank=4 is below actor.lora_rank=8"):
+        load_expr_config(on_sglang + ["sglang.max_lora_rank=4"], TrainConfig, verbose=False)
 
 
 def test_train_with_lora_end_to_end_and_resume(tmp_path, tiny_model_path):

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from areal_lite.api.cli_args import GenerationHyperparameters, SGLangConfig
+from areal_lite.api.cli_args import GenerationHyperparameters, GRPOConfig, SGLangConfig, reconcile_lora
 from areal_lite.infra.remote_inf_engine import sampling_params
 
 SGLANG_VERSION = "0.5.23"
@@ -74,7 +74,21 @@ if importlib.util.find_spec("triton") is None:
     sys.modules["triton"].next_power_of_2 = stubs._next_power_of_2
     sys.modules["triton"].cdiv = stubs._cdiv
 
+import types
+
+from sglang.srt.arg_groups.lora_hook import check_lora_server_args
 from sglang.srt.server_args import ServerArgs
+
+
+def lora_check(ns):  # SGLang's own start-up check of the LoRA arguments, on the parsed values (no GPU needed)
+    if not ns.enable_lora:
+        return None
+    try:
+        check_lora_server_args(types.SimpleNamespace(**vars(ns)))
+        return "ok"
+    except (AssertionError, ValueError) as e:
+        return str(e)
+
 
 results = []
 for argv in json.load(sys.stdin):
@@ -85,7 +99,8 @@ for argv in json.load(sys.stdin):
         with contextlib.redirect_stderr(err):
             ns = parser.parse_args(argv)
         plain = (str, int, float, bool, type(None))
-        results.append({"ok": True, "args": {k: v for k, v in vars(ns).items() if isinstance(v, plain)}})
+        args = {k: v for k, v in vars(ns).items() if isinstance(v, plain)}
+        results.append({"ok": True, "args": args, "lora": lora_check(ns)})
     except SystemExit as e:
         results.append({"ok": False, "code": e.code, "stderr": err.getvalue()[-400:]})
 print("RESULTS " + json.dumps(results))
@@ -138,19 +153,39 @@ def bad_argvs() -> list[list[str]]:
     ]
 
 
+def lora_run_config() -> GRPOConfig:
+    """A LoRA run on SGLang as a user writes it: the switches on, SGLang's rank left to the loader."""
+    config = GRPOConfig(backend="sglang")
+    config.actor.use_lora = config.rollout.use_lora = True
+    config.actor.lora_rank = 8
+    config.sglang.model_path, config.sglang.enable_lora = "/models/m", True
+    reconcile_lora(config)
+    return config
+
+
+def lora_argvs() -> list[list[str]]:
+    """The command of a kit LoRA run, then the same without what the kit adds (SGLang's check must refuse it)."""
+    cmd = SGLangConfig.build_cmd(lora_run_config().sglang)[3:]
+    at = cmd.index("--lora-target-modules")
+    bare = cmd[:at] + cmd[at + 2 :]
+    at = bare.index("--max-lora-rank")
+    return [cmd, bare[:at] + bare[at + 2 :]]
+
+
 @pytest.fixture(scope="module")
 def parsed():
     """One subprocess parses every command line of this module (importing SGLang takes seconds)."""
     configs = good_configs()
     cmds = [SGLangConfig.build_cmd(c, tp_size=2, base_gpu_id=1, host="127.0.0.1", port=30123,
                                    dist_init_addr="127.0.0.1:40000") for c in configs]  # fmt: skip
-    bad = bad_argvs()
-    results = parse_with_sglang([cmd[3:] for cmd in cmds] + bad)
-    return configs, cmds, results[: len(cmds)], results[len(cmds) :]
+    bad, lora = bad_argvs(), lora_argvs()
+    results = parse_with_sglang([cmd[3:] for cmd in cmds] + bad + lora)
+    n, m = len(cmds), len(cmds) + len(bad)
+    return configs, cmds, results[:n], results[n:m], results[m:]
 
 
 def test_build_cmd_is_accepted_by_sglang_parser(parsed):
-    configs, cmds, results, _ = parsed
+    configs, cmds, results, *_ = parsed
     for cmd in cmds:
         assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
         assert all(isinstance(a, str) for a in cmd)
@@ -166,10 +201,20 @@ def test_build_cmd_is_accepted_by_sglang_parser(parsed):
 
 
 def test_parser_rejects_removed_flags(parsed):
-    *_, bad_results = parsed
+    *_, bad_results, _ = parsed
     assert len(bad_results) == len(bad_argvs())
     for res in bad_results:
         assert not res["ok"] and res["code"] == 2, res
+
+
+def test_a_lora_run_passes_sglangs_own_lora_check(parsed):
+    """With no adapter at start SGLang needs the largest rank and the modules to serve LoRA; a kit LoRA run syncs
+    its first adapter after start, so the loader sets `sglang.max_lora_rank` from `actor.lora_rank` and the command
+    adds the modules. SGLang's own check accepts that command, and refuses it without them."""
+    *_, (run, bare) = parsed
+    assert run["ok"] and run["args"]["max_lora_rank"] == 8, run
+    assert run["lora"] == "ok", run["lora"]
+    assert bare["ok"] and "--max-lora-rank and --lora-target-modules" in bare["lora"], bare
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ class SGLangConfig:
     dp_size: int = _f(1, "data-parallel server replicas in one launch")
     ep_size: int = _f(1, "expert-parallel size")
     enable_lora: Optional[bool] = _f(None, "serve LoRA adapters")
-    max_lora_rank: Optional[int] = _f(None, "largest LoRA rank served")
+    max_lora_rank: Optional[int] = _f(None, "largest LoRA rank served (unset in a LoRA run: actor.lora_rank)")
     max_loaded_loras: int = _f(8, "LoRA adapters kept loaded")
     lora_paths: Optional[List[str]] = _f(None, "LoRA adapters loaded at start")
     lora_backend: str = _f("triton", "LoRA kernel backend")
@@ -336,6 +336,9 @@ class SGLangConfig:
         args.update(tp_size=tp_size, base_gpu_id=base_gpu_id, host=host, port=port)
         if dist_init_addr:
             args["dist_init_addr"] = dist_init_addr
+        if sglang_config.enable_lora and not sglang_config.lora_paths:
+            # with no adapter at start SGLang needs the modules to reserve adapter memory for: any the actor adapts
+            args["lora_target_modules"] = "all"
         cmd = [sys.executable, "-m", "sglang.launch_server"]
         for key, value in args.items():
             if value is None or value is False:
@@ -1061,7 +1064,8 @@ def reconcile_temperature(actor: Any, gconfig: Any) -> None:
 def reconcile_lora(config: Any) -> None:
     """LoRA is one switch on two sides: the actor trains an adapter (`actor.use_lora`) and the rollout client asks
     the servers for it (`rollout.use_lora`). They must agree, and the server must be one the kit syncs adapters to:
-    the embedded server, or SGLang launched with `sglang.enable_lora=true` (same routes; not yet run by us on a GPU).
+    the embedded server, or SGLang launched with `sglang.enable_lora=true` (same routes; not yet run by us on a GPU),
+    whose `sglang.max_lora_rank`, when unset, becomes `actor.lora_rank`.
     """
     actor, rollout = getattr(config, "actor", None), getattr(config, "rollout", None)
     if actor is None or rollout is None:
@@ -1080,10 +1084,21 @@ def reconcile_lora(config: Any) -> None:
             "use backend=embedded (CPU) or sglang"
         )
     sglang = getattr(config, "sglang", None)
-    if backend == "sglang" and sglang is not None and not sglang.enable_lora:
+    if backend != "sglang" or sglang is None:
+        return
+    if not sglang.enable_lora:
         raise ConfigError(
-            "actor.use_lora=true with backend sglang needs sglang.enable_lora=true (and sglang.max_lora_rank >= "
-            "actor.lora_rank) so the server accepts /load_lora_adapter"
+            "actor.use_lora=true with backend sglang needs sglang.enable_lora=true so the server accepts "
+            "/load_lora_adapter"
+        )
+    # SGLang sizes its adapter memory at start: from the adapters in lora_paths, else from max_lora_rank (AReaL
+    # preloads its first adapter; the kit syncs version 0 after start, so it gives the rank).
+    if sglang.max_lora_rank is None:
+        sglang.max_lora_rank = actor.lora_rank
+    elif sglang.max_lora_rank < actor.lora_rank:
+        raise ConfigError(
+            f"sglang.max_lora_rank={sglang.max_lora_rank} is below actor.lora_rank={actor.lora_rank}: SGLang would "
+            "refuse the adapter; raise it or leave it unset (it then follows actor.lora_rank)"
         )
 
 
