@@ -29,10 +29,10 @@ AREAL_PIN := areal==1.0.4
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
-	@echo "make test      - install dev dependencies and run the whole suite (notebooks included)"
+	@echo "make test      - install dev dependencies, lint, run the tests and the English notebooks (smoke budget)"
 	@echo "make lint      - ruff: lint and format check (make test runs it first)"
 	@echo "make test-repeat - the non-notebook tests REPEAT times (default 3), e.g. TESTS=\"tests/test_serve.py -k abort\" REPEAT=30"
-	@echo "make soak      - opt-in: 500 generated bodies per endpoint, then load + faults + a crash on the real servers (~3 min)"
+	@echo "make soak      - opt-in: 500 generated bodies per endpoint, then load + faults + a crash on the real servers (a few minutes)"
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
@@ -48,7 +48,7 @@ help:
 	@echo "make seed-cells  - the seed notebooks' own cells under the kit, as written and with their defects fixed (~10 min)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
-	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~30+ min; runs make trl first)"
+	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~20 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
 
 $(BIN)/python:

@@ -5,7 +5,8 @@
 #   BACKEND=vllm make test-gpu       uses vLLM (its own venv, `make vllm`: the CUDA build) with the kit's engine;
 #                                    08's comparison differs there by design (AReaL's RemotevLLMEngine sends no
 #                                    stop strings), so 08 is executed but not compared.
-# Two GPUs: trainer on GPU 0, server on GPU 1; one GPU: both share it (the configs' mem_fraction_static leaves room).
+# The notebooks put the trainer and the server on GPU 0, sharing it (the configs' mem_fraction_static leaves room),
+# also on a machine with two; a second GPU is used only by the two-GPU tests (NCCL broadcast, FSDP2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV_GPU:-.venv-gpu}
