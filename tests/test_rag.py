@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import random
 import urllib.error
 import urllib.request
@@ -260,3 +261,14 @@ def test_bm25_recall_on_factbook_qa():
     assert bench.recall_at_k(index, language, k=5)["passage"] >= 0.75
     # Region questions name the field they ask about ("on the map" ~ "Map references"): that is what BM25 matches.
     assert bench.recall_at_k(index, groups["region"], k=5)["passage"] >= 0.95
+
+
+def test_the_dense_index_cache_follows_areal_lite_cache(monkeypatch, tmp_path):
+    """The embeddings are cached where the models are: `AREAL_LITE_CACHE` moves both."""
+    from areal_lite.kit.rag.index import _default_cache_dir
+    from areal_lite.utils.model_store import cache_root
+
+    monkeypatch.setenv("AREAL_LITE_CACHE", str(tmp_path))
+    assert _default_cache_dir() == os.path.join(str(tmp_path), "rag-index")
+    monkeypatch.delenv("AREAL_LITE_CACHE")
+    assert _default_cache_dir() == os.path.join(cache_root(), "rag-index")

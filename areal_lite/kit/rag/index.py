@@ -126,9 +126,9 @@ class DenseRetriever:
 
 
 def _default_cache_dir() -> str:
-    import platformdirs
+    from areal_lite.utils.model_store import cache_root  # `$AREAL_LITE_CACHE` moves it, as it moves the models
 
-    return os.path.join(platformdirs.user_cache_dir("areal-lite"), "rag-index")
+    return os.path.join(cache_root(), "rag-index")
 
 
 def _title_from_url(url: str) -> str:
