@@ -83,9 +83,12 @@ def _rows_per_step(config_path: str) -> int:
     return int(cfg["train_dataset"]["batch_size"]) * int(cfg["gconfig"]["n_samples"])
 
 
-def run_exported(export: str, model: str, steps: int, addrs: Dict[str, str], log_path: str) -> tuple[int, str, float]:
+def run_exported(
+    export: str, model: str, steps: int, addrs: Dict[str, str], log_path: str, fresh: bool = True
+) -> tuple[int, str, float]:
     """One `torchrun` of the exported script under AReaL (SPMD mode) on `model` (the Qwen2 layout the server also
-    serves); returns (exit code, log text, seconds)."""
+    serves); returns (exit code, log text, seconds). `fresh`: start from nothing, else resume from the recovery
+    checkpoint an earlier run left (AReaL's `recover.mode=on` finds it in the run's folder)."""
     from areal_lite.kit.server.procs import find_free_port
 
     config = os.path.join(export, "search_agent_cpu.yaml")
@@ -95,7 +98,9 @@ def run_exported(export: str, model: str, steps: int, addrs: Dict[str, str], log
            *cpu_overrides(model, _rows_per_step(config), os.path.join(export, "areal_run"), steps)]  # fmt: skip
     env = dict(os.environ, AREAL_SPMD_MODE="1", AREAL_LLM_SERVER_ADDRS=addrs["server"], RAG_ADDR=addrs["rag"],
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
-    shutil.rmtree(os.path.join(export, "areal_run", "name_resolve"), ignore_errors=True)
+    # AReaL's name records of a finished run must go either way; a fresh run also drops its checkpoints, which AReaL
+    # would otherwise resume from (a second `make areal-run` would then have no step left to train).
+    shutil.rmtree(os.path.join(export, "areal_run", *([] if fresh else ["name_resolve"])), ignore_errors=True)
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         code = subprocess.run(cmd, cwd=export, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -145,8 +150,8 @@ def run_all(export: str, steps: int, resume: bool = True) -> tuple[int, List[dic
             server.wait_ready()
             for total, what in plan:
                 log_path = os.path.join(export, f"areal_run_{what}.log")
-                code, log, seconds = run_exported(export, model, total, {"server": server.address, "rag": rag.address},
-                                                  log_path)  # fmt: skip
+                addrs = {"server": server.address, "rag": rag.address}
+                code, log, seconds = run_exported(export, model, total, addrs, log_path, fresh=what == "train")
                 trained = parse_steps(log)
                 done.append({"what": what, "exit": code, "seconds": seconds, "steps": trained})
                 print(f"areal-run {what}: AReaL's PPOTrainer, exit {code}, {seconds:.0f} s, log {log_path}")
