@@ -984,14 +984,17 @@ def test_rows_without_signal_run_no_forward_and_change_nothing(tiny_model_path, 
 
 
 def test_cpu_bf16_plan(monkeypatch):
-    """dtype="bfloat16" on a CPU: autocast only with native bf16 that measured faster (or forced); other dtypes and
-    devices as asked."""
+    """dtype="bfloat16" on a CPU: autocast only with native bf16 that measured faster (or forced); on CUDA always;
+    other dtypes and devices as asked."""
     from areal_lite.utils import device
 
     cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
     monkeypatch.delenv(CPU_BF16_ENV, raising=False)
     assert _precision_plan(fp32, cpu) == (fp32, False, "")  # the parity tests' path is never touched
-    assert _precision_plan(bf16, torch.device("cuda")) == (bf16, False, "")  # GPUs keep bf16 weights
+    # a GPU: float32 master weights under bf16 autocast (bf16 weights would round AdamW's 1e-6 steps away)
+    dtype, autocast, line = _precision_plan(bf16, torch.device("cuda"))
+    assert (dtype, autocast) == (fp32, True) and "on CUDA: float32 weights and optimizer state" in line
+    assert _precision_plan(bf16, torch.device("mps")) == (bf16, False, "")  # another device: as asked
     monkeypatch.setattr(device, "cpu_native_bf16", lambda: "AMX")
     monkeypatch.setattr(device, "cpu_bf16_speedup", lambda: 2.0)
     dtype, autocast, line = _precision_plan(bf16, cpu)

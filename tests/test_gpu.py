@@ -43,13 +43,15 @@ def cuda():
 
 
 def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, vocab, tmp_path):
+    """dtype="bfloat16" on CUDA: float32 master weights under bf16 autocast, so a step at the GPU configs' learning
+    rate (1e-6) moves the weights (bf16 weights would round it away)."""
     batch = make_batch(vocab, B=6, seed=3)
     cpu = FSDPPPOActor(PPOActorConfig(path=tiny_model_path, device="cpu", dtype="float32", threads=1)).initialize()
     want = cpu.compute_logp(batch)
     actor = FSDPPPOActor(
-        PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-3))
+        PPOActorConfig(path=tiny_model_path, device="cuda", dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-6))
     ).initialize()
-    assert next(actor.model.parameters()).is_cuda and next(actor.model.parameters()).dtype == torch.bfloat16
+    assert next(actor.model.parameters()).is_cuda and next(actor.model.parameters()).dtype == torch.float32
     got = actor.compute_logp(batch)
     assert got.device == batch["input_ids"].device  # results come back where the batch lives
     assert (got - want).abs().max().item() < 0.15  # bfloat16 has 8 bits of mantissa
@@ -59,8 +61,9 @@ def test_bf16_actor_on_cuda_trains_and_writes_loadable_weights(tiny_model_path, 
     before = {n: p.detach().float().cpu().clone() for n, p in actor.model.named_parameters()}
     stats = actor.ppo_update(batch)
     assert stats["skipped"] == 0 and torch.isfinite(torch.tensor(stats["grad_norm"]))
-    moved = max((p.detach().float().cpu() - before[n]).abs().max().item() for n, p in actor.model.named_parameters())
-    assert moved > 0
+    layers = [(n, p.detach().float().cpu()) for n, p in actor.model.named_parameters() if ".layers." in n]
+    changed = sum(int((p != before[n]).sum()) for n, p in layers) / sum(p.numel() for _, p in layers)
+    assert changed > 0.9, changed  # float32 on a CPU: all; the same step rounded to bf16 weights: about 4 %
     meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"))
     actor.update_weights(meta)
     from safetensors.torch import load_file
@@ -166,7 +169,7 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
         [sys.executable, str(script), addr, tiny_model_path, str(out)], env=env, stderr=subprocess.PIPE, text=True
     )
     try:
-        group = init_custom_process_group("nccl", addr, world_size=2, rank=0, group_name="weights")
+        group = init_custom_process_group("nccl", addr, world_size=2, rank=0, group_name=f"weights-{addr}")
         actor._broadcast_params(group)
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
         dist.destroy_process_group(group)

@@ -17,7 +17,8 @@ Design decisions
   group's prompt runs once) and "Rows without signal" (`_silent_rows`). bench/update_speed.py measures the update.
 - torchrun: FSDP2 per decoder layer; every rank gets the whole batch and takes rows r, r + W, ...
 - A non-finite gradient norm skips the step (`skipped = 1`); statistics come from the log-probs, not the loss.
-- `dtype="bfloat16"` on a CPU is float32 weights under bf16 autocast, and only where that is faster (`_precision_plan`).
+- `dtype="bfloat16"` is float32 weights under bf16 autocast: on a GPU always, on a CPU where that is faster
+  (`_precision_plan`).
 """
 
 from __future__ import annotations
@@ -122,17 +123,24 @@ def _dist():
 def _precision_plan(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, bool, str]:
     """(the weights' dtype, whether forward passes autocast to bf16, the one line to print or "").
 
-    Only `bfloat16` on a CPU is planned; any other dtype or device loads as asked (a GPU gets bf16 weights).
-    On a CPU the weights and optimizer state stay float32 (master weights: a bf16 weight has an 8-bit mantissa, so an
-    AdamW step below 1/256 of it is rounded away) and every forward pass runs under bf16 autocast. Only where the
-    CPU computes bf16 in hardware (`device.cpu_native_bf16`) and a linear layer measured at least
-    `BF16_MIN_SPEEDUP` times as fast in bf16 (`device.cpu_bf16_speedup`; bench/update_speed.py times the update):
-    emulated bf16 is slower than float32, and native bf16 is not faster on every CPU. Elsewhere the actor trains in
-    float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1` forces the autocast (tests reach it on any CPU),
-    `=0` forbids it.
+    Only `bfloat16` is planned; any other dtype loads as asked. Its weights and optimizer state stay float32 (master
+    weights: a bf16 weight has an 8-bit mantissa, so an AdamW step below 1/256 of it, as at the GPU configs' learning
+    rate of 1e-6, is rounded away; AReaL keeps float32 master weights too) and every forward pass runs under bf16
+    autocast: always on a GPU, on a CPU only where it computes bf16 in hardware (`device.cpu_native_bf16`) and a
+    linear layer measured at least `BF16_MIN_SPEEDUP` times as fast in bf16 (`device.cpu_bf16_speedup`;
+    bench/update_speed.py times the update): emulated bf16 is slower than float32, and native bf16 is not faster on
+    every CPU. Elsewhere the CPU actor trains in float32 and prints one line saying why. `AREAL_LITE_CPU_BF16=1`
+    forces the CPU's autocast (tests reach it on any CPU), `=0` forbids it.
     """
-    if dtype != torch.bfloat16 or device.type != "cpu":
+    if dtype != torch.bfloat16 or device.type not in ("cpu", "cuda"):
         return dtype, False, ""
+    if device.type == "cuda":
+        return (
+            torch.float32,
+            True,
+            "areal-lite: actor.dtype=bfloat16 on CUDA: float32 weights and optimizer state, "
+            "forward passes under bf16 autocast",
+        )
     from areal_lite.utils import device as device_utils  # looked up at call time: tests patch the detector
 
     env = os.environ.get(CPU_BF16_ENV, "").strip()
@@ -495,7 +503,7 @@ class _TrainEngine(TrainEngine):
         """bf16 autocast around a forward pass where `_precision_plan` chose it; else nothing. The backward needs
         none: autograd replays each op in the dtype its forward ran in."""
         if self._autocast_bf16:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _logits_for(
