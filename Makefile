@@ -78,7 +78,7 @@ $(STAMP): $(UV) pyproject.toml
 # Everything in two calls, not on top of $(STAMP): each call re-resolves the whole set.
 $(DEVSTAMP): $(UV) pyproject.toml
 	$(CPU_TORCH)
-	$(UV_PIP) "torch==2.13.0" -e ".[cpu,dev]" $(SGL_LIGHT) -r requirements/areal.txt
+	$(UV_PIP) "torch==2.13.0" -e ".[cpu,dev,agents]" $(SGL_LIGHT) -r requirements/areal.txt
 	$(UV_PIP) --no-deps $(NODEPS) sglang==0.5.23 $(AREAL_PIN)
 	touch $(STAMP) $@
 

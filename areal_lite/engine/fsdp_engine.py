@@ -17,8 +17,7 @@ Design decisions
   group's prompt runs once) and "Rows without signal" (`_silent_rows`). bench/update_speed.py measures the update.
 - torchrun: FSDP2 per decoder layer; every rank gets the whole batch and takes rows r, r + W, ...
 - A non-finite gradient norm skips the step (`skipped = 1`); statistics come from the log-probs, not the loss.
-- `dtype="bfloat16"` is float32 weights under bf16 autocast: on a GPU always, on a CPU where that is faster
-  (`_precision_plan`).
+- `dtype="bfloat16"`: float32 weights under bf16 autocast, on a GPU always, on a CPU where faster (`_precision_plan`).
 """
 
 from __future__ import annotations
