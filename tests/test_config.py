@@ -240,3 +240,45 @@ def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
     assert args[args.index("--max-prefill-tokens") + 1] == "512" and "--return-original-logprob" in args
     assert args[args.index("--decode-log-interval") + 1] == "0"
     assert "--context-length" not in args  # None: the server's default (the model's length) applies
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("gconfig.n_samples=-3", "gconfig.n_samples"),
+        ("gconfig.max_new_tokens=0", "gconfig.max_new_tokens"),
+        ("gconfig.temperature=nan", "gconfig.temperature"),
+        ("actor.optimizer.lr=-1e-5", "actor.optimizer.lr"),
+        ("actor.path=", "actor.path"),
+        ("trial_name=", "trial_name"),
+    ],
+)
+def test_values_no_run_can_use_are_refused_at_load(override, key):
+    """Values the types allow but no run can use fail at load, naming the key, not later in a traceback."""
+    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    with pytest.raises(ConfigError, match=rf"key '{re.escape(key)}': expected "):
+        load_expr_config(["--config", path, override], GRPOConfig, verbose=False)
+
+
+def test_environment_overrides_say_where_they_come_from_and_keep_quoted_values(monkeypatch):
+    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    monkeypatch.setenv("AREAL_LITE_OVERRIDES", "seed=3 experiment_name='my exp'")
+    config, _ = load_expr_config(["--config", path], GRPOConfig, verbose=False)
+    assert (config.seed, config.experiment_name) == (3, "my exp")
+    monkeypatch.setenv("AREAL_LITE_OVERRIDES", "gconfig.n_samples")
+    with pytest.raises(ConfigError, match="^AREAL_LITE_OVERRIDES: 'gconfig.n_samples' is not an override"):
+        load_expr_config(["--config", path], GRPOConfig, verbose=False)
+
+
+def test_the_command_lines_print_a_config_error_in_one_line(capsys, tmp_path):
+    """The trainer's and the AReaL export's command lines: a config mistake is one line on stderr and exit 2."""
+    from areal_lite.kit.areal.config import main as export_main
+    from areal_lite.kit.trainer.train import main as train_main
+
+    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    assert train_main(["--config", path, "actor.optimizer.lrr=1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train: command line: key 'actor.optimizer.lrr'") and len(err.splitlines()) == 1
+    assert export_main([str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "o.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("areal config: ") and "config file not found" in err and len(err.splitlines()) == 1

@@ -289,10 +289,17 @@ def test_smollm_answers_simple_sum(fresh_smollm):
 
 
 def test_resolve_model_path_passthrough(tmp_path):
+    """Folders and hub ids pass through; a path that is no folder and a near miss of an alias are refused at once
+    (as hub ids they would cost the hub's retries, then blame the network)."""
+    from areal_lite.utils.model_store import ModelPathError
+
     assert resolve_model_path("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert resolve_model_path("gpt2") == "gpt2"  # a hub id of the old, unscoped kind
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
-    missing = str(tmp_path / "nope")
-    assert resolve_model_path(missing) == missing
+    with pytest.raises(ModelPathError, match="no such folder"):
+        resolve_model_path(str(tmp_path / "nope"))
+    with pytest.raises(ModelPathError, match="did you mean 'smollm2-135m-instruct'"):
+        resolve_model_path("smollm2-135m-instruc")
 
 
 def test_load_tokenizer_sets_pad(tiny_model_path):

@@ -15,6 +15,7 @@ Design decisions
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -1004,6 +1005,7 @@ def load_expr_config(
     taught, rather than every notebook repeating them before they mean anything).
     """
     loaded = load_layers(argv, config_cls)
+    _check_values(loaded)
     _fill_derived(loaded.config)
     if verbose:
         shown = os.path.basename(loaded.path) if loaded.path else "defaults"
@@ -1106,6 +1108,29 @@ def _model_aliases() -> Any:
     from areal_lite.utils.model_store import MODEL_REGISTRY
 
     return MODEL_REGISTRY
+
+
+def _check_values(loaded: Any) -> None:
+    """Refuse values, set by a file, profile or override, that their types allow but no run can use, naming the
+    key: at load, not steps later in a traceback from the code that first trips on them. (A default left empty, as
+    `actor.path` in a config that sets it in code later, is not checked.)"""
+    rules = (
+        ("experiment_name", "a non-empty name", lambda v: bool(str(v).strip())),
+        ("trial_name", "a non-empty name (the run's folder)", lambda v: bool(str(v).strip())),
+        ("actor.path", "a model folder, alias or hub id", lambda v: bool(str(v).strip())),
+        ("actor.optimizer.lr", "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+        ("gconfig.n_samples", "an integer >= 1", lambda v: v >= 1),
+        ("gconfig.max_new_tokens", "an integer >= 1", lambda v: v >= 1),
+        ("gconfig.temperature", "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+    )
+    for dotted, expected, ok in rules:
+        if not loaded.sets(dotted):
+            continue
+        value = loaded.config
+        for part in dotted.split("."):
+            value = getattr(value, part, None)
+        if value is not None and not ok(value):
+            raise ConfigError(f"key '{dotted}': expected {expected}, got {value!r}")
 
 
 def _fill_derived(config: Any) -> None:

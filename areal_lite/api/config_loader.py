@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import os
 import re
+import shlex
 import types
 import typing
 from dataclasses import dataclass
@@ -151,19 +152,19 @@ class _Checker:
         return value
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def _parse_override(item: str, origin: str = "command line") -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(
-            f"command line: '{item}' is not an override; write key=value (for example actor.optimizer.lr=1e-5)"
+            f"{origin}: '{item}' is not an override; write key=value (for example actor.optimizer.lr=1e-5)"
         )
     key, raw = item.split("=", 1)
     key = key.strip().lstrip("+")
     if not key:
-        raise ConfigError(f"command line: '{item}' has an empty key")
+        raise ConfigError(f"{origin}: '{item}' has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"command line: key '{key}': cannot parse value {raw!r}: {e}") from None
+        raise ConfigError(f"{origin}: key '{key}': cannot parse value {raw!r}: {e}") from None
     return key, value
 
 
@@ -303,11 +304,14 @@ def _check_profiles(config_cls: type, source: str, profiles: dict) -> dict:
 
 def _override_layer(config_cls: type, overrides: List[str]) -> dict:
     """$AREAL_LITE_OVERRIDES then the command line's key=value overrides, checked and nested."""
-    env_overrides = os.environ.get("AREAL_LITE_OVERRIDES", "").split()
+    try:  # split as a shell would: `system_prompt='You are helpful'` is one override
+        env_overrides = shlex.split(os.environ.get("AREAL_LITE_OVERRIDES", ""))
+    except ValueError as e:
+        raise ConfigError(f"AREAL_LITE_OVERRIDES: cannot split it into key=value overrides: {e}") from None
     cli: dict = {}
     for origin, items in (("AREAL_LITE_OVERRIDES", env_overrides), ("command line", overrides)):
         for item in items:
-            key, value = _parse_override(item)
+            key, value = _parse_override(item, origin)
             nested = _Checker(origin, numbers_as_text=True).check(config_cls, _nest(key, value), "")
             cli = _deep_merge(cli, nested)
     return cli

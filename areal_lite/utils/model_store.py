@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import glob
 import importlib.util
@@ -279,13 +280,26 @@ def prepare_model(name: str = "smollm2-135m-instruct", cache_dir: str | None = N
     )
 
 
+class ModelPathError(ValueError):
+    """A model path that is no alias, no folder and cannot be a hub id: said at once, not after the hub's retries."""
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Alias -> cached converted folder; existing local folder -> itself; anything else (hub id) unchanged."""
+    """Alias -> cached converted folder; existing local folder -> itself; anything else (hub id) unchanged. A path
+    (`/`, `.` or `~` first) that is no folder, and a near miss of an alias, raise `ModelPathError`."""
     if name_or_path in MODEL_REGISTRY:
         return prepare_model(name_or_path)
     expanded = os.path.expanduser(name_or_path)
     if os.path.isdir(expanded):
         return expanded
+    if name_or_path.startswith(("/", ".", "~")):
+        raise ModelPathError(f"model path {name_or_path!r}: no such folder")
+    near = difflib.get_close_matches(name_or_path, list(MODEL_REGISTRY), n=1, cutoff=0.8)
+    if near and "/" not in name_or_path:
+        raise ModelPathError(
+            f"model {name_or_path!r} is no alias, folder or hub id (org/name); did you mean {near[0]!r}? "
+            f"aliases: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
     return name_or_path
 
 

@@ -150,9 +150,15 @@ def main(argv: Optional[list] = None) -> int:
     args = ap.parse_args(argv)
     import yaml
 
-    areal, kit_only = to_areal_config(args.config, profile=args.profile)
-    with open(args.output, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(areal, fh, sort_keys=False)
+    from areal_lite.api.cli_args import ConfigError
+
+    try:
+        areal, kit_only = to_areal_config(args.config, profile=args.profile)
+        with open(args.output, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(areal, fh, sort_keys=False)
+    except (ConfigError, OSError) as e:
+        print(f"areal config: {e}", file=sys.stderr)  # one line, no traceback: the message says what to fix
+        return 2
     print(f"wrote {args.output}; kit-only keys left out: {', '.join(sorted(kit_only)) or 'none'}")
     return 0
 

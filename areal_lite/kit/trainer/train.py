@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 
 from areal_lite.api.cli_args import (
+    ConfigError,
     GRPOConfig,
     InferenceEngineConfig,
     describe,
@@ -53,6 +54,7 @@ from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.kit.trainer.rundir import RunDir, RunDirError, open_run_dir
 from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
+from areal_lite.utils.model_store import ModelPathError
 from areal_lite.utils.weight_dirs import NoRoomError, check_room, version_bytes
 
 if TYPE_CHECKING:
@@ -679,10 +681,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
-    config, path = load_expr_config(argv, TrainConfig)
     try:
+        config, path = load_expr_config(argv, TrainConfig)
         stats = train(config, resume=resume, existing="refuse")
-    except (RunDirError, NoRoomError) as e:
+    except (ConfigError, ModelPathError, RunDirError, NoRoomError) as e:
         print(f"train: {e}", file=sys.stderr)  # one line, no traceback: the message says what to do
         return 2
     if stats:
