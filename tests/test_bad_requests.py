@@ -585,3 +585,11 @@ def test_the_length_bound_never_exceeds_the_real_token_count(tok, text):
     from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
 
     assert token_lower_bound(tok, text) <= count_tokens(tok, text, add_special_tokens=False)
+
+
+def test_an_error_describes_a_bad_value_by_its_type_and_a_short_scalar_by_its_value_too():
+    from areal_lite.utils.jsonhttp import describe
+
+    got = [describe(v) for v in ([1, 2], {"a": 1}, 5, "x", None)]
+    assert got == ["list", "dict", "int 5", 'str "x"', "NoneType null"]
+    assert describe("y" * 80) == "str"  # too long to quote

@@ -282,3 +282,24 @@ def test_the_command_lines_print_a_config_error_in_one_line(capsys, tmp_path):
     assert export_main([str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "o.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("areal config: ") and "config file not found" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "override, hint",
+    [
+        ("actor.optimizer.lrr=1e-5", "did you mean 'actor.optimizer.lr'?"),  # a typo: the close spelling
+        ("actor.lr=1e-5", "did you mean 'actor.optimizer.lr'?"),  # a level off: the same name in its section
+        ("n_samples=2", "did you mean 'gconfig.n_samples' or 'eval_gconfig.n_samples'?"),  # its section left out
+    ],
+)
+def test_an_unknown_key_is_pointed_to_where_it_belongs(override, hint):
+    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_expr_config(["--config", path, override], GRPOConfig, verbose=False)
+
+
+def test_a_yaml_key_indented_one_level_off_is_pointed_to_its_place(tmp_path):
+    path = write(tmp_path, "actor:\n  optimizer:\n    type: adam\n  lr: 1.0e-5\n")
+    with pytest.raises(ConfigError, match=re.escape("key 'actor.lr': unknown key for PPOActorConfig; did you mean "
+                                                    "'actor.optimizer.lr'?")):  # fmt: skip
+        load_expr_config(["--config", path], GRPOConfig, verbose=False)

@@ -288,14 +288,17 @@ def test_weight_folders_belong_to_live_runs_only(tmp_path):
             owner.kill()
 
 
-def test_a_run_refuses_to_start_without_room_for_its_weight_versions(tmp_path, capsys, monkeypatch, tiny_model_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: float32 master weights, written as float32
+def test_a_run_refuses_to_start_without_room_for_its_weight_versions(
+    tmp_path, capsys, monkeypatch, tiny_model_path, dtype
+):
     per_version = weight_dirs.version_bytes(tiny_model_path, "float32")
     assert per_version > 0
     usage = shutil.disk_usage(str(tmp_path))
     # The file system holding the weight folder reports room for two versions, where a run needs three at its peak.
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2 * per_version))
     args = train_args(tiny_model_path, tmp_path, "e", 3)
-    assert main([*args, f"weight_update_dir={tmp_path / 'w'}"]) == 2
+    assert main([*args, f"weight_update_dir={tmp_path / 'w'}", f"actor.dtype={dtype}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "3 weight versions" in err[0] and "weight_update_dir=" in err[0], err
     assert not os.path.exists(tmp_path / "e" / "run0" / "logs"), "no server may start"

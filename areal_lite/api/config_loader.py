@@ -64,6 +64,19 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _paths_named(cls: type, name: str, prefix: str = "", depth: int = 4) -> List[str]:
+    """The dotted keys of config class `cls` whose last part is `name`, nearest first."""
+    found, deeper = [], []
+    for f in dataclasses.fields(cls):
+        dotted = prefix + f.name
+        if f.name == name:
+            found.append(dotted)
+        inner, _ = _unwrap_optional(typing.get_type_hints(cls)[f.name])
+        if dataclasses.is_dataclass(inner) and depth > 1:
+            deeper += _paths_named(inner, name, dotted + ".", depth - 1)
+    return found + deeper
+
+
 class _Checker:
     """Walks a plain dict against a dataclass, raising ConfigError on the first problem."""
 
@@ -71,6 +84,22 @@ class _Checker:
         self.source = source
         # On the command line `trial_name=7` reaches us as the int 7; in a YAML file we insist on the right type.
         self.numbers_as_text = numbers_as_text
+        self.root: Optional[type] = None  # the config class checked from the top: where a misplaced key belongs
+
+    def hint(self, key: str, prefix: str, fields: dict) -> str:
+        """The "did you mean" of an unknown key's message: a close spelling at this level, else where the same name
+        is elsewhere (a key indented one level off, or given without its section), else a looser spelling."""
+        at = prefix + "." if prefix else ""
+
+        def spelled(cutoff: float) -> List[str]:
+            return [at + n for n in difflib.get_close_matches(key, list(fields), n=1, cutoff=cutoff)]
+
+        near = spelled(0.8)
+        if not near and self.root is not None:
+            elsewhere = _paths_named(self.root, key)
+            near = [p for p in elsewhere if p.startswith(at)] or elsewhere
+        near = near or spelled(0.5)
+        return f"; did you mean {' or '.join(repr(p) for p in near[:3])}?" if near else ""
 
     def fail(self, key: str, msg: str) -> None:
         raise ConfigError(f"{self.source}: key '{key}': {msg}")
@@ -81,13 +110,14 @@ class _Checker:
             self.fail(prefix or "<root>", f"expected a mapping ({cls.__name__}), got {type(data).__name__}")
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        if not prefix:
+            self.root = cls
         out = {}
         for key, value in data.items():
             dotted = f"{prefix}.{key}" if prefix else str(key)
             if key not in fields:
-                near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-                hint = f"; did you mean '{(prefix + '.' if prefix else '') + near[0]}'?" if near else ""
                 valid = ", ".join(sorted(fields))
+                hint = self.hint(str(key), prefix, fields)
                 self.fail(dotted, f"unknown key for {cls.__name__}{hint} (valid keys: {valid})")
             out[key] = self.value(hints[key], value, dotted, fields[key])
         return out

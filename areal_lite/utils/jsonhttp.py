@@ -55,7 +55,9 @@ class BadRequest(ValueError):
 
 def describe(v: Any) -> str:
     """A short description of a JSON value for error messages: its Python type and, when short, the value."""
-    text = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
+    if not isinstance(v, (str, int, float, bool, type(None))):
+        return type(v).__name__  # a list or an object: its type says enough
+    text = json.dumps(v)
     return f"{type(v).__name__} {text}" if len(text) < 60 else type(v).__name__
 
 

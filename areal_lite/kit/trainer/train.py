@@ -593,10 +593,12 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
 
 def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
     """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak:
-    `keep_last` plus the one being written, each the model's parameter count times the actor's dtype size."""
+    `keep_last` plus the one being written, each the model's parameter count times the size of the dtype the actor
+    writes: float32 for `bfloat16` too (float32 master weights under autocast, `fsdp_engine._precision_plan`)."""
     from areal_lite.utils.model_store import resolve_model_path
 
-    per_version = version_bytes(resolve_model_path(config.actor.path), config.actor.dtype)
+    written = "float32" if config.actor.dtype == "bfloat16" else config.actor.dtype
+    per_version = version_bytes(resolve_model_path(config.actor.path), written)
     if per_version is not None:
         n = keep_last + 1
         what = f"{n} weight versions ({keep_last} kept + 1 being written) of {per_version / 2**20:.1f} MiB each"
