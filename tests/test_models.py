@@ -367,3 +367,22 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap_not_from_their_own_
     assert region("keep") == "heap"
     # The same settings spelled for a process's start (what bench/vs_trl.py gives TRL with --trl-keep-freed).
     assert region("default", {"GLIBC_TUNABLES": KEEP_FREED_TUNABLES}) == "heap"
+
+
+def test_local_model_dir_finds_a_hub_ids_snapshot_in_the_hub_cache(tmp_path, monkeypatch):
+    """Servers and size checks read files: a hub id becomes the snapshot folder `from_pretrained` left in the hub's
+    cache, or None before it is downloaded; aliases and folders are resolved as by `resolve_model_path`."""
+    from huggingface_hub import constants
+
+    from areal_lite.utils.model_store import local_model_dir
+
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert local_model_dir("org/tiny") == str(snapshot)
+    assert local_model_dir("org/not-downloaded") is None
+    assert local_model_dir(str(tmp_path)) == str(tmp_path)

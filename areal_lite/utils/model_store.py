@@ -303,6 +303,22 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def local_model_dir(name_or_path: str) -> str | None:
+    """The local folder with `name_or_path`'s files: an alias's converted folder, a folder itself, or a hub id's
+    snapshot in the hub's cache (what `from_pretrained` loaded); None for a hub id not downloaded yet. Servers and
+    size checks read files, not hub ids."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(path, local_files_only=True)
+    except (HFValidationError, LocalEntryNotFoundError):
+        return None
+
+
 def _llama_as_qwen2(src_dir: str, out_dir: str) -> None:
     """Write the Llama checkpoint `src_dir` as a Qwen2 checkpoint in `out_dir` and check both give the same logits.
 

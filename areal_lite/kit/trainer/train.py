@@ -431,9 +431,12 @@ def _load_base_model(actor: FSDPPPOActor, engine: InferenceEngine) -> None:
     """Servers we did not start get the base model before any adapter. Why: a server merges an adapter into
     whatever it holds, and a server an earlier run trained holds that run's weights; a LoRA run never writes full
     weights itself, so without this it would sample from, and report behaviour log-probs of, another model."""
-    from areal_lite.utils.model_store import resolve_model_path
+    from areal_lite.utils.model_store import local_model_dir
 
-    base = WeightUpdateMeta(type="disk", path=resolve_model_path(actor.config.path), version=0)
+    folder = local_model_dir(actor.config.path)  # a hub id: the snapshot the actor loaded, not the id
+    if folder is None:
+        raise ModelPathError(f"actor.path {actor.config.path!r}: no local copy for the servers to load")
+    base = WeightUpdateMeta(type="disk", path=folder, version=0)
     engine.pause()
     try:
         engine.update_weights(base).result()
@@ -595,10 +598,11 @@ def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
     """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak:
     `keep_last` plus the one being written, each the model's parameter count times the size of the dtype the actor
     writes: float32 for `bfloat16` too (float32 master weights under autocast, `fsdp_engine._precision_plan`)."""
-    from areal_lite.utils.model_store import resolve_model_path
+    from areal_lite.utils.model_store import local_model_dir
 
     written = "float32" if config.actor.dtype == "bfloat16" else config.actor.dtype
-    per_version = version_bytes(resolve_model_path(config.actor.path), written)
+    folder = local_model_dir(config.actor.path)  # None: a hub id not downloaded yet, size unknown before the actor
+    per_version = version_bytes(folder, written) if folder else None
     if per_version is not None:
         n = keep_last + 1
         what = f"{n} weight versions ({keep_last} kept + 1 being written) of {per_version / 2**20:.1f} MiB each"
