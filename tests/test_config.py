@@ -255,13 +255,13 @@ def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
 )
 def test_values_no_run_can_use_are_refused_at_load(override, key):
     """Values the types allow but no run can use fail at load, naming the key, not later in a traceback."""
-    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    path = os.path.join(CONFIGS, "arith_grpo_demo.yaml")
     with pytest.raises(ConfigError, match=rf"key '{re.escape(key)}': expected "):
         load_expr_config(["--config", path, override], GRPOConfig, verbose=False)
 
 
 def test_environment_overrides_say_where_they_come_from_and_keep_quoted_values(monkeypatch):
-    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    path = os.path.join(CONFIGS, "arith_grpo_demo.yaml")
     monkeypatch.setenv("AREAL_LITE_OVERRIDES", "seed=3 experiment_name='my exp'")
     config, _ = load_expr_config(["--config", path], GRPOConfig, verbose=False)
     assert (config.seed, config.experiment_name) == (3, "my exp")
@@ -275,7 +275,7 @@ def test_the_command_lines_print_a_config_error_in_one_line(capsys, tmp_path):
     from areal_lite.kit.areal.config import main as export_main
     from areal_lite.kit.trainer.train import main as train_main
 
-    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    path = os.path.join(CONFIGS, "arith_grpo_demo.yaml")
     assert train_main(["--config", path, "actor.optimizer.lrr=1e-5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("train: command line: key 'actor.optimizer.lrr'") and len(err.splitlines()) == 1
@@ -293,7 +293,7 @@ def test_the_command_lines_print_a_config_error_in_one_line(capsys, tmp_path):
     ],
 )
 def test_an_unknown_key_is_pointed_to_where_it_belongs(override, hint):
-    path = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    path = os.path.join(CONFIGS, "arith_grpo_demo.yaml")
     with pytest.raises(ConfigError, match=re.escape(hint)):
         load_expr_config(["--config", path, override], GRPOConfig, verbose=False)
 
