@@ -667,6 +667,30 @@ def test_save_load_roundtrip_restores_exactly(tiny_model_path, vocab, tmp_path):
         b.load(str(tmp_path))
 
 
+def test_an_actor_without_an_optimizer_scores_but_refuses_to_train(tiny_model_path, vocab, tmp_path):
+    """AReaL's optimizer=None (an engine that does not train): log-probs and checkpoints work; a training call says
+    why it cannot (AReaL asserts), and a trained actor refuses its optimizer-less checkpoint's missing state."""
+    frozen = FSDPPPOActor(actor_cfg(tiny_model_path, optimizer=None)).initialize()
+    assert frozen.optimizer is None and frozen.lr_scheduler is None
+    batch = make_batch(vocab)
+    fill_logprobs(frozen, batch)
+    frozen.compute_advantages(batch)
+    before = params(frozen)
+    for call in (lambda: frozen.ppo_update(batch), frozen.step_lr_scheduler):
+        with pytest.raises(RuntimeError, match="no optimizer .*give it an OptimizerConfig"):
+            call()
+    assert_close_dicts(params(frozen), before, atol=0)
+    frozen.save(str(tmp_path / "ckpt"))
+    again = FSDPPPOActor(actor_cfg(tiny_model_path, optimizer=None)).initialize()
+    with torch.no_grad():
+        next(again.model.parameters()).add_(1.0)
+    again.load(str(tmp_path / "ckpt"))
+    assert_close_dicts(params(again), before, atol=0)
+    trained = FSDPPPOActor(actor_cfg(tiny_model_path)).initialize()
+    with pytest.raises(RuntimeError, match="has no optimizer state"):
+        trained.load(str(tmp_path / "ckpt"))
+
+
 def test_update_weights_atomic_loadable_and_pruned(tiny_model_path, vocab, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -251,6 +251,7 @@ def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
         ("actor.optimizer.lr=-1e-5", "actor.optimizer.lr"),
         ("actor.path=", "actor.path"),
         ("trial_name=", "trial_name"),
+        ("actor.optimizer=null", "actor.optimizer"),  # AReaL's "does not train"; the actor trains
     ],
 )
 def test_values_no_run_can_use_are_refused_at_load(override, key):
@@ -279,6 +280,14 @@ def test_the_command_lines_print_a_config_error_in_one_line(capsys, tmp_path):
     assert train_main(["--config", path, "actor.optimizer.lrr=1e-5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("train: command line: key 'actor.optimizer.lrr'") and len(err.splitlines()) == 1
+    assert train_main(["--config", path, "--resum"]) == 2
+    err = capsys.readouterr().err
+    assert err == "train: command line: unknown option '--resum'; did you mean '--resume'? (see --help)\n"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiment_name: e\ngconfig:\n  n_samples: 0\n")
+    assert train_main(["--config", str(bad)]) == 2  # a value no run can use, set in a file: the file is named
+    err = capsys.readouterr().err
+    assert err == f"train: {bad}: key 'gconfig.n_samples': expected an integer >= 1, got 0\n"
     assert export_main([str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "o.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("areal config: ") and "config file not found" in err and len(err.splitlines()) == 1

@@ -232,6 +232,7 @@ def test_dead_server_raises_with_log_tail(tmp_path):
         handle.wait_ready(timeout=120)
     msg = str(err.value)
     assert "exited with code" in msg and "last log lines" in msg and "no-such-model" in msg
+    assert "no such folder" in msg and "Traceback" not in msg  # the user's mistake: its message, not a trace
     assert not handle.is_alive()
     handle.stop()
 

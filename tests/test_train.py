@@ -254,6 +254,24 @@ def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_pa
     args = ["total_train_steps=3" if a == "total_train_steps=2" else a for a in args]
     assert main(args + ["--resume"]) == 0
     assert [r["step"] for r in read_jsonl(run_dir / "stats.jsonl")] == [0, 1, 2]
+    capsys.readouterr()
+    zero = [a for a in args if not a.startswith("total_train_steps=")] + ["total_train_steps=0", "trial_name=zero"]
+    assert main(zero) == 0  # an evaluation of the start: it says so instead of ending without a word
+    assert capsys.readouterr().out.splitlines()[-1] == "train: no training step ran (total_train_steps=0)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_profile_gpu_without_cuda_is_refused_before_anything_starts(tmp_path):
+    from areal_lite.api.cli_args import ConfigError
+
+    config, _ = load_expr_config(
+        ["--config", os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"), "profile=gpu", f"fileroot={tmp_path}"],
+        TrainConfig,
+        verbose=False,
+    )
+    with pytest.raises(ConfigError, match="profile=gpu, but torch finds no CUDA GPU here"):
+        train(config)
+    assert os.listdir(tmp_path) == []  # no run folder, no server, no download
 
 
 def test_demo_config_loads_strictly():

@@ -1130,7 +1130,12 @@ def _check_values(loaded: Any) -> None:
         for part in dotted.split("."):
             value = getattr(value, part, None)
         if value is not None and not ok(value):
-            raise ConfigError(f"key '{dotted}': expected {expected}, got {value!r}")
+            raise ConfigError(f"{loaded.source_of(dotted)}: key '{dotted}': expected {expected}, got {value!r}")
+    actor = getattr(loaded.config, "actor", None)
+    if loaded.sets("actor.optimizer") and actor is not None and actor.optimizer is None:
+        # AReaL's null optimizer marks an engine that does not train (a reference model); the actor trains
+        raise ConfigError(f"{loaded.source_of('actor.optimizer')}: key 'actor.optimizer': expected an optimizer "
+                          "section (the actor trains), got null; delete the line for the defaults")  # fmt: skip
 
 
 def _fill_derived(config: Any) -> None:

@@ -25,7 +25,7 @@ import re
 import shlex
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
@@ -228,6 +228,9 @@ def resolve_profile(requested: str) -> tuple[str, str]:
     return ("gpu", "auto: CUDA is available") if has_cuda else ("cpu", "auto: no CUDA device")
 
 
+_UNSET = object()  # a key no layer set (None is a value a layer can set)
+
+
 @dataclass
 class LoadedConfig:
     """What `load_layers` built: the config, the file it came from, and what the layers set."""
@@ -237,6 +240,17 @@ class LoadedConfig:
     merged: dict  # the YAML base keys, the chosen profile's and the overrides, merged: what was set explicitly
     profile: str  # "cpu" or "gpu"
     why: str  # why that profile ("requested", "auto: no CUDA device", ...)
+    layers: List[Tuple[str, dict]] = field(default_factory=list)  # (where, what it set), in merge order
+
+    def source_of(self, dotted: str) -> Optional[str]:
+        """Where `dotted` got its value: the last layer that set it ("cfg.yaml", "command line", ...), else None."""
+        found = None
+        for where, layer in self.layers:
+            node: Any = layer
+            for part in dotted.split("."):
+                node = node.get(part, _UNSET) if isinstance(node, dict) else _UNSET
+            found = where if node is not _UNSET else found
+        return found
 
     def sets(self, dotted: str) -> bool:
         """Whether a layer (file, profile, environment or command line) set `dotted`, rather than the default."""
@@ -259,7 +273,10 @@ def load_layers(argv: List[str], config_cls: type) -> LoadedConfig:
     source = path or "<defaults>"
     data = _Checker(source).check(config_cls, data, "")
     profiles = _check_profiles(config_cls, source, profiles)
-    cli = _override_layer(config_cls, overrides)
+    override_layers = _override_layers(config_cls, overrides)
+    cli: dict = {}
+    for _, layer in override_layers:
+        cli = _deep_merge(cli, layer)
     env_profile = os.environ.get("AREAL_LITE_PROFILE")
     if env_profile and "profile" not in {o.split("=", 1)[0].strip() for o in overrides}:
         cli["profile"] = _Checker("AREAL_LITE_PROFILE").check(config_cls, {"profile": env_profile}, "")["profile"]
@@ -272,7 +289,8 @@ def load_layers(argv: List[str], config_cls: type) -> LoadedConfig:
         config = OmegaConf.to_object(conf)
     except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
         raise ConfigError(f"{source}: {e}") from None
-    return LoadedConfig(config, path, merged, chosen, why)
+    layers = [(source, data), (f"{source} (profiles.{chosen})", profiles.get(chosen, {})), *override_layers]
+    return LoadedConfig(config, path, merged, chosen, why, layers)
 
 
 def _split_argv(argv: List[str]) -> tuple[Optional[str], List[str]]:
@@ -332,19 +350,21 @@ def _check_profiles(config_cls: type, source: str, profiles: dict) -> dict:
     return profiles
 
 
-def _override_layer(config_cls: type, overrides: List[str]) -> dict:
-    """$AREAL_LITE_OVERRIDES then the command line's key=value overrides, checked and nested."""
+def _override_layers(config_cls: type, overrides: List[str]) -> List[Tuple[str, dict]]:
+    """($AREAL_LITE_OVERRIDES, its keys) then ("command line", its keys): key=value overrides, checked, nested."""
     try:  # split as a shell would: `system_prompt='You are helpful'` is one override
         env_overrides = shlex.split(os.environ.get("AREAL_LITE_OVERRIDES", ""))
     except ValueError as e:
         raise ConfigError(f"AREAL_LITE_OVERRIDES: cannot split it into key=value overrides: {e}") from None
-    cli: dict = {}
+    layers = []
     for origin, items in (("AREAL_LITE_OVERRIDES", env_overrides), ("command line", overrides)):
+        layer: dict = {}
         for item in items:
             key, value = _parse_override(item, origin)
             nested = _Checker(origin, numbers_as_text=True).check(config_cls, _nest(key, value), "")
-            cli = _deep_merge(cli, nested)
-    return cli
+            layer = _deep_merge(layer, nested)
+        layers.append((origin, layer))
+    return layers
 
 
 def describe(cls: type, prefix: str = "") -> str:

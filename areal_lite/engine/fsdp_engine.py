@@ -247,6 +247,16 @@ def _build_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.opti
     raise ValueError(f"optimizer.type must be adam or sgd, got {opt.type!r}")
 
 
+def _optimizer_and_schedule(
+    model: torch.nn.Module, opt: OptimizerConfig, ft_spec: Optional[FinetuneSpec]
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = _build_optimizer(model, opt)
+    total = ft_spec.total_train_steps if ft_spec is not None else None
+    if total is None and opt.lr_scheduler_type != "constant":
+        warnings.warn("no FinetuneSpec given: the learning rate stays constant after warmup", stacklevel=3)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(opt, total))
+
+
 def _lr_lambda(opt: OptimizerConfig, total_steps: Optional[int]):
     """The LR factor of optimizer step `step`: linear warm-up, then constant, linear or cosine decay to the floor."""
     warmup = int(opt.warmup_steps_proportion * total_steps) if total_steps else 0
@@ -489,11 +499,8 @@ class _TrainEngine(TrainEngine):
                 if model is not None:
                     _fully_shard(model, self.device, self._world)
 
-        self.optimizer = _build_optimizer(self.model, cfg.optimizer)
-        total = ft_spec.total_train_steps if ft_spec is not None else None
-        if total is None and cfg.optimizer.lr_scheduler_type != "constant":
-            warnings.warn("no FinetuneSpec given: the learning rate stays constant after warmup", stacklevel=2)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg.optimizer, total))
+        if cfg.optimizer is not None:  # AReaL's None: an engine that does not train (log-probs only)
+            self.optimizer, self.lr_scheduler = _optimizer_and_schedule(self.model, cfg.optimizer, ft_spec)
         return self
 
     # ---------------------------------------------------------------- packing and forward
@@ -598,11 +605,6 @@ class _TrainEngine(TrainEngine):
             dist.all_reduce(out)  # rows are disjoint across ranks
         return out.to(batch["input_ids"].device)
 
-    # ---------------------------------------------------------------- optimizer
-
-    def step_lr_scheduler(self) -> None:
-        self.lr_scheduler.step()
-
     # ---------------------------------------------------------------- versions and weights (weights.py)
 
     def set_version(self, version: int) -> None:
@@ -702,7 +704,7 @@ class _TrainEngine(TrainEngine):
         schedule, version and RNG states."""
         self._require_model()
         write_model = self._model_writer()  # collectives: every rank takes part
-        optim_state = full_optimizer_state(self.model, self.optimizer)
+        optim_state = None if self.optimizer is None else full_optimizer_state(self.model, self.optimizer)
         if self._rank == 0:
             save_checkpoint(path, write_model, optim_state, self.lr_scheduler, self._version)
         self._barrier()
@@ -916,12 +918,22 @@ class FSDPPPOActor(_TrainEngine):
         )
         return per_token.sum() / m.sum().clamp(min=1)
 
+    def step_lr_scheduler(self) -> None:
+        self._require_optimizer()
+        self.lr_scheduler.step()
+
+    def _require_optimizer(self) -> None:
+        self._require_model()
+        if self.optimizer is None:  # AReaL asserts here
+            raise RuntimeError("this actor has no optimizer (config.optimizer is None, AReaL's sign of an engine "
+                               "that does not train): give it an OptimizerConfig to train it")  # fmt: skip
+
     def _train_ready(self, batch: Batch) -> Dict[str, torch.Tensor]:
         """One batch (AReaL's list joined), ids cast, the keys every update reads present, the model in train mode."""
         if isinstance(batch, list):
             batch = join_trajectories(batch)
         cast_long(batch)
-        self._require_model()
+        self._require_optimizer()
         for key in ("input_ids", "attention_mask", "loss_mask", "logprobs"):
             if key not in batch:
                 raise KeyError(f"train_batch: the batch has no {key!r} key (got {sorted(batch)})")

@@ -268,18 +268,18 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def save_checkpoint(
     path: str,
     write_model: Callable[[str], None],
-    optim_state: Dict[str, Any],
+    optim_state: Optional[Dict[str, Any]],
     lr_scheduler: Any,
     version: int,
 ) -> str:
     """Write `<path>/model` with `write_model(dir)` and `<path>/actor_state.pt`, swapped into place as one folder.
 
     The RNG states (torch, CUDA, Python) are taken now, so a resumed run draws the same numbers as an uninterrupted
-    one. Rank 0 only.
+    one. An actor without an optimizer (`optimizer=None`) saves None for its state and schedule. Rank 0 only.
     """
     extra = {
         "optimizer": optim_state,
-        "lr_scheduler": lr_scheduler.state_dict(),
+        "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
         "version": version,
         "rng": {
             "torch": torch.get_rng_state(),
@@ -299,7 +299,7 @@ def save_checkpoint(
 def load_checkpoint(
     path: str,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optional[torch.optim.Optimizer],
     lr_scheduler: Any,
     load_weights: Optional[Callable[[str], None]] = None,
 ) -> int:
@@ -329,8 +329,11 @@ def load_checkpoint(
         missing = [k for k in (getattr(result, "missing_keys", None) or []) if k not in tied]
         if missing:
             raise RuntimeError(f"checkpoint {path} lacks weights {missing[:5]}")
-    set_optimizer_state_dict(model, optimizer, extra["optimizer"], options=StateDictOptions(full_state_dict=True))
-    lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    if optimizer is not None:  # an actor without one (AReaL's optimizer=None) restores the weights alone
+        if extra["optimizer"] is None:
+            raise RuntimeError(f"checkpoint {path} has no optimizer state: an actor without an optimizer saved it")
+        set_optimizer_state_dict(model, optimizer, extra["optimizer"], options=StateDictOptions(full_state_dict=True))
+        lr_scheduler.load_state_dict(extra["lr_scheduler"])
     rng = extra["rng"]
     torch.set_rng_state(rng["torch"])
     if rng.get("cuda") is not None and torch.cuda.is_available():

@@ -155,7 +155,11 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         loaded = await _load_unless_stopped(args, stop)
     except Exception as e:
-        log.error("failed to load model %r: %s\n%s", args.model_path, e, traceback.format_exc())
+        from areal_lite.utils.model_store import ModelPathError
+
+        # a path that names no model is the user's to fix, and the message says how; anything else gets its trace
+        trace = "" if isinstance(e, (ModelPathError, FileNotFoundError)) else "\n" + traceback.format_exc()
+        log.error("failed to load model %r: %s%s", args.model_path, e, trace)
         await runner.cleanup()
         return 1
     if loaded is None:

@@ -23,6 +23,7 @@ Design decisions
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import json
@@ -519,6 +520,10 @@ def train(
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
     from areal_lite.kit.server.launch import launch_server
 
+    if getattr(config, "profile", "") == "gpu" and not torch.cuda.is_available():
+        # before anything starts: else SGLang fails, or the trainer fetches a GPU-sized model to train it on a CPU
+        raise ConfigError("profile=gpu, but torch finds no CUDA GPU here: run with profile=cpu, or profile=auto "
+                          "(it picks by CUDA)")  # fmt: skip
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     _threads(config, own_server=server_addrs is None)
@@ -687,6 +692,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
+    for arg in argv:  # the loader knows --config only; --resum earns a hint here
+        if arg.startswith("-") and arg != "--config" and not arg.startswith("--config="):
+            near = difflib.get_close_matches(arg, ["--config", "--resume", "--help"], n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            print(f"train: command line: unknown option '{arg}'{hint} (see --help)", file=sys.stderr)
+            return 2
     try:
         config, path = load_expr_config(argv, TrainConfig)
         stats = train(config, resume=resume, existing="refuse")
@@ -703,6 +714,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"train: stats in {os.path.join(run_dir, 'stats.jsonl')}, "
             f"curve in {os.path.join(run_dir, 'reward_curve.png')}"
         )
+    else:  # total_train_steps=0 (an evaluation of the start), or a resumed run that had finished
+        print(f"train: no training step ran (total_train_steps={config.total_train_steps})")
     return 0
 
 
