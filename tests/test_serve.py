@@ -1234,7 +1234,8 @@ def test_weight_matmuls_keep_rows_exact_or_the_log_says_so(monkeypatch, tiny_mod
             assert (runner.layers[0].qkv.pack, runner.lm_head.pack, runner.batch_invariant) == (pack, pack, invariant)
             [(level, text)] = [m for m in messages if m[1].startswith("weight matmuls: ")]
             if invariant:
-                assert level == logging.INFO and text.startswith("weight matmuls: plain (torch.mm), each row's bits")
+                assert level == logging.INFO
+                assert text.startswith("weight matmuls: plain (torch.mm, F.linear), each row's bits")
             else:
                 assert level == logging.WARNING and text.endswith("samples the same tokens only in the same batch")
     finally:

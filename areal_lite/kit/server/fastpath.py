@@ -448,7 +448,7 @@ def weight_matmuls(hidden: int, intermediate: int, dtype: torch.dtype, threads: 
     where that does; else the first of the two this CPU has, rows not exact. Measured once per process and `threads`
     (the caller's torch thread count: a kernel's blocking may depend on it)."""
     kinds = [True, False] if packs_weights(dtype) else [False]
-    names = {True: "oneDNN-packed", False: "plain (torch.mm)"}
+    names = {True: "oneDNN-packed", False: "plain (torch.mm, F.linear)"}
     for pack in kinds:
         if rows_exact(probe_linears(hidden, intermediate, dtype, pack), EXACT_COUNTS, EXACT_MOST):
             return pack, True, f"{names[pack]}, each row's bits the same at any batch (measured at start-up)"
