@@ -117,7 +117,7 @@ AREAL_CHECK = $(BIN)/python -c "import areal.api, areal.engine.sglang_remote, ar
 # the demo at two threads trained its 16 steps in 150.2 s (default) and 152.0 s (PASSIVE): no cost where none spins.
 #
 # SMOKE=1 (the default): nbval runs every notebook top to bottom on a tiny budget ($AREAL_LITE_SMOKE: a notebook trains
-# one or two steps and evaluates a few held-out rows), which checks that every cell runs with the current code. The
+# one to three steps and evaluates a few held-out rows), which checks that every cell runs with the current code. The
 # committed outputs are full runs (tools/build_notebooks.py --execute never sets it). On a clean clone of a 2-core Xeon
 # the suite took 1055 s with the full budgets and 733-872 s with these (the machine's speed drifts); `make test
 # SMOKE=0` runs the full ones.

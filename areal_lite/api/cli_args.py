@@ -999,7 +999,8 @@ def load_expr_config(
 
     Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`
     (`config_loader.load_layers`); then the fields derived from others are filled and checked (`_fill_derived`).
-    The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
+    The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else `profile=` in
+    `$AREAL_LITE_OVERRIDES`, else the YAML, else `auto`.
     `verbose` prints the profile chosen and why; `explain_defaults` also lists the kit defaults this config leaves in
     place that differ from AReaL 1.0.4's, with the reason for each (notebook 01 shows them once, where configs are
     taught, rather than every notebook repeating them before they mean anything).

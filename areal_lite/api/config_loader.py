@@ -266,7 +266,8 @@ def load_layers(argv: List[str], config_cls: type) -> LoadedConfig:
     """Parse `["--config", FILE, "a.b=1", ...]` into a checked `config_cls` instance (no derived fields filled).
 
     Order: dataclass defaults ← YAML base keys ← YAML `profiles.<profile>` ← `$AREAL_LITE_OVERRIDES` ← `argv`.
-    The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else the YAML, else `auto`.
+    The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else `profile=` in
+    `$AREAL_LITE_OVERRIDES`, else the YAML, else `auto`.
     """
     path, overrides = _split_argv(argv)
     data, profiles = _read_yaml(path)
