@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 import time
 import types
@@ -135,7 +136,7 @@ def test_validation_and_config_defaults():
 
 class Echo:
     """Returns row `i` as a one-token trajectory after `sleep` seconds, or once the threading.Event `gate` is set;
-    `reject` returns None, `fail` raises."""
+    `reject` returns None, `fail` raises (`fail` = "exit": SystemExit, as a workflow calling sys.exit())."""
 
     def __init__(self):
         self.engines = set()
@@ -146,6 +147,8 @@ class Echo:
         while gate is not None and not gate.is_set():
             await asyncio.sleep(0.005)
         await asyncio.sleep(data.get("sleep", 0.0))
+        if data.get("fail") == "exit":
+            sys.exit(3)
         if data.get("fail"):
             raise ValueError(f"row {data['i']} failed")
         if data.get("reject"):
@@ -240,6 +243,10 @@ def test_rollout_batch_is_outside_the_bound_and_in_input_order(make_executor):
     _counters_agree(ex)
     with pytest.raises(ValueError, match="row 1 failed"):
         ex.rollout_batch([{"i": 0}, {"i": 1, "fail": True}], Echo())
+    # SystemExit inside a workflow fails its batch like any error; re-raised on the loop, it would stop the loop
+    with pytest.raises(RuntimeError, match="the workflow raised SystemExit: 3"):
+        ex.rollout_batch([{"i": 0}, {"i": 1, "fail": "exit"}], Echo(), timeout=30)
+    assert _rewards(ex.rollout_batch([{"i": 6}], Echo(), timeout=30)) == [6.0]  # the loop still runs episodes
 
 
 def test_prepare_batch_with_eta_one_runs_ahead_by_one_version(make_executor):

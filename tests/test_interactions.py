@@ -249,6 +249,8 @@ def test_per_turn_returns(engine, tok):
         (Agent(turns=1, reward=lambda ids: "good"), "zero", True, "reward_errors"),
         (Agent(turns=1, reward=lambda ids: {"chatcmpl-unknown": 1.0}), "zero", True, "reward_errors"),
         (Agent(turns=1, reward=lambda ids: float("inf")), "zero", True, "reward_errors"),
+        (Agent(turns=1, reward=lambda ids: 10**400), "zero", True, "reward_errors"),  # float() overflows
+        (Agent(turns=1, reward=lambda ids: {ids[0]: 10**400}), "zero", True, "reward_errors"),
         (Agent(turns=1, sleep=600.0), "zero", True, "agent_errors"),  # hangs after its turn: past the timeout
         (Agent(turns=0), "zero", False, "rejected_empty"),
     ],

@@ -96,11 +96,13 @@ def test_access_maps_ids_titles_and_urls(server):
                 "Aruba",
                 "https://en.wikipedia.org/wiki/Antigua_and_Barbuda",
                 "https://nowhere.example/x",
+                "http://[x",  # no URL urllib can parse: unknown, not a 500
             ]
         },
     )
     assert status == 200
-    by_id, by_title, by_url, missing = body["result"]
+    by_id, by_title, by_url, missing, unparsable = body["result"]
+    assert unparsable is None
     assert by_id["contents"] == doc["contents"] and by_id["url"] == doc["id"]
     assert by_title["title"] == "Aruba" and "Oranjestad" in by_title["contents"] and len(by_title["ids"]) > 100
     assert by_url["title"] == "Antigua and Barbuda"

@@ -3,6 +3,7 @@ wrapper."""
 
 import asyncio
 import os
+import sys
 import threading
 import time
 
@@ -281,6 +282,27 @@ def nan_reward(x):
     return float("nan")
 
 
+def huge_reward(x):
+    return 10**400  # a number, but float() overflows
+
+
+class _NoFloat:
+    def __float__(self):
+        raise RuntimeError("no float here")
+
+
+def no_float_reward(x):
+    return _NoFloat()
+
+
+def exiting_reward(x):
+    sys.exit(1)  # SystemExit travels back from the worker as the call's exception
+
+
+def interrupting_reward(x):
+    raise KeyboardInterrupt
+
+
 @pytest.fixture
 def wrapper():
     # Every call that should succeed must do so inside this timeout, a fresh worker importing this module included
@@ -383,7 +405,10 @@ def test_wrapper_timeout_does_not_fail_concurrent_calls(wrapper):
     assert wrapper.stats["timeouts"] == 1 and wrapper.stats["errors"] == 0
 
 
-@pytest.mark.parametrize("fn", [crashing_reward, string_reward, nan_reward])
+BAD_REWARDS = [crashing_reward, string_reward, nan_reward, huge_reward, no_float_reward, exiting_reward]
+
+
+@pytest.mark.parametrize("fn", BAD_REWARDS + [interrupting_reward])
 def test_wrapper_exception_and_bad_values_count_as_errors(fn):
     with AsyncRewardWrapper(fn, timeout_seconds=10) as w:
         assert asyncio.run(w(1)) == 0.0

@@ -77,6 +77,9 @@ def test_plain_text_is_content():
         ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "not among the offered tools"),
         ('<tool_call>{"name": "add", "arguments": {"a": 1}}', "not closed"),
         ('<tool_call>{"name": "add", "arguments": {}}</tool_call> and <tool_call>{"name": ', "not closed"),
+        # nested past Python's recursion limit: still the model's bad output, never an exception (a 500)
+        ('<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>", "too deeply"),
+        ('<tool_call>{"name": "add", "arguments": "' + "[" * 5000 + "]" * 5000 + '"}</tool_call>', "too deeply"),
     ],
 )
 def test_malformed_calls_become_text_with_a_reason(text, why):
@@ -120,6 +123,9 @@ def test_native_tool_messages_parse_arguments():
     out = native_tool_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert call["function"]["arguments"] == '{"a": 1}'  # the caller's message is not modified
+    deep = {"id": "c2", "type": "function", "function": {"name": "add", "arguments": "[" * 5000 + "]" * 5000}}
+    out = native_tool_messages([{"role": "assistant", "content": None, "tool_calls": [deep]}])
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == "[" * 5000 + "]" * 5000  # not JSON we can read: as is
 
 
 # ------------------------------------------------------------------------------------------------ compact syntax
@@ -174,6 +180,7 @@ def test_compact_prompt_shows_each_call_shape():
         ("<calculator>1</calculator> then <calculator>2 *", "not closed"),
         ("<add>a=1</add>", "not a JSON object"),
         ("<add>[1, 2]</add>", "must be a JSON object"),
+        ('<add>{"a": ' + "[" * 5000 + "]" * 5000 + "}</add>", "too deeply"),
     ],
 )
 def test_compact_malformed_calls_are_text_with_a_reason(text, why):

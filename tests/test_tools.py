@@ -190,3 +190,34 @@ def test_call_search_tool_timeout_is_reported():
 
     with pytest.raises(SearchToolError, match="did not answer within 0.5 s"):
         asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "status, body, why",
+    [
+        (200, b'{"result": [[{"contents": "\xff\xfe"}]', "malformed answer"),  # not UTF-8, and cut short
+        (500, b"\xff\xfe oops", "answered HTTP 500"),  # not UTF-8
+        (200, b'{"result": ' + b"[" * 5000 + b"]" * 5000 + b"}", "malformed answer"),  # nested past the stack
+    ],
+)
+def test_call_search_tool_garbled_answers_are_search_tool_errors(status, body, why):
+    """Whatever bytes a search server sends, the caller gets a SearchToolError (an observation), never another
+    exception that would end the episode."""
+    from aiohttp import web
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/retrieve", lambda request: web.Response(status=status, body=body))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        await web.SockSite(runner, sock).start()
+        try:
+            await call_search_tool("France", addr=f"127.0.0.1:{port}", timeout=10)
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(SearchToolError, match=why):
+        asyncio.run(go())

@@ -562,6 +562,22 @@ def test_search_agent_rag_down_gives_error_observation(tok):
     assert out["rewards"].tolist() == [1.0]  # the episode went on and answered
 
 
+def test_search_agent_any_tool_failure_is_an_observation(tok, monkeypatch):
+    """Not only SearchToolError: whatever the search raises, the model reads why and the episode goes on."""
+    import areal_lite.workflow.search_agent as search_agent
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("index corrupted")
+
+    monkeypatch.setattr(search_agent, "call_search_tool", broken)
+    policy = ScriptedPolicy(tok, ["<search> capital of Peru </search>", "<answer> Lima </answer>"])
+    wf = SearchAgentWorkflow(tok, _gconfig(max_new_tokens=32), rag_addr="127.0.0.1:1", search_timeout=5)
+    out = asyncio.run(wf.arun_episode(policy, {"question": "Capital of Peru?", "answer": ["Lima"]}))
+    check_trajectory(out)
+    assert "search failed: RuntimeError: index corrupted" in tok.decode(out["input_ids"][0].tolist())
+    assert out["rewards"].tolist() == [1.0]
+
+
 def test_search_agent_slow_rag_times_out_into_observation(tok):
     with socket.socket() as server:  # accepts connections (backlog) but never answers
         server.bind(("127.0.0.1", 0))

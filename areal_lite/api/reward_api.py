@@ -332,7 +332,7 @@ class AsyncRewardWrapper:
                     raise
                 self._replace_pool(pool)
                 continue
-            except Exception as e:
+            except (Exception, SystemExit, KeyboardInterrupt) as e:  # a reward's sys.exit() comes back as SystemExit
                 self._count("errors")
                 logger.warning("reward %s raised %s: %s; scoring 0.0", name, type(e).__name__, e)
                 return 0.0
@@ -347,7 +347,7 @@ class AsyncRewardWrapper:
             if not math.isfinite(value):
                 raise ValueError("not finite")
             return value
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # float() of any object: 10**400 overflows, a __float__ may raise anything
             self._count("errors")
             logger.warning("reward %s returned %r (%s), not a number; scoring 0.0", name, result, e)
             return 0.0

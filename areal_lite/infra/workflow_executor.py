@@ -283,19 +283,17 @@ class _EpisodeRunner:
                 status = "rejected"
             else:
                 status, payload = "accepted", result
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled, or closed with the loop
             status = "cancelled"
             raise
-        except Exception as e:
-            status, payload = "failed", e
-            if hasattr(e, "add_note"):
-                e.add_note(
-                    f"(raised by {type(ep.workflow).__name__}.arun_episode on the rollout thread, "
-                    f"episode {ep.seq}, data {str(ep.data)[:200]})"
-                )
+        except BaseException as e:  # SystemExit or KeyboardInterrupt too: re-raised, they would stop the loop itself
+            error = e if isinstance(e, Exception) else RuntimeError(f"the workflow raised {type(e).__name__}: {e}")
+            status, payload = "failed", error
+            error.add_note(
+                f"(raised by {type(ep.workflow).__name__}.arun_episode on the rollout thread, "
+                f"episode {ep.seq}, data {str(ep.data)[:200]})"
+            )
         finally:
-            if status == "failed" and payload is None:  # a BaseException such as KeyboardInterrupt
-                payload = RuntimeError(f"episode {ep.seq} stopped abnormally")
             self._finish(ep, status, payload)
             self._pump()
 

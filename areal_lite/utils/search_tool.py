@@ -159,7 +159,7 @@ def rag_server_addr(addr: str | None = None) -> str:
 async def _post_retrieve(session, url, payload, addr, timeout):
     try:
         async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            body = await resp.text()
+            body = (await resp.read()).decode("utf-8", errors="replace")  # a garbled reply is a bad answer, not a crash
             status = resp.status
     except asyncio.TimeoutError as e:
         raise SearchToolError(f"RAG server at {addr} did not answer within {timeout:g} s") from e
@@ -204,7 +204,7 @@ async def call_search_tool(
         body = await _post_retrieve(session, url, payload, addr, timeout)
     try:
         result = json.loads(body)["result"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deeply
         raise SearchToolError(f"RAG server at {addr} sent a malformed answer: {body[:200]!r}") from e
     if not isinstance(result, list) or len(result) != len(queries) or not all(isinstance(r, list) for r in result):
         raise SearchToolError(

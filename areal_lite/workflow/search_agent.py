@@ -106,10 +106,11 @@ class SearchAgentWorkflow(RolloutWorkflow):
             return "\n\n<information>\nsearch failed: empty query\n</information>"
         try:
             docs = (await call_search_tool([query], topk=self.topk, addr=self.rag_addr, timeout=self.search_timeout))[0]
-        except SearchToolError as e:
-            logger.warning("search for %r failed: %s", query, e)
-            return f"\n\n<information>\nsearch failed: {e}\n</information>"
-        return format_search_results(docs)
+            return format_search_results(docs)
+        except Exception as e:  # a failing tool never ends the episode: the model reads why, as from any failure
+            why = str(e) if isinstance(e, SearchToolError) else f"{type(e).__name__}: {e}"
+            logger.warning("search for %r failed: %s", query, why)
+            return f"\n\n<information>\nsearch failed: {why}\n</information>"
 
     def _is_eos(self, token: int) -> bool:
         ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}

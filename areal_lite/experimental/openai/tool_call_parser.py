@@ -106,6 +106,10 @@ def _parse_block(body: str, allowed: Optional[set]) -> Dict[str, Any]:
     return _openai_call(name, args)
 
 
+def _reason(e: Exception) -> str:
+    return "tool call JSON is nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def parse_tool_calls(text: str, tool_names: Optional[Iterable[str]] = None) -> ToolCallParse:
     """Split `text` into content and Hermes tool calls (see the module docstring; never raises on model output).
 
@@ -121,8 +125,8 @@ def parse_tool_calls(text: str, tool_names: Optional[Iterable[str]] = None) -> T
         rest = _BLOCK.sub("", text)
         if TOOL_CALL_OPEN in rest:
             raise ValueError("a <tool_call> block is not closed (the completion was probably cut by max_tokens)")
-    except ValueError as e:
-        return ToolCallParse(content=text, error=str(e))
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's stack, still bad output
+        return ToolCallParse(content=text, error=_reason(e))
     rest = rest.strip()
     return ToolCallParse(content=rest or None, tool_calls=calls)
 
@@ -132,7 +136,7 @@ def _arguments_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return arguments
     return arguments
 
@@ -312,6 +316,6 @@ def parse_compact_tool_calls(text: str, tools: Optional[Sequence[Mapping[str, An
         left_open = [n for n in names if f"<{n}>" in rest]
         if left_open:
             raise ValueError(f"a <{left_open[0]}> call is not closed (the completion was probably cut by max_tokens)")
-    except ValueError as e:
-        return ToolCallParse(content=text, error=str(e))
+    except (ValueError, RecursionError) as e:
+        return ToolCallParse(content=text, error=_reason(e))
     return ToolCallParse(content=rest.strip() or None, tool_calls=calls)

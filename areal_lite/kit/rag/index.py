@@ -132,7 +132,10 @@ def _default_cache_dir() -> str:
 
 
 def _title_from_url(url: str) -> str:
-    path = urllib.parse.urlparse(url).path if "://" in url else url
+    try:
+        path = urllib.parse.urlparse(url).path if "://" in url else url
+    except ValueError:  # "http://[x": not a URL urllib can parse, so no title (it matches nothing, as unknown ones)
+        path = url
     if "/wiki/" in path:
         path = path.rsplit("/wiki/", 1)[1]
     return urllib.parse.unquote(path).replace("_", " ").strip().lower()

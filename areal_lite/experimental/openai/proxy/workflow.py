@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import numbers
 import threading
 from collections import Counter
@@ -155,18 +154,16 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     def _assign(self, session: ChatSession, result: Any) -> None:
         """The agent's return value -> rewards in the cache; _AgentFailure when it is not a valid reward."""
         cache = session.cache
-        if isinstance(result, numbers.Real) and not isinstance(result, bool):
-            if not math.isfinite(float(result)):
-                raise _AgentFailure(f"the agent returned a non-finite reward {result}")
-            cache.set_last_reward(float(result))
-        elif isinstance(result, Mapping):
-            try:
+        if not isinstance(result, (numbers.Real, Mapping)) or isinstance(result, bool):
+            raise _AgentFailure(f"the agent returned {type(result).__name__}, not a float or a dict of rewards")
+        try:  # set_reward refuses a non-finite reward; float(10**400) raises OverflowError
+            if isinstance(result, Mapping):
                 for cid, r in result.items():
                     cache.set_reward(cid, r)
-            except (KeyError, TypeError, ValueError) as e:
-                raise _AgentFailure(f"the agent's reward dict is invalid: {e}") from None
-        else:
-            raise _AgentFailure(f"the agent returned {type(result).__name__}, not a float or a dict of rewards")
+            else:
+                cache.set_last_reward(float(result))
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+            raise _AgentFailure(f"the agent's reward is invalid: {type(e).__name__}: {e}") from None
 
     def _fail(self, session: ChatSession, data: Any, reason: str, key: str) -> bool:
         """Log and count a failure; True when the episode still trains (with reward 0.0).
