@@ -207,6 +207,32 @@ WRONG = {
             """
         ),
         "any report pays": warehouse(get_reward="return 1.0 if self.reported is not None else 0.0"),
+        "counting the fruit asked about records it as the answer": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"no {fruit}; there are {', '.join(self.stock)}")
+                if fruit == self.asked:
+                    self.reported = self.stock[fruit]
+                return str(self.stock[fruit])
+            """
+        ),
+        "report ignores its number: pays for having counted the right fruit": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"no {fruit}; there are {', '.join(self.stock)}")
+                self.counted = fruit
+                return str(self.stock[fruit])
+            """,
+            get_reward="return 1.0 if self.reported is not None and getattr(self, 'counted', None) == self.asked "
+            "else 0.0",
+        ),
+        "count's error names every fruit there could be, not the stock": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"unknown fruit {fruit}; choose one of {', '.join(FRUITS)}")
+                return str(self.stock[fruit])
+            """
+        ),
         "records the number as text": warehouse(
             report="""
                 self.reported = str(number)
@@ -379,6 +405,16 @@ RIGHT = {
                     raise ValueError(f"no {fruit}; try one of {list(self.stock)}") from None
             """
         ),
+        "count raises a ValueError of its own kind": warehouse(
+            count="""
+                class NotInStock(ValueError):
+                    pass
+
+                if fruit not in self.stock:
+                    raise NotInStock(f"no {fruit} here; the warehouse has {', '.join(self.stock)}")
+                return str(self.stock[fruit])
+            """
+        ),
         "get_reward with if / else": warehouse(
             get_reward="""
                 if self.reported is not None and self.reported == self.stock[self.asked]:
@@ -425,6 +461,7 @@ WRONG_SEARCH_LOOP = {
     "multiset F1": [('data["answer"], mode="set")', 'data["answer"], mode="multiset")')],
     "exact match instead of F1": [('f1_score(answer, data["answer"], mode="set")', 'float(answer in data["answer"])')],
     "reward 1 for any answer": [('f1_score(answer, data["answer"], mode="set")', "1.0")],
+    "scores the first gold answer only": [('data["answer"], mode="set")', 'data["answer"][0], mode="set")')],
 }
 RIGHT_SEARCH_LOOP = {
     "grows the lists with extend": [
@@ -617,12 +654,28 @@ WRONG_AGENT = {
         ],
         "tags the prompt with version 0": [("[[-1] * n + resp.output_versions]", "[[0] * n + resp.output_versions]")],
         "sends no gconfig": [("input_ids=list(ids), gconfig=self.gconfig,", "input_ids=list(ids),")],
+        # caught only by the check's spelled answers: a sampled answer usually re-encodes to its own ids
+        "re-tokenizes the output": [
+            (
+                "out, n = resp.output_tokens, len(ids)",
+                "out = self.tokenizer(self.tokenizer.decode(resp.output_tokens), add_special_tokens=False)"
+                '["input_ids"]\n        n = len(ids)',
+            )
+        ],
     },
     1: {  # MyReflectionWorkflow
         "does not close the assistant turn": [("glue = closing + self.reflection_turn", "glue = self.reflection_turn")],
         "trains on the reflection turn": [("loss_mask + [0] * len(glue)", "loss_mask + [1] * len(glue)")],
         "forgets the discount": [("reward *= self.turn_discount ** turn", "reward *= 1.0")],
         "sends no gconfig": [("input_ids=list(ids), gconfig=self.gconfig,", "input_ids=list(ids),")],
+        # caught only by the check's spelled answers: the next turn's context built from the decoded text
+        "re-tokenizes the output": [
+            (
+                "out = resp.output_tokens\n",
+                "out = self.tokenizer(self.tokenizer.decode(resp.output_tokens), add_special_tokens=False)"
+                '["input_ids"]\n',
+            )
+        ],
         # caught only by the check's scripted right first answer: the fixture's server is wrong first, right second
         "goes on after a right answer": [("if reward > 0:\n                break", "pass")],
         # caught only by the check's scripted answers: the fixture's server answers never end with EOS
@@ -665,6 +718,12 @@ WRONG_AGENT = {
             ("behaviour_weight = torch.exp(prox_logp - behav_logp).detach()", "behaviour_weight = 1.0")
         ],
         "no clip": [("ratio.clamp(1 - eps_clip, 1 + eps_clip)", "ratio")],
+        "no mask in the sum": [
+            (
+                "return (surrogate * behaviour_weight * loss_mask).sum() / loss_mask.sum()",
+                "return (surrogate * behaviour_weight).sum() / loss_mask.sum()",
+            )
+        ],
     },
 }
 # Right answers written another way: the check must accept them.
@@ -715,6 +774,14 @@ RIGHT_AGENT = {
                 "tasks = [asyncio.create_task(self.workflow.arun_episode(engine, data))"
                 " for _ in range(self.group_size)]"
                 "\n        episodes = [await task for task in tasks]",
+            )
+        ],
+        "in the order they finish (asyncio.as_completed): a group is a set": [
+            (
+                "episodes = await asyncio.gather(*(self.workflow.arun_episode(engine, data)"
+                " for _ in range(self.group_size)))",
+                "episodes = [await done for done in asyncio.as_completed("
+                "[self.workflow.arun_episode(engine, data) for _ in range(self.group_size)])]",
             )
         ],
         "asyncio.TaskGroup": [
