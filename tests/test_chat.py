@@ -155,6 +155,8 @@ MALFORMED = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": {"name": "add"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["x"]}}}]}, "properties"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": 5}}}]}, "required"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": "add"}}], "tool_choice": {"function": {"name": "x"}}}, ""),
@@ -357,6 +359,35 @@ class CountingAgent:
             texts.append(r.choices[0].message.content)
             msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Longer?"}]
         return float(len(texts[1]) > len(texts[0]))
+
+
+def test_stop_strings_are_cut_where_they_first_match_and_streamed_tool_calls_have_null_content(tok):
+    """The token that completes a stop string may carry more text: the content ends before the match, as OpenAI's
+    does (the recorded ids keep everything generated). A streamed tool-call reply has content null, not ""."""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    engine = ScriptedEngine(tok, ["Paris. It is", "Lima", call])
+    with ChatServer(engine, tok) as server:
+        session = server.open_session()
+
+        async def go(client):
+            cut = await client.chat.completions.create(model="t", messages=USER, stop=[" is", "."])
+            kept = await client.chat.completions.create(model="t", messages=USER, stop="x")
+            stream = await client.chat.completions.create(model="t", messages=USER, tools=[ADD], stream=True)
+            deltas = [c.choices[0].delta async for c in stream if c.choices]
+            return cut, kept, deltas
+
+        cut, kept, deltas = with_client(server, session, go)
+    assert cut.choices[0].message.content == "Paris" and cut.choices[0].finish_reason == "stop"
+    assert kept.choices[0].message.content == "Lima"
+    assert tok.decode(session.cache[cut.id].model_response.output_tokens, skip_special_tokens=True) == "Paris. It is"
+    assert deltas[0].content is None and deltas[1].tool_calls[0].function.name == "add"
+
+
+def test_tool_arguments_nested_past_the_stack_compare_as_different_text():
+    from areal_lite.experimental.openai.cache import _same_json_text
+
+    deep = "[" * 5000 + "]" * 5000
+    assert not _same_json_text(deep, "[]") and _same_json_text('{"a": 1}', '{"a":1}')
 
 
 def test_tool_choice_none_answers_text_and_unmet_choices_are_counted(tok):

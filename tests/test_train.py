@@ -139,7 +139,7 @@ def test_async_mode_respects_the_staleness_bound(tmp_path, tiny_model_path, toke
     assert all(s["skipped"] == 0 and s["data_fingerprint"] is None for s in stats)
 
 
-def test_resume_continues_at_same_step_and_data_position(tmp_path, tiny_model_path, tokenizer):
+def test_resume_continues_at_same_step_and_data_position(tmp_path, tiny_model_path, tokenizer, monkeypatch):
     from areal_lite.kit.server.launch import launch_server
 
     # One server for the three runs (each gives it its own weights first): what is tested is the trainer's resume.
@@ -154,9 +154,20 @@ def test_resume_continues_at_same_step_and_data_position(tmp_path, tiny_model_pa
             if step == 2:  # steps 0, 1, 2 done; the last checkpoint holds 2 steps
                 raise KeyboardInterrupt("simulated crash")
 
+        import areal_lite.kit.trainer.train as train_module
+
+        run_dir = tmp_path / "runs" / "e2e" / "crash"
+        saved, real_save = [], train_module._Loop.save
+
+        def save(loop, step):  # a checkpoint of step k comes after the stats of steps 0..k-1: a kill loses no line
+            saved.append((step, len(read_jsonl(run_dir / "stats.jsonl"))))
+            return real_save(loop, step)
+
+        monkeypatch.setattr(train_module._Loop, "save", save)
         with pytest.raises(KeyboardInterrupt):
             train(cfg, workflow=token_workflow(tokenizer, cfg), server_addrs=addrs, on_step=crash, progress=False)
-        run_dir = tmp_path / "runs" / "e2e" / "crash"
+        monkeypatch.undo()
+        assert saved == [(2, 2)]
         assert [s["step"] for s in read_jsonl(run_dir / "stats.jsonl")] == [0, 1, 2]
         resumed = train(cfg, resume=True, workflow=token_workflow(tokenizer, cfg), server_addrs=addrs, progress=False)
     logged = read_jsonl(run_dir / "stats.jsonl")
@@ -255,6 +266,9 @@ def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_pa
     assert main(args + ["--resume"]) == 0
     assert [r["step"] for r in read_jsonl(run_dir / "stats.jsonl")] == [0, 1, 2]
     capsys.readouterr()
+    assert main(args + ["--resume"]) == 0  # at its budget already: it says so, and the stats stay
+    assert "train: the checkpoint is at step 3, total_train_steps=3: no step to run" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(run_dir / "stats.jsonl")] == [0, 1, 2]
     zero = [a for a in args if not a.startswith("total_train_steps=")] + ["total_train_steps=0", "trial_name=zero"]
     assert main(zero) == 0  # an evaluation of the start: it says so instead of ending without a word
     assert capsys.readouterr().out.splitlines()[-1] == "train: no training step ran (total_train_steps=0)"

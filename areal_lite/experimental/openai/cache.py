@@ -48,7 +48,7 @@ def _same_json_text(a: Any, b: Any) -> bool:
         return True
     try:
         return json.loads(a) == json.loads(b)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # RecursionError: arguments nested past Python's stack
         return False
 
 

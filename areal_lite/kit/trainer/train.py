@@ -606,8 +606,8 @@ def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
     from areal_lite.utils.model_store import local_model_dir
 
     written = "float32" if config.actor.dtype == "bfloat16" else config.actor.dtype
-    folder = local_model_dir(config.actor.path)  # None: a hub id not downloaded yet, size unknown before the actor
-    per_version = version_bytes(folder, written) if folder else None
+    model = local_model_dir(config.actor.path)  # None: a hub id not downloaded yet, size unknown before the actor
+    per_version = version_bytes(model, written) if model else None
     if per_version is not None:
         n = keep_last + 1
         what = f"{n} weight versions ({keep_last} kept + 1 being written) of {per_version / 2**20:.1f} MiB each"
@@ -637,6 +637,8 @@ class _Loop:
         from areal_lite.utils.data import cycle_dataloader
 
         config, total = self.config, self.data.total
+        if start >= total:  # a resumed run already at (or past) its budget: say so rather than run nothing
+            print(f"train: the checkpoint is at step {start}, total_train_steps={total}: no step to run")
         pending_eval = run_eval(start) if start == 0 else {}
         data_iter = cycle_dataloader(self.data.dataloader)
         bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
@@ -645,8 +647,6 @@ class _Loop:
                 config, step, self.engine, self.actor, self.meta, self.data.dataloader, data_iter, self.workflow
             )
             done = step + 1
-            if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
-                self.save(done)
             freq = config.evaluator.freq_steps
             if step == start and pending_eval:
                 stats.update({k: v for k, v in pending_eval.items() if k != "eval_accuracy"})
@@ -654,7 +654,9 @@ class _Loop:
             if done == total or (freq and done % freq == 0):
                 stats.update(run_eval(done))
             stats["time/step"] = time.perf_counter() - t_step
-            self.logger.log(stats)
+            self.logger.log(stats)  # before the checkpoint: a run killed after it must not lose this step's line
+            if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
+                self.save(done)
             bar.set_postfix(reward=f"{stats['reward']:.3f}", len=f"{stats['response_length']:.0f}")
             if on_step is not None:
                 on_step(step, stats)

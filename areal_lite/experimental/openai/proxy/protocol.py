@@ -218,8 +218,14 @@ def _tools(body: dict) -> Optional[List[Dict[str, Any]]]:
         name = fn.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
             raise ChatRequestError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", f"tools[{i}]")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        params = fn.get("parameters")
+        if "parameters" in fn and not isinstance(params, dict):
             raise ChatRequestError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+        if isinstance(params, dict) and not isinstance(params.get("properties", {}), dict):
+            raise ChatRequestError(f"tools[{i}].function.parameters.properties must be an object", f"tools[{i}]")
+        required = params.get("required", []) if isinstance(params, dict) else []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ChatRequestError(f"tools[{i}].function.parameters.required must be a list of names", f"tools[{i}]")
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out or None
 
@@ -394,7 +400,8 @@ def stream_events(body: Dict[str, Any], req: ChatRequest) -> List[str]:
     chunks = []
     for ch in body["choices"]:
         msg, i = ch["message"], ch["index"]
-        first = {"role": "assistant", "content": msg.get("content") or ""}
+        # null beside tool calls, as OpenAI streams it (the SDK then assembles content None, not "")
+        first = {"role": "assistant", "content": msg.get("content") or (None if msg.get("tool_calls") else "")}
         chunks.append({"index": i, "delta": first, "logprobs": ch["logprobs"], "finish_reason": None})
         if msg.get("tool_calls"):
             calls = [{"index": j, **c} for j, c in enumerate(msg["tool_calls"])]

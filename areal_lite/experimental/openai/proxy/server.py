@@ -202,10 +202,9 @@ class ChatCompleter:
         """
         text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         finish = _FINISH.get(resp.stop_reason, "stop")
-        for s in req.stop or []:  # OpenAI leaves the stop string out of the content (the ids keep it)
-            if finish == "stop" and text.endswith(s):
-                text = text[: -len(s)]
-                break
+        hits = [text.find(s) for s in req.stop or [] if s and s in text] if finish == "stop" else []
+        if hits:  # OpenAI leaves the stop string out of the content, and what its last token carried after it
+            text = text[: min(hits)]  # the first match is where the server stopped (the ids keep all of it)
         message: Dict[str, Any] = {"role": "assistant", "content": text}
         if req.parses_tools:
             parsed = self.template.parse_tool_calls(text, req.tools)
