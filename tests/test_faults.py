@@ -305,3 +305,29 @@ def test_a_run_refuses_to_start_without_room_for_its_weight_versions(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "3 weight versions" in err[0] and "weight_update_dir=" in err[0], err
     assert not os.path.exists(tmp_path / "e" / "run0" / "logs"), "no server may start"
+
+
+def test_unusable_folders_and_a_damaged_checkpoint_are_one_line_errors(tmp_path, capsys, tiny_model_path):
+    """A fileroot or weight_update_dir that cannot be written is refused before a server starts; a checkpoint with a
+    damaged file names the folder to remove (torch's own message named neither), and nothing is deleted."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for key, args in [
+        ("fileroot", train_args(tiny_model_path, blocker, "e", 1)),
+        ("weight_update_dir", [*train_args(tiny_model_path, tmp_path, "e", 1), f"weight_update_dir={blocker}/w"]),
+    ]:
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"set {key}= to a folder you can write" in err[0], err
+    assert not glob.glob(str(tmp_path / "e" / "*" / "logs" / "*")), "no server may start"
+
+    args = train_args(tiny_model_path, tmp_path, "d", 2)
+    assert main(args) == 0
+    newest = tmp_path / "d" / "run0" / "checkpoints" / "step_000002"
+    state = newest / "actor" / "actor_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # cut short, as a full disk leaves it
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint {newest} cannot be read" in err[0] and "remove that folder" in err[0], err
+    assert state.exists()

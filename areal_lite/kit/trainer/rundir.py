@@ -77,8 +77,20 @@ def latest_checkpoint(ckpt_root: str) -> Optional[str]:
 
 def checkpoint_run_id(ckpt: str) -> Optional[str]:
     """The `run_id` a checkpoint was written by (None when the checkpoint records none)."""
-    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-    return state.get("run_id")
+    return read_checkpoint_file(ckpt, "trainer_state.pt").get("run_id")
+
+
+def read_checkpoint_file(ckpt: str, name: str) -> Any:
+    """`torch.load` of one file of a checkpoint; a damaged file is a RunDirError naming the folder to remove."""
+    try:
+        return torch.load(os.path.join(ckpt, name), weights_only=False)
+    except Exception as e:  # a truncated or missing file: torch's own message names neither the folder nor the fix
+        raise RunDirError(damaged(ckpt, e)) from None
+
+
+def damaged(ckpt: str, error: BaseException) -> str:
+    return (f"checkpoint {ckpt} cannot be read ({type(error).__name__}: {str(error)[:200]}); remove that folder "
+            "to resume from the checkpoint before it")  # fmt: skip
 
 
 def _read_info(path: str) -> Optional[dict]:
@@ -163,7 +175,11 @@ def open_run_dir(config: Any, resume: bool = False, existing: str = "refuse") ->
         path = os.path.join(config.fileroot, config.experiment_name, name)
         if existing == "new_trial" and n > 1 and (_work(path) or _read_info(path)):
             continue  # a used folder: the old run stays as it is
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:  # fileroot is a file, read-only, ...: one line that names the key
+            raise RunDirError(f"cannot make the run folder {path} ({e.strerror or e}); set fileroot= to a folder you "
+                              "can write") from None  # fmt: skip
         fd = try_lock_folder(path)
         if fd is None:
             if existing == "refuse" or recover:

@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -52,7 +53,7 @@ from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
-from areal_lite.kit.trainer.rundir import RunDir, RunDirError, open_run_dir
+from areal_lite.kit.trainer.rundir import RunDir, RunDirError, damaged, open_run_dir, read_checkpoint_file
 from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.model_store import ModelPathError
@@ -408,8 +409,11 @@ def _start_weights(
     if not launched and actor.config.use_lora:
         _load_base_model(actor, engine)
     if ckpt is not None:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-        actor.load(os.path.join(ckpt, "actor"))
+        state = read_checkpoint_file(ckpt, "trainer_state.pt")
+        try:
+            actor.load(os.path.join(ckpt, "actor"))
+        except (OSError, RuntimeError) as e:  # a file missing or truncated (a size mismatch: another actor.path)
+            raise RunDirError(damaged(ckpt, e)) from None
         dataloader.load_state_dict(state["dataloader"])
         random.setstate(state["python_rng"])
         start = int(state["step"])
@@ -588,6 +592,7 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
             lora_name=config.gconfig.lora_name or config.rollout.lora_name,
             lora_keep_versions=config.rollout.max_head_offpolicyness + 2,
         )
+        _check_writable(os.path.dirname(meta.path), "weight_update_dir")
         _check_weight_room(config, os.path.dirname(meta.path), meta.keep_last)
     except BaseException:
         run.close()
@@ -597,6 +602,17 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
     elif resume and not run.resume:
         print(f"train: --resume but no run to continue in {run.path}; starting a fresh run")
     return run, meta
+
+
+def _check_writable(folder: str, key: str) -> None:
+    """Refuse to start (`RunDirError`, one line) when `folder` cannot be made or written: before any server starts."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        why = e.strerror or e
+        raise RunDirError(f"{folder} cannot be written ({why}); set {key}= to a folder you can write") from None
 
 
 def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
