@@ -29,6 +29,7 @@ from areal_lite.api.cli_args import GRPOConfig, RecoverConfig
 from areal_lite.kit.trainer.rundir import RunDirError, open_run_dir
 from areal_lite.kit.trainer.train import main
 from areal_lite.utils import weight_dirs
+from areal_lite.utils.model_store import build_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -331,3 +332,11 @@ def test_unusable_folders_and_a_damaged_checkpoint_are_one_line_errors(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"checkpoint {newest} cannot be read" in err[0] and "remove that folder" in err[0], err
     assert state.exists()
+    shutil.rmtree(newest)  # what the message says to do: the checkpoint before it is used
+    other = str(tmp_path / "narrow")
+    build_tiny_model(other, hidden_size=32)
+    capsys.readouterr()
+    assert main([*args, f"actor.path={other}", "--resume"]) == 2  # another model than the run's: not "damaged"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds another model's weights than actor.path=" in err[0], err
+    assert main([*args, "--resume"]) == 0

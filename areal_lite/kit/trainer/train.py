@@ -412,7 +412,10 @@ def _start_weights(
         state = read_checkpoint_file(ckpt, "trainer_state.pt")
         try:
             actor.load(os.path.join(ckpt, "actor"))
-        except (OSError, RuntimeError) as e:  # a file missing or truncated (a size mismatch: another actor.path)
+        except (OSError, RuntimeError) as e:  # a file missing or truncated, or another actor.path than the run's
+            if "size mismatch" in str(e):
+                why = f"checkpoint {ckpt} holds another model's weights than actor.path={actor.config.path}"
+                raise RunDirError(f"{why}: resume with the run's own model, or start a fresh trial_name=") from None
             raise RunDirError(damaged(ckpt, e)) from None
         dataloader.load_state_dict(state["dataloader"])
         random.setstate(state["python_rng"])
