@@ -140,6 +140,17 @@ MALFORMED = [
     ({"messages": [{"role": "user", "content": 5}]}, "content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text-only"),
     ({"messages": [{"role": "tool", "content": "3"}]}, "tool_call_id"),
+    ({"messages": [*USER, {"role": "tool", "tool_call_id": "c1", "content": "3"}]}, "must answer a call"),
+    (
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}]},
+                {"role": "tool", "tool_call_id": "c2", "content": "3"},
+            ]
+        },
+        "'c2' is not among",
+    ),
     ({"messages": [{"role": "assistant", "tool_calls": "add"}]}, "tool_calls"),
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 3}, "temperature"),

@@ -298,6 +298,24 @@ def _max_tokens(body: dict) -> Optional[int]:
     return b if b is not None else a
 
 
+def _check_tool_replies(messages: List[Dict[str, Any]]) -> None:
+    """A `tool` message answers a call of the assistant turn before it (OpenAI's rule: a 400 otherwise), so the
+    template never renders a result the conversation did not ask for."""
+    open_ids: Optional[set] = None  # the call ids of the last assistant turn, while tool replies may follow it
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            open_ids = {c.get("id") for c in m.get("tool_calls") or []}
+        elif m["role"] == "tool":
+            if not open_ids or m["tool_call_id"] not in open_ids:
+                raise ChatRequestError(
+                    f"messages[{i}] (tool) must answer a call of the assistant message before it: its tool_call_id "
+                    f"{m['tool_call_id']!r} is not among that message's tool_calls",
+                    f"messages[{i}].tool_call_id",
+                )
+        else:
+            open_ids = None
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a `POST /v1/chat/completions` body; raise `ChatRequestError` naming the offending field."""
     if not isinstance(body, dict):
@@ -315,8 +333,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if opts is not None and (not stream or not isinstance(opts, dict)):
         raise ChatRequestError("'stream_options' is an object, allowed only with stream=true", "stream_options")
     tools = _tools(body)
+    messages = [_message(m, i) for i, m in enumerate(msgs)]
+    _check_tool_replies(messages)
     return ChatRequest(
-        messages=[_message(m, i) for i, m in enumerate(msgs)],
+        messages=messages,
         model=model,
         tools=tools,
         tool_choice=_tool_choice(body, tools),
