@@ -394,6 +394,17 @@ def test_stop_strings_are_cut_where_they_first_match_and_streamed_tool_calls_hav
     assert deltas[0].content is None and deltas[1].tool_calls[0].function.name == "add"
 
 
+def test_logprob_bytes_join_back_characters_split_over_tokens(tok):
+    """OpenAI's `bytes` of each logprob entry recombine a character that spans tokens (an emoji is 4 tokens here)."""
+    engine = ScriptedEngine(tok, ["Done 🤖 ok"])
+    with ChatServer(engine, tok) as server:
+        session = server.open_session()
+        reply = _post(server, {"messages": USER, "logprobs": True}, session.api_key).json()
+    entries = reply["choices"][0]["logprobs"]["content"]
+    assert len(entries) > len("Done  ok") and "�" in "".join(e["token"] for e in entries)  # split: no text alone
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8").startswith("Done 🤖 ok")
+
+
 def test_tool_arguments_nested_past_the_stack_compare_as_different_text():
     from areal_lite.experimental.openai.cache import _same_json_text
 

@@ -15,6 +15,7 @@
 - `token_lower_bound`: a count a text's tokens cannot be below, from its length alone: no token covers more
   characters than the longest vocabulary entry, with a factor 4 of margin for normalizers that merge characters
   (NFC). A 10 MB prompt is refused on that bound in microseconds instead of after seconds of tokenizing.
+- `token_bytes`: each token's own bytes (byte-level BPE), so a character split over tokens is joined back exactly.
 """
 
 from __future__ import annotations
@@ -167,3 +168,29 @@ def chat_turn_fragments(
     user_text = t2[len(t1) :]
     enc = lambda s: _as_id_list(tokenizer(s, add_special_tokens=False)) if s else []  # noqa: E731
     return ChatTurnFragments(enc(eot_text), enc(user_text), eot_text, user_text)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict:
+    """Byte-level BPE's alphabet (GPT-2's `bytes_to_unicode`) reversed: vocabulary character -> its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer: Any, ids: Sequence[int]) -> List[bytes]:
+    """Each token's bytes: a byte-level BPE token's from its vocabulary string, so that the bytes of the tokens of one
+    character join back to it (OpenAI's logprob `bytes`); any other token's as its decoded text's UTF-8."""
+    decoder = _byte_decoder()
+    out = []
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
+        if isinstance(piece, str) and piece and all(ch in decoder for ch in piece):
+            out.append(bytes(decoder[ch] for ch in piece))
+        else:
+            out.append(tokenizer.decode([i]).encode("utf-8"))
+    return out

@@ -369,13 +369,15 @@ class ChoiceResult:
     token_ids: List[int]
     logprobs: List[float]
     token_texts: List[str]
+    token_bytes: List[bytes] = field(default_factory=list)  # each token's own bytes; empty: its text's UTF-8
 
 
 def _logprobs_body(c: ChoiceResult) -> Dict[str, Any]:
+    raw = c.token_bytes or [t.encode("utf-8") for t in c.token_texts]
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(c.token_texts, c.logprobs)
+            {"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+            for t, lp, b in zip(c.token_texts, c.logprobs, raw)
         ],
         "refusal": None,
     }

@@ -47,7 +47,7 @@ from areal_lite.experimental.openai.proxy.protocol import (
     parse_chat_request,
     stream_events,
 )
-from areal_lite.utils.hf_utils import count_tokens, token_lower_bound
+from areal_lite.utils.hf_utils import count_tokens, token_bytes, token_lower_bound
 from areal_lite.utils.jsonhttp import json_errors_middleware, off_loop, read_json
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
@@ -221,8 +221,10 @@ class ChatCompleter:
                 finish = "tool_calls" if finish == "stop" else finish
             if not _meets_tool_choice(req.tool_choice, message.get("tool_calls")):
                 self._count(session, "tool_choice_unmet")
-        texts = [self.tokenizer.decode([t]) for t in resp.output_tokens] if req.logprobs else []
-        return ChoiceResult(message, finish, list(resp.output_tokens), list(resp.output_logprobs), texts)
+        ids = list(resp.output_tokens)
+        texts = [self.tokenizer.decode([t]) for t in ids] if req.logprobs else []
+        raw = token_bytes(self.tokenizer, ids) if req.logprobs else []
+        return ChoiceResult(message, finish, ids, list(resp.output_logprobs), texts, raw)
 
     def _gconfig(self, session: ChatSession, req: ChatRequest, prompt: int):
         """The request's sampling settings, after checking that it fits the model's context and the session's.
