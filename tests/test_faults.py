@@ -339,4 +339,7 @@ def test_unusable_folders_and_a_damaged_checkpoint_are_one_line_errors(tmp_path,
     assert main([*args, f"actor.path={other}", "--resume"]) == 2  # another model than the run's: not "damaged"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds another model's weights than actor.path=" in err[0], err
-    assert main([*args, "--resume"]) == 0
+    capsys.readouterr()
+    assert main([*args, "actor.optimizer.lr=0.001", "--resume"]) == 0  # a new lr is not silently dropped
+    out = capsys.readouterr().out
+    assert "actor.optimizer.lr=0.001 is not applied: the checkpoint's schedule keeps lr=1e-05" in out, out

@@ -425,6 +425,9 @@ def _start_weights(
         engine.set_version(start - 1)
         _sync_weights(actor, engine, meta, start)
         print(f"train: resumed from {ckpt} at step {start}")
+        kept, asked = actor.lr_scheduler.base_lrs[0], actor.config.optimizer.lr  # the checkpoint's schedule wins
+        if not math.isclose(kept, asked):
+            print(f"train: actor.optimizer.lr={asked:g} is not applied: the checkpoint's schedule keeps lr={kept:g}")
         return start
     if not launched or actor.config.use_lora:
         # Servers we did not start may hold other weights (an earlier run): give them ours, as version 0. With LoRA
