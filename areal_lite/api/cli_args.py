@@ -1120,6 +1120,12 @@ def _check_values(loaded: Any) -> None:
         ("trial_name", "a non-empty name (the run's folder)", lambda v: bool(str(v).strip())),
         ("actor.path", "a model folder, alias or hub id", lambda v: bool(str(v).strip())),
         ("actor.optimizer.lr", "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+        # AReaL's null optimizer marks an engine that does not train (a reference model); the actor trains
+        (
+            "actor.optimizer",
+            "an optimizer section (the actor trains; delete the line for the defaults)",
+            lambda v: v is not None,
+        ),
         ("gconfig.n_samples", "an integer >= 1", lambda v: v >= 1),
         ("gconfig.max_new_tokens", "an integer >= 1", lambda v: v >= 1),
         ("gconfig.temperature", "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
@@ -1130,13 +1136,9 @@ def _check_values(loaded: Any) -> None:
         value = loaded.config
         for part in dotted.split("."):
             value = getattr(value, part, None)
-        if value is not None and not ok(value):
+        # A set value is None only for an optional field (the loader refuses null for any other): here a section
+        if not ok(value):
             raise ConfigError(f"{loaded.source_of(dotted)}: key '{dotted}': expected {expected}, got {value!r}")
-    actor = getattr(loaded.config, "actor", None)
-    if loaded.sets("actor.optimizer") and actor is not None and actor.optimizer is None:
-        # AReaL's null optimizer marks an engine that does not train (a reference model); the actor trains
-        raise ConfigError(f"{loaded.source_of('actor.optimizer')}: key 'actor.optimizer': expected an optimizer "
-                          "section (the actor trains), got null; delete the line for the defaults")  # fmt: skip
 
 
 def _fill_derived(config: Any) -> None:

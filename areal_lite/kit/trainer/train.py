@@ -598,8 +598,9 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
             lora_name=config.gconfig.lora_name or config.rollout.lora_name,
             lora_keep_versions=config.rollout.max_head_offpolicyness + 2,
         )
-        _check_writable(os.path.dirname(meta.path), "weight_update_dir")
-        _check_weight_room(config, os.path.dirname(meta.path), meta.keep_last)
+        versions = os.path.dirname(meta.path)  # where the versions go
+        _check_writable(versions, "weight_update_dir")
+        _check_weight_room(config, versions, meta.keep_last)
     except BaseException:
         run.close()
         raise
