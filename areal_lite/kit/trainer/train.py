@@ -660,7 +660,7 @@ class _Loop:
         from areal_lite.utils.data import cycle_dataloader
 
         config, total = self.config, self.data.total
-        if start >= total:  # a resumed run already at (or past) its budget: say so rather than run nothing
+        if start and start >= total:  # a resumed run already at (or past) its budget: say so rather than run nothing
             print(f"train: the checkpoint is at step {start}, total_train_steps={total}: no step to run")
         pending_eval = run_eval(start) if start == 0 else {}
         data_iter = cycle_dataloader(self.data.dataloader)
