@@ -240,6 +240,7 @@ def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat
         wall = time.perf_counter() - tik
     finally:
         os.environ.update(unset)
+    nb.metadata["language_info"] = {"name": "python"}  # the kernel's own names its Python version: not ours to commit
     slow = {c.id: round(s, 1) for c in nb.cells if c.cell_type == "code" and (s := _cell_seconds(c) or 0) >= 5}
     nb.metadata["areal_lite"] = {
         "code_sha256": code_fingerprint(nb),
