@@ -30,6 +30,11 @@ AREAL_PIN := areal==1.0.4
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
 	@echo "make test      - install dev dependencies, lint, run the tests and the English notebooks (smoke budget)"
+	@echo "make install   - create .venv and install the package with CPU torch (make demo does this first)"
+	@echo "make install-dev - the same plus the dev tools: pytest, nbval, Jupyter, ruff (make test does this first)"
+	@echo "make prepare   - convert the packaged model and data into the cache, offline (make demo does this first)"
+	@echo "make test-fast - the tests without the notebooks, stopping at the first failure"
+	@echo "make test-zh   - the Chinese notebooks under nbval (smoke budget)"
 	@echo "make lint      - ruff: lint and format check (make test runs it first)"
 	@echo "make test-repeat - the non-notebook tests REPEAT times (default 3), e.g. TESTS=\"tests/test_serve.py -k abort\" REPEAT=30"
 	@echo "make soak      - opt-in: 500 generated bodies per endpoint, then load + faults + a crash on the real servers (a few minutes)"
@@ -50,6 +55,7 @@ help:
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~20 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
+	@echo "make clean     - remove runs/, .pytest_cache and build leftovers (.venv stays)"
 
 $(BIN)/python:
 	@$(PY) tools/check_python.py $(PY)  # 3.11 or 3.12, else a message that says what to do
@@ -183,7 +189,7 @@ notebook-times: $(DEVSTAMP)
 bench-report:
 	$(PY) bench/report.py
 
-exercises: $(STAMP)
+exercises: $(DEVSTAMP)  # tools/make_exercises.py reads notebooks with nbformat (a dev dependency)
 	$(BIN)/python tools/make_exercises.py
 
 test-gpu:

@@ -291,6 +291,20 @@ def test_the_command_lines_print_a_config_error_in_one_line(capsys, tmp_path):
     assert export_main([str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "o.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("areal config: ") and "config file not found" in err and len(err.splitlines()) == 1
+    assert train_main(["total_train_steps=1"]) == 2  # no file: nothing to train, said before anything starts
+    assert capsys.readouterr().err == "train: --config FILE is needed (e.g. configs/arith_grpo_demo.yaml); see --help\n"
+
+
+def test_the_demo_command_line_helps_and_refuses_in_one_line(capsys):
+    """`python -m areal_lite.kit.trainer.demo --help` prints its usage (it trained, then failed on '--help'); a
+    mistyped override is one line on stderr and exit 2, before any server starts."""
+    from areal_lite.kit.trainer.demo import main as demo_main
+
+    assert demo_main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("python -m areal_lite.kit.trainer.demo [key=value overrides]")
+    assert demo_main(["total_train_step=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("demo: command line: key 'total_train_step'") and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(

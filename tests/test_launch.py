@@ -256,7 +256,9 @@ def test_backend_choice_and_config_kinds(tiny_model_path):
     assert choose_backend("vllm") == ("vllm", "requested")  # opt-in: never picked by auto
     with pytest.raises(ValueError):
         choose_backend("mlx")
-    with pytest.raises(ValueError, match="no model path"):
+    from areal_lite.utils.model_store import ModelPathError
+
+    with pytest.raises(ModelPathError, match="no model path"):  # the trainer's and CLIs' one-line error
         launch_server(EmbeddedServerConfig(), backend="embedded")
     with pytest.raises(ValueError, match="SGLangConfig"):
         launch_server(SGLangConfig(model_path="x"), backend="embedded")

@@ -266,7 +266,9 @@ def launch_server(
     path = model_path or (cfg.model if chosen == "vllm" else cfg.model_path) or fallback_path
     if not path:
         field = "vllm.model" if chosen == "vllm" else f"{chosen}.model_path"
-        raise ValueError(f"no model path: pass model_path= or set {field}")
+        from areal_lite.utils.model_store import ModelPathError
+
+        raise ModelPathError(f"no model path: pass model_path= or set {field}")
     # No port given: our own server inherits a socket that already listens (procs.listening_socket), so nothing can
     # take the port while it starts; SGLang and vLLM bind theirs themselves, on a port that was free a moment ago.
     sock = listening_socket(host) if not port and chosen == "embedded" else None

@@ -33,21 +33,31 @@ def config_path() -> str:
     here = str(Path(__file__).resolve().parents[3])  # areal_lite/kit/trainer/demo.py -> the checkout
     path = os.path.join(here, "configs", CONFIG)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: run the demo from a checkout of areal-lite (pip install -e .)")
+        from areal_lite.api.cli_args import ConfigError
+
+        raise ConfigError(f"{path} not found: the demo runs from a checkout of areal-lite, where configs/ lives")
     return path
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from areal_lite.api.cli_args import load_expr_config
-    from areal_lite.kit.trainer.train import TrainConfig, train
+    from areal_lite.api.cli_args import ConfigError, load_expr_config
+    from areal_lite.kit.trainer.train import NoRoomError, RunDirError, TrainConfig, train
     from areal_lite.utils.machine import describe_line
+    from areal_lite.utils.model_store import ModelPathError
 
-    print(describe_line(), "(the demo takes two to three times as long on an AVX2-only CPU as on an AVX-512 one)")
     argv = list(sys.argv[1:] if argv is None else argv)
-    config, _ = load_expr_config(["--config", config_path(), *argv], TrainConfig)
-    t0 = time.perf_counter()
-    stats = train(config)
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.split("\n\n")[1].strip())  # the usage line; the fields: python -m areal_lite.kit.trainer.train -h
+        return 0
+    print(describe_line(), "(the demo takes two to three times as long on an AVX2-only CPU as on an AVX-512 one)")
+    try:
+        config, _ = load_expr_config(["--config", config_path(), *argv], TrainConfig)
+        t0 = time.perf_counter()
+        stats = train(config)
+    except (ConfigError, ModelPathError, RunDirError, NoRoomError) as e:
+        print(f"demo: {e}", file=sys.stderr)  # one line, no traceback: the message says what to do
+        return 2
     minutes = (time.perf_counter() - t0) / 60
     run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
     before = stats[0].get("eval_accuracy_before", float("nan"))

@@ -723,6 +723,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             hint = f"; did you mean '{near[0]}'?" if near else ""
             print(f"train: command line: unknown option '{arg}'{hint} (see --help)", file=sys.stderr)
             return 2
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):  # no file: no model, data or reward
+        print("train: --config FILE is needed (e.g. configs/arith_grpo_demo.yaml); see --help", file=sys.stderr)
+        return 2
     try:
         config, path = load_expr_config(argv, TrainConfig)
         stats = train(config, resume=resume, existing="refuse")
