@@ -200,6 +200,54 @@ def test_a_row_ending_in_observation_tokens_gets_no_advantage_in_areal():
     torch.testing.assert_close(ours[1][generated[1]], theirs[1][generated[1]].to(ours.dtype), atol=1e-6, rtol=1e-6)
 
 
+def test_a_list_of_trajectories_as_rollout_batch_returns_it_gets_areals_advantages():
+    """The notebooks' training cells pass AReaL's list of trajectories (rows of unequal length), the one input
+    AReaL 1.0.4's public compute_advantages takes, and write `data = actor.compute_advantages(data)`: AReaL returns
+    new dicts (its input unchanged), the kit updates them in place and returns the same list. Same advantages."""
+    from areal.api.cli_args import NormConfig as AReaLNormConfig
+    from areal.api.cli_args import PPOActorConfig as AReaLPPOActorConfig
+    from areal.trainer.ppo.actor import PPOActor as AReaLPPOActor
+
+    from areal_lite.api.cli_args import PPOActorConfig
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
+
+    def trajectory(prompt: int, answers: list[int], rewards: list[float]) -> dict:
+        L = prompt + max(answers) + 1
+        loss = torch.tensor([[0] * prompt + [1] * n + [0] * (L - prompt - n) for n in answers])
+        attention = torch.tensor([[1] * (prompt + n) + [0] * (L - prompt - n) for n in answers])
+        return dict(
+            input_ids=torch.arange(len(answers) * L).view(-1, L).int(),
+            loss_mask=loss.int(),
+            attention_mask=attention.bool(),
+            logprobs=torch.zeros(len(answers), L),
+            rewards=torch.tensor(rewards),
+            versions=torch.zeros(len(answers), L, dtype=torch.int32),
+        )
+
+    def trajectories() -> list[dict]:  # two groups of 2, as rollout_batch(group_size=2) returns them
+        return [trajectory(3, [4, 2], [1.0, 0.0]), trajectory(5, [3, 3], [0.5, 0.0])]
+
+    norm = dict(mean_level="group", std_level="group", group_size=2)
+    areal_actor = AReaLPPOActor(
+        AReaLPPOActorConfig(experiment_name="x", trial_name="y", path="unused", kl_ctl=0.0, use_decoupled_loss=False,
+                            recompute_logprob=False, reward_norm=AReaLNormConfig(**norm), adv_norm=None),
+        engine=None,
+    )  # fmt: skip
+    with pytest.raises(AssertionError, match="Expected list"):  # one dict, the kit's other form: AReaL refuses it
+        areal_actor.compute_advantages(trajectories()[0])
+    given = trajectories()
+    theirs = areal_actor.compute_advantages(given)
+    assert "advantages" not in given[0] and all("advantages" in t for t in theirs)
+    kit_actor = FSDPPPOActor(PPOActorConfig(path="unused", reward_norm=NormConfig(**norm), group_size=2))
+    ours_given = trajectories()
+    ours = kit_actor.compute_advantages(ours_given)
+    assert ours is ours_given and all("advantages" in t for t in ours)
+    for o, t in zip(ours, theirs):
+        generated = o["loss_mask"].bool()
+        t_adv = torch.roll(t["advantages"], shifts=1, dims=-1)  # AReaL's position t holds token t + 1's
+        torch.testing.assert_close(o["advantages"][generated], t_adv[generated].to(o["advantages"].dtype))
+
+
 # ------------------------------------------------------------------------------------------------ one PPO step
 
 AREAL_ACTOR = r"""

@@ -211,10 +211,23 @@ def finalize(nb: nbformat.NotebookNode, executed: bool) -> None:
         if cell.cell_type != "code":
             continue
         n += 1
-        cell.outputs = [o for o in (_clean_output(o, n, widgets) for o in cell.outputs) if o is not None]
+        readable = [o for o in (_clean_output(o, n, widgets) for o in cell.outputs) if o is not None]
+        cell.outputs = _merge_streams(readable)
         cell.execution_count = n if cell.outputs or executed else None
         tags = cell.metadata.get("tags", [])
         cell.metadata = {"tags": tags} if tags else {}
+
+
+def _merge_streams(outputs: list) -> list:
+    """Adjacent pieces of one stream as one output: a print can arrive in two messages, and the split is noise."""
+    merged = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if last is not None and out.output_type == last.output_type == "stream" and out.name == last.name:
+            last.text += out.text
+        else:
+            merged.append(out)
+    return merged
 
 
 def _machine() -> dict:

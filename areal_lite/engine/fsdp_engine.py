@@ -749,20 +749,20 @@ class FSDPPPOActor(_TrainEngine):
 
     # ---------------------------------------------------------------- log-probs
 
-    def compute_logp(self, batch: Batch) -> Union[torch.Tensor, List[torch.Tensor]]:
+    def compute_logp(self, data: Batch) -> Union[torch.Tensor, List[torch.Tensor]]:
         """Log-probs [B, L] of the batch's tokens under the current weights (no grad), aligned like `logprobs`.
 
         Position t holds log softmax(z_{t-1} / temperature)[x_t]; 0 at t = 0 and on padding. Prompt tokens get
-        their real log-probs too (the loss masks them). Use as `batch["prox_logp"] = actor.compute_logp(batch)`,
-        or, with AReaL's list of trajectories, `for traj, lp in zip(batch, actor.compute_logp(batch)):
-        traj["prox_logp"] = lp` (one tensor per trajectory).
+        their real log-probs too (the loss masks them). With AReaL's list of trajectories (the only input AReaL
+        1.0.4 takes), one tensor per trajectory: `for traj, lp in zip(data, actor.compute_logp(data)):
+        traj["prox_logp"] = lp`; with one dict, `batch["prox_logp"] = actor.compute_logp(batch)` (kit only).
         Alignment differs from AReaL's: AReaL's position t holds log p(token t+1) (rolled by one), the kit's the
         log-prob of token t itself, like the rollout's `logprobs`; each side's actor reads its own convention.
         """
         self._require_model()
-        if isinstance(batch, list):
-            return split_trajectories(self._logp_of(self.model, join_trajectories(batch)), batch)
-        return self._logp_of(self.model, as_long(batch))
+        if isinstance(data, list):
+            return split_trajectories(self._logp_of(self.model, join_trajectories(data)), data)
+        return self._logp_of(self.model, as_long(data))
 
     def compute_ref_logp(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs under the reference model (same alignment as `compute_logp`)."""
@@ -774,22 +774,25 @@ class FSDPPPOActor(_TrainEngine):
 
     # ---------------------------------------------------------------- advantages
 
-    def compute_advantages(self, batch: Batch) -> Union[Dict[str, float], List[Dict[str, torch.Tensor]]]:
+    def compute_advantages(self, data: Batch) -> Union[Dict[str, float], List[Dict[str, torch.Tensor]]]:
         """Add `advantages`, `kl_rewards`, `norm_rewards` (and `norm_token_returns`) to the batch, in place.
 
         Reads only keys it never writes (`rewards`, `token_returns`, `loss_mask`, `logprobs`, `prox_logp`,
-        `ref_logp`), so calling it twice gives the same result. One dict: returns a few scalar stats. AReaL's list
-        of trajectories: normalises over all of them together and returns the list (each dict updated), as AReaL
-        does; the stats are then in `actor.last_advantage_stats`. The formulas: `functional.py`.
+        `ref_logp`), so calling it twice gives the same result. AReaL's list of trajectories (the only input AReaL
+        1.0.4 takes): normalises over all of them together and returns the list, the stats then in
+        `actor.last_advantage_stats`. AReaL returns new dicts and leaves its input as it was, the kit updates the
+        dicts in place: `data = actor.compute_advantages(data)` runs the same on both. One dict (kit only): returns
+        a few scalar stats. The formulas: `functional.py`.
         """
-        if isinstance(batch, list):
-            joined = join_trajectories(batch)
+        if isinstance(data, list):
+            joined = join_trajectories(data)
             self.last_advantage_stats = self.compute_advantages(joined)
             for key in ("advantages", "kl_rewards", "norm_rewards", "norm_token_returns", "ref_logp"):
                 if key in joined:
-                    for traj, part in zip(batch, split_trajectories(joined[key], batch)):
+                    for traj, part in zip(data, split_trajectories(joined[key], data)):
                         traj[key] = part
-            return batch
+            return data
+        batch = data
         cast_long(batch)
         for key in ("input_ids", "attention_mask", "loss_mask", "logprobs", "rewards"):
             if key not in batch:
@@ -841,13 +844,13 @@ class FSDPPPOActor(_TrainEngine):
 
     # ---------------------------------------------------------------- PPO update
 
-    def ppo_update(self, batch: Batch) -> Dict[str, float]:
-        """`ppo_n_minibatches` optimizer steps on the batch (one dict, or AReaL's list of trajectories), each
+    def ppo_update(self, data: Batch) -> Dict[str, float]:
+        """`ppo_n_minibatches` optimizer steps on the batch (AReaL's list of trajectories, or one dict), each
         `train_batch`'s step (`_train_rows`) with the package's PPO loss (`ppo_loss_fn`) on a contiguous chunk of
         rows (whole GRPO groups when the sizes divide). Returns each minibatch's means over policy tokens, averaged
         over minibatches, with `skipped`, `n_tokens` and `silent_rows` summed. AReaL's returns None and logs its
         statistics through `areal.utils.stats_tracker`."""
-        batch = self._train_ready(batch)
+        batch = self._train_ready(data)
         cfg = self.config
         if "advantages" not in batch:
             raise KeyError("ppo_update: no 'advantages' in the batch; call actor.compute_advantages(batch) first")

@@ -329,8 +329,8 @@ class RemoteSGLangEngine(InferenceEngine):
         Returns a list of trajectory dicts in input order, rejected episodes left out (AReaL's return type; join
         them with `concat_padded_tensors`). The first workflow exception cancels the rest of the batch and is raised
         here -- AReaL 1.0.4 logs it and returns an empty list. The staleness bound does not apply: every episode
-        runs on the current weights, so evaluation at a fixed version returns -- AReaL 1.0.4 blocks forever there
-        once (1 + eta) * B episodes have started at one version.
+        runs on the current weights, so evaluation at a fixed version returns -- AReaL 1.0.4 blocks there (for its
+        7-day default timeout) once (1 + eta) * B episodes have started at one version.
         """
         self._require_running()
         return self._executor.rollout_batch(data, workflow, workflow_kwargs, group_size, should_accept_fn, timeout)

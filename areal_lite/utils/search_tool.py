@@ -165,8 +165,9 @@ async def _post_retrieve(session, url, payload, addr, timeout):
         raise SearchToolError(f"RAG server at {addr} did not answer within {timeout:g} s") from e
     except aiohttp.ClientConnectorError as e:
         raise SearchToolError(
-            f"cannot connect to RAG server at {addr} ({e.os_error or e}); start one with "
-            "`python -m areal_lite.kit.rag --corpus PATH --port N` and set AREAL_RAG_SERVER_ADDR"
+            f"cannot connect to RAG server at {addr} ({e.os_error or e}): none runs there. Start one with "
+            "`python -m areal_lite.kit.rag --corpus PATH --port N` and set AREAL_RAG_SERVER_ADDR; in a notebook, a "
+            "server cell run again starts it on a new address: run again the cells that use it"
         ) from e
     except aiohttp.ClientError as e:
         raise SearchToolError(f"request to RAG server at {addr} failed: {type(e).__name__}: {e}") from e

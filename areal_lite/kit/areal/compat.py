@@ -171,16 +171,19 @@ BETTER_THAN_AREAL: Dict[str, str] = {
     "areal_lite.workflow.multi_turn:MultiTurnWorkflow": "a reward that raises makes AReaL's rollout fail (its "
     "wrapper re-raises on the last retry); the kit scores it 0.0 and the episode goes on to its next turn. The "
     "reward's completion text is decoded without special tokens, as in every kit workflow",
-    "areal_lite.engine.sglang_remote:RemoteSGLangEngine.rollout_batch": "at a fixed version AReaL's blocks forever "
-    "once the staleness bound is reached; the kit's runs synchronous episodes outside the bound and returns",
+    "areal_lite.engine.sglang_remote:RemoteSGLangEngine.rollout_batch": "at a fixed version AReaL's "
+    "blocks (7 days, its default timeout) once the staleness bound is reached; the kit's runs synchronous episodes "
+    "outside the bound and returns",
     "areal_lite.engine.sglang_remote:RemoteSGLangEngine.wait": "a failing workflow: AReaL logs the error and hands "
-    "back an empty batch; the kit raises it, with the workflow's traceback and the episode's data",
+    "back None in the episode's place (rollout_batch drops it); the kit raises it, with the workflow's traceback and "
+    "the episode's data",
     "areal_lite.infra.workflow_executor:WorkflowExecutor": "an episode whose per-token keys disagree in length is "
     "accepted by AReaL and fails later in the trainer; the kit refuses it at rollout, naming the keys and lengths",
     "areal_lite.utils.data:Normalization": "group normalisation of a batch that is not whole groups divides the "
     "leftover rows by eps in AReaL (x 1e5); the kit raises. Group statistics stay in float64",
-    "areal_lite.utils.data:concat_padded_tensors": "a None (rejected) row, a 0-d tensor or rows with different batch "
-    "sizes fail late or yield a wrong batch in AReaL; the kit raises a ValueError/TypeError that says which",
+    "areal_lite.utils.data:concat_padded_tensors": "a None (rejected) row or a 0-d tensor fails in "
+    "AReaL with an AttributeError or RuntimeError that names neither, and keys of one row with different batch sizes "
+    "yield a wrong batch; the kit raises a ValueError/TypeError that says which",
     "areal_lite.utils.data:cycle_dataloader": "a loader that yields nothing spins forever in AReaL; the kit raises "
     "after two empty epochs",
     "areal_lite.utils.functional:ppo_actor_loss_fn": "an invalid dual clip (c_clip <= 1) is a bare assert in AReaL, "
@@ -193,8 +196,9 @@ BETTER_THAN_AREAL: Dict[str, str] = {
     "afterwards is lost, and its 'individual' rows train the ancestors' outputs again; the kit rebuilds each export "
     "and trains each interaction's own output once. NaN/inf rewards are refused; an unknown export style raises "
     "even on an empty cache; `last_interaction_id` of an empty cache is a KeyError, not a StopIteration",
-    "areal_lite.experimental.openai.client:concat_prompt_token_ids_with_parent": "a prompt that does not extend its "
-    "parent's tokens is silently misaligned in AReaL; the kit raises",
+    "areal_lite.experimental.openai.types:InteractionWithTokenLogpReward": "a child prompt that does not extend its "
+    "parent's tokens (a parent that stopped on a pad token) gets the parent's loss mask and log-probs copied by "
+    "position in AReaL, so a token the model never generated is trained; the kit's row raises",
     "areal_lite.utils.hf_utils:load_hf_tokenizer": "AReaL forces a fresh download, which fails offline; the kit "
     "loads from the cache or a local folder",
 }
