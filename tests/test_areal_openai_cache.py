@@ -41,15 +41,9 @@ def qwen():
 
 
 @pytest.fixture
-def areal(import_areal):
-    """AReaL's modules of this area (its openai package sets OPENAI_* variables at import: undone)."""
-    return SimpleNamespace(
-        cache=import_areal("areal.experimental.openai.cache"),
-        types=import_areal("areal.experimental.openai.types"),
-        client=import_areal("areal.experimental.openai.client"),
-        io=import_areal("areal.api.io_struct"),
-        hf=import_areal("areal.utils.hf_utils"),
-    )
+def areal(areal_openai):
+    """AReaL's modules of this area (conftest's `areal_openai`)."""
+    return areal_openai
 
 
 def _both(areal, key, messages, answer, prompt=(1, 2), out=(3,), reward=None, template="concat"):

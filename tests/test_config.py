@@ -301,7 +301,7 @@ def test_the_demo_command_line_helps_and_refuses_in_one_line(capsys):
     from areal_lite.kit.trainer.demo import main as demo_main
 
     assert demo_main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("python -m areal_lite.kit.trainer.demo [key=value overrides]")
+    assert capsys.readouterr().out.startswith("usage: python -m areal_lite.kit.trainer.demo [key=value ...]")
     assert demo_main(["total_train_step=4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("demo: command line: key 'total_train_step'") and len(err.splitlines()) == 1, err

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import List, Optional
 
 CONFIG = "arith_grpo_demo.yaml"
+USAGE = """usage: python -m areal_lite.kit.trainer.demo [key=value ...]
+
+GRPO with configs/arith_grpo_demo.yaml; key=value overrides any field (e.g. total_train_steps=4). The fields and
+their help: python -m areal_lite.kit.trainer.train --help"""
 
 
 def config_path() -> str:
@@ -48,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
-        print(__doc__.split("\n\n")[1].strip())  # the usage line; the fields: python -m areal_lite.kit.trainer.train -h
+        print(USAGE)
         return 0
     print(describe_line(), "(the demo takes two to three times as long on an AVX2-only CPU as on an AVX-512 one)")
     try:
