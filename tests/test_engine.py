@@ -355,9 +355,16 @@ def test_update_weights_from_disk(make_engine, tiny_model_path, perturbed_path, 
         os.makedirs(broken)
         with open(os.path.join(broken, "config.json"), "w") as fh:
             fh.write("{not json")
-        with pytest.raises(EngineError):
+        with pytest.raises(EngineError) as broken_err:
             eng.update_weights(meta).result(timeout=60)
+        assert broken_err.value.status is not None and "no server answers" not in str(broken_err.value)  # it answered
         assert _gen(eng).output_tokens == after.output_tokens
+
+        # The server gone (a notebook's server cell run again replaces it): the error says which engine to connect.
+        scratch.stop()
+        shutil.copytree(perturbed_path, meta.dir_for(3))
+        with pytest.raises(EngineError, match=r"no server answers there.*actor\.connect_engine\(engine, meta\)"):
+            eng.update_weights(meta).result(timeout=60)
     finally:
         scratch.stop()
 

@@ -152,7 +152,7 @@ class VLLMClient(SGLangClient):
             answers = await self.post_all("/collective_rpc", {"method": RELOAD_METHOD, "args": [path]})
             for addr, ans in zip(self.addresses, answers):
                 if not (isinstance(ans, dict) and ans.get("results")):
-                    raise EngineError(f"{addr} did not reload {path}: {str(ans)[:300]}", address=addr)
+                    raise EngineError(f"{addr} did not reload {path}: {str(ans)[:300]}", 200, addr)  # it answered
             await asyncio.gather(*(self._reset_prefix_cache(a) for a in self.addresses))
         finally:
             if drain:
@@ -165,7 +165,7 @@ class VLLMClient(SGLangClient):
             if not isinstance(ans, dict) or ans.get("success", True):
                 return
             await asyncio.sleep(_RESET_PAUSE)
-        raise EngineError(f"{addr} refused to reset its prefix cache (requests still hold blocks)", address=addr)
+        raise EngineError(f"{addr} refused to reset its prefix cache (requests still hold blocks)", 200, addr)
 
 
 async def is_vllm(client: SGLangClient, addr: str) -> bool:

@@ -50,7 +50,8 @@ _FOLDER_POLL = 0.005
 
 
 class EngineError(RuntimeError):
-    """A server refused or failed a request. `status` is the HTTP status (None: no answer), `address` the server."""
+    """A server refused or failed a request. `status` is the HTTP status of its last answer (None: no server
+    answered), `address` the server."""
 
     def __init__(self, message: str, status: Optional[int] = None, address: Optional[str] = None):
         super().__init__(message)
@@ -312,7 +313,7 @@ class SGLangClient:
         (each resumed chunk of a generation is its own call; time spent paused is not counted)."""
         budget, retries = self.config.request_timeout, max(0, self.config.request_retries)
         deadline = time.monotonic() + budget
-        delay, last, attempts = _BACKOFF_START, "no attempt made", 0
+        delay, last, attempts, last_status = _BACKOFF_START, "no attempt made", 0, None
         url = f"http://{addr}{endpoint}"
         for attempt in range(retries + 1):
             remaining = deadline - time.monotonic()
@@ -326,17 +327,20 @@ class SGLangClient:
                     status = resp.status
             except (aiohttp.ClientError, OSError) as e:  # refused, reset, disconnected, timed out
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                last_status = None
             else:
                 if status < 400:
                     return _decode_body(raw)
                 msg = _error_message(raw)
                 if status < 500:
                     raise EngineError(f"{url} rejected the request (HTTP {status}): {msg}", status, addr)
-                last = f"HTTP {status}: {msg}"
+                last, last_status = f"HTTP {status}: {msg}", status
             if attempt < retries:
                 await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(2 * delay, _BACKOFF_MAX)
-        raise EngineError(f"{method} {url} failed after {attempts} attempt(s) within {budget:g}s: {last}", address=addr)
+        raise EngineError(
+            f"{method} {url} failed after {attempts} attempt(s) within {budget:g}s: {last}", last_status, addr
+        )
 
     async def post_all(self, endpoint: str, body: dict) -> List[Any]:
         """POST the same body to every server at once; the answers in `addresses` order."""
@@ -514,10 +518,19 @@ class SGLangClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {path} did not appear within {timeout:g}s (version {version})")
             await asyncio.sleep(_FOLDER_POLL)
-        if lora is not None:
-            await self.load_lora(path, version, lora)
-        else:
-            await self.load_from_disk(path, version)
+        try:
+            if lora is not None:
+                await self.load_lora(path, version, lora)
+            else:
+                await self.load_from_disk(path, version)
+        except EngineError as e:
+            if e.status is not None:  # a server answered: its own message says it all
+                raise
+            hint = (
+                "no server answers there. If it was replaced (a server cell run again starts a new server and "
+                "engine), the trainer still syncs this old engine: run actor.connect_engine(engine, meta) again"
+            )
+            raise EngineError(f"{e}; {hint}", address=e.address) from e
         logger.info("servers now hold weights version %d from %s", version, path)
         return version
 
@@ -527,7 +540,7 @@ class SGLangClient:
         answers = await self.post_all("/update_weights_from_disk", body)
         for addr, ans in zip(self.addresses, answers):
             if isinstance(ans, dict) and ans.get("success") is False:
-                raise EngineError(f"{addr} failed to load weights from {path}: {ans.get('message')}", address=addr)
+                raise EngineError(f"{addr} failed to load weights from {path}: {ans.get('message')}", 200, addr)
 
     async def load_lora(self, path: str, version: int, meta: WeightUpdateMeta) -> None:
         """Every server loads the adapter folder `path` as `<lora_name>-v<version>`; then, best effort, unloads the
@@ -537,7 +550,7 @@ class SGLangClient:
         for addr, ans in zip(self.addresses, answers):
             if isinstance(ans, dict) and ans.get("success") is False:
                 msg = f"{addr} failed to load LoRA adapter {path}: {ans.get('error_message')}"
-                raise EngineError(msg, address=addr)
+                raise EngineError(msg, 200, addr)
         keep = int(meta.lora_keep_versions)
         if keep > 0 and version - keep >= 0:
             stale = {"lora_name": get_versioned_lora_name(meta.lora_name, version - keep)}
@@ -574,5 +587,5 @@ class SGLangClient:
         answers = await self.post_all("/update_weights_from_distributed", body)
         for addr, ans in zip(self.addresses, answers):
             if isinstance(ans, dict) and ans.get("success") is False:
-                raise EngineError(f"{addr} failed the NCCL weight update: {ans.get('message')}", address=addr)
+                raise EngineError(f"{addr} failed the NCCL weight update: {ans.get('message')}", 200, addr)
         return version
