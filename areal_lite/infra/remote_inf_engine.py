@@ -62,6 +62,20 @@ class EngineError(RuntimeError):
 # ------------------------------------------------------------------------------------------------ small helpers
 
 
+async def _unanswered_means_replaced(load: Coroutine[Any, Any, None]) -> None:
+    """Await a weight load; when no server answers, say the likely cause: the trainer syncs an old engine."""
+    try:
+        await load
+    except EngineError as e:
+        if e.status is not None:  # a server answered: its own message says it all
+            raise
+        hint = (
+            "no server answers there. If it was replaced (a server cell run again starts a new server and engine), "
+            "the trainer still syncs this old engine: run actor.connect_engine(engine, meta) again"
+        )
+        raise EngineError(f"{e}; {hint}", address=e.address) from e
+
+
 def parse_addrs(addr: Any) -> List[str]:
     """ "host:port", "host:port,host:port", a list of them, or None (read `AREAL_LLM_SERVER_ADDRS`) -> a list."""
     if addr is None:
@@ -518,19 +532,8 @@ class SGLangClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"update_weights: {path} did not appear within {timeout:g}s (version {version})")
             await asyncio.sleep(_FOLDER_POLL)
-        try:
-            if lora is not None:
-                await self.load_lora(path, version, lora)
-            else:
-                await self.load_from_disk(path, version)
-        except EngineError as e:
-            if e.status is not None:  # a server answered: its own message says it all
-                raise
-            hint = (
-                "no server answers there. If it was replaced (a server cell run again starts a new server and "
-                "engine), the trainer still syncs this old engine: run actor.connect_engine(engine, meta) again"
-            )
-            raise EngineError(f"{e}; {hint}", address=e.address) from e
+        load = self.load_lora(path, version, lora) if lora is not None else self.load_from_disk(path, version)
+        await _unanswered_means_replaced(load)
         logger.info("servers now hold weights version %d from %s", version, path)
         return version
 
