@@ -45,10 +45,9 @@ def config_path() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from areal_lite.api.cli_args import ConfigError, load_expr_config
-    from areal_lite.kit.trainer.train import NoRoomError, RunDirError, TrainConfig, train
+    from areal_lite.api.cli_args import load_expr_config
+    from areal_lite.kit.trainer.train import ONE_LINE_ERRORS, TrainConfig, train
     from areal_lite.utils.machine import describe_line
-    from areal_lite.utils.model_store import ModelPathError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
@@ -59,7 +58,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         config, _ = load_expr_config(["--config", config_path(), *argv], TrainConfig)
         t0 = time.perf_counter()
         stats = train(config)
-    except (ConfigError, ModelPathError, RunDirError, NoRoomError) as e:
+    except ONE_LINE_ERRORS as e:
         print(f"demo: {e}", file=sys.stderr)  # one line, no traceback: the message says what to do
         return 2
     minutes = (time.perf_counter() - t0) / 60

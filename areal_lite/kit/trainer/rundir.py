@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -91,6 +92,18 @@ def read_checkpoint_file(ckpt: str, name: str) -> Any:
 def damaged(ckpt: str, error: BaseException) -> str:
     return (f"checkpoint {ckpt} cannot be read ({type(error).__name__}: {str(error)[:200]}); remove that folder "
             "to resume from the checkpoint before it")  # fmt: skip
+
+
+def check_writable(folder: str, key: str) -> None:
+    """Refuse to start (`RunDirError`, one line naming the config key) when `folder` cannot be made or written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:  # a file in the way, read-only, ...
+        raise RunDirError(
+            f"{folder} cannot be written ({e.strerror or e}); set {key}= to a folder you can write"
+        ) from None
 
 
 def _read_info(path: str) -> Optional[dict]:
@@ -175,11 +188,7 @@ def open_run_dir(config: Any, resume: bool = False, existing: str = "refuse") ->
         path = os.path.join(config.fileroot, config.experiment_name, name)
         if existing == "new_trial" and n > 1 and (_work(path) or _read_info(path)):
             continue  # a used folder: the old run stays as it is
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:  # fileroot is a file, read-only, ...: one line that names the key
-            raise RunDirError(f"cannot make the run folder {path} ({e.strerror or e}); set fileroot= to a folder you "
-                              "can write") from None  # fmt: skip
+        check_writable(path, "fileroot")
         fd = try_lock_folder(path)
         if fd is None:
             if existing == "refuse" or recover:

@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -53,7 +52,14 @@ from areal_lite.api.engine_api import InferenceEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
-from areal_lite.kit.trainer.rundir import RunDir, RunDirError, damaged, open_run_dir, read_checkpoint_file
+from areal_lite.kit.trainer.rundir import (
+    RunDir,
+    RunDirError,
+    check_writable,
+    damaged,
+    open_run_dir,
+    read_checkpoint_file,
+)
 from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.model_store import ModelPathError
@@ -71,6 +77,8 @@ __all__ = [
 ]  # fmt: skip
 
 WORKFLOWS = ("rlvr", "reflection", "multiturn")
+# What the command lines (this one, the demo) print in one line without a traceback: each message says what to do.
+ONE_LINE_ERRORS = (ConfigError, ModelPathError, RunDirError, NoRoomError)
 USAGE = """usage: python -m areal_lite.kit.trainer.train --config FILE [key=value ...] [--resume]
 
 GRPO as configured in FILE (e.g. configs/arith_grpo_demo.yaml); key=value overrides any field, profile=cpu|gpu|auto
@@ -599,7 +607,7 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
             lora_keep_versions=config.rollout.max_head_offpolicyness + 2,
         )
         versions = os.path.dirname(meta.path)  # where the versions go
-        _check_writable(versions, "weight_update_dir")
+        check_writable(versions, "weight_update_dir")
         _check_weight_room(config, versions, meta.keep_last)
     except BaseException:
         run.close()
@@ -609,17 +617,6 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
     elif resume and not run.resume:
         print(f"train: --resume but no run to continue in {run.path}; starting a fresh run")
     return run, meta
-
-
-def _check_writable(folder: str, key: str) -> None:
-    """Refuse to start (`RunDirError`, one line) when `folder` cannot be made or written: before any server starts."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        why = e.strerror or e
-        raise RunDirError(f"{folder} cannot be written ({why}); set {key}= to a folder you can write") from None
 
 
 def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
@@ -729,7 +726,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         config, path = load_expr_config(argv, TrainConfig)
         stats = train(config, resume=resume, existing="refuse")
-    except (ConfigError, ModelPathError, RunDirError, NoRoomError) as e:
+    except ONE_LINE_ERRORS as e:
         print(f"train: {e}", file=sys.stderr)  # one line, no traceback: the message says what to do
         return 2
     if stats:

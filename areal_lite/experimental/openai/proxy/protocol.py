@@ -218,12 +218,12 @@ def _tools(body: dict) -> Optional[List[Dict[str, Any]]]:
         name = fn.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
             raise ChatRequestError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", f"tools[{i}]")
-        params = fn.get("parameters")
-        if "parameters" in fn and not isinstance(params, dict):
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
             raise ChatRequestError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
-        if isinstance(params, dict) and not isinstance(params.get("properties", {}), dict):
+        if not isinstance(params.get("properties", {}), dict):
             raise ChatRequestError(f"tools[{i}].function.parameters.properties must be an object", f"tools[{i}]")
-        required = params.get("required", []) if isinstance(params, dict) else []
+        required = params.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ChatRequestError(f"tools[{i}].function.parameters.required must be a list of names", f"tools[{i}]")
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
