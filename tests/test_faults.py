@@ -340,6 +340,11 @@ def test_unusable_folders_and_a_damaged_checkpoint_are_one_line_errors(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds another model's weights than actor.path=" in err[0], err
     capsys.readouterr()
-    assert main([*args, "actor.optimizer.lr=0.001", "--resume"]) == 0  # a new lr is not silently dropped
+    assert main([*args, "--resume"]) == 0  # the run's own settings: nothing to report
+    assert "differ from the checkpoint's run" not in capsys.readouterr().out
+    assert main([*args, "actor.optimizer.lr=0.001", "seed=7", "--resume"]) == 0  # new settings are not silent
     out = capsys.readouterr().out
     assert "actor.optimizer.lr=0.001 is not applied: the checkpoint's schedule keeps lr=1e-05" in out, out
+    changed = [line for line in out.splitlines() if "differ from the checkpoint's run" in line]
+    assert len(changed) == 1 and "actor.optimizer.lr: 1e-05 -> 0.001" in changed[0], out
+    assert "; seed: 1 -> 7" in changed[0], out

@@ -302,15 +302,24 @@ class StatsLogger:
             self.wandb.finish()
 
 
-def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int, run_id: Optional[str] = None) -> str:
-    """actor + dataloader position + step + the run's id, in folder step_<step>, written whole or not at all
-    (`atomic_dir`). In async mode the saved data position is the loader's, which runs ahead of the consumed batches
-    by the rollouts in flight: a resumed run skips those prompts."""
+def save_checkpoint(
+    ckpt_root: str,
+    step: int,
+    actor,
+    dataloader,
+    keep_last: int,
+    run_id: Optional[str] = None,
+    settings: Optional[Dict[str, Any]] = None,
+) -> str:
+    """actor + dataloader position + step + the run's id and `settings` (`config_settings`), in folder step_<step>,
+    written whole or not at all (`atomic_dir`). In async mode the saved data position is the loader's, which runs
+    ahead of the consumed batches by the rollouts in flight: a resumed run skips those prompts."""
 
     def fill(tmp: str) -> None:
         actor.save(os.path.join(tmp, "actor"))
         state = {"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()}
         state["run_id"] = run_id  # `rundir`: a resumed run refuses another run's checkpoints
+        state["settings"] = settings  # a resume reports what changed since (`report_changed_settings`)
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
 
     final = atomic_dir(os.path.join(ckpt_root, f"step_{step:06d}"), fill)  # a re-saved step keeps its old copy
@@ -318,6 +327,32 @@ def save_checkpoint(ckpt_root: str, step: int, actor, dataloader, keep_last: int
     for old in steps[: max(0, len(steps) - max(1, keep_last))]:
         shutil.rmtree(os.path.join(ckpt_root, f"step_{old:06d}"), ignore_errors=True)
     return final
+
+
+def config_settings(config: Any) -> Dict[str, Any]:
+    """`config` as {dotted key: value}: what a checkpoint records, so that a resume can say what changed."""
+    flat: Dict[str, Any] = {}
+
+    def walk(d: Dict[str, Any], prefix: str) -> None:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = value
+
+    walk(dataclasses.asdict(config), "")
+    return flat
+
+
+def report_changed_settings(saved: Optional[Dict[str, Any]], now: Dict[str, Any]) -> None:
+    """Print the settings of a resumed run that differ from those its checkpoint was saved with (a checkpoint of an
+    earlier version records none). A resume takes the new values, but not silently: a changed `seed`, say, changes
+    the server's samples while the data order and Python's random state continue the checkpoint's."""
+    if not saved:
+        return
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(now) if k in saved and saved[k] != now[k]]
+    if changed:
+        print("train: settings that differ from the checkpoint's run: " + "; ".join(changed))
 
 
 def _sync_weights(actor: FSDPPPOActor, engine: InferenceEngine, meta: WeightUpdateMeta, version: int) -> None:
@@ -609,6 +644,9 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
         versions = os.path.dirname(meta.path)  # where the versions go
         check_writable(versions, "weight_update_dir")
         _check_weight_room(config, versions, meta.keep_last)
+        if run.checkpoint is not None:  # said now, before the server's start-up
+            saved = read_checkpoint_file(run.checkpoint, "trainer_state.pt").get("settings")
+            report_changed_settings(saved, config_settings(config))
     except BaseException:
         run.close()
         raise
@@ -649,7 +687,8 @@ class _Loop:
 
     def save(self, step: int) -> None:
         ckpt_root = os.path.join(self.run.path, "checkpoints")
-        save_checkpoint(ckpt_root, step, self.actor, self.data.dataloader, self.config.saver.keep_last, self.run.run_id)
+        loader, keep = self.data.dataloader, self.config.saver.keep_last
+        save_checkpoint(ckpt_root, step, self.actor, loader, keep, self.run.run_id, config_settings(self.config))
 
     def steps(self, start: int, run_eval: Callable, on_step: Optional[Callable], progress: bool) -> None:
         from tqdm.auto import tqdm
