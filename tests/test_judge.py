@@ -52,9 +52,12 @@ def judge_with(tok, prefer, **kw):
 @pytest.mark.parametrize(
     "text, n, expected",
     [("B", 4, 1), ("(C)", 4, 2), ("Answer: A.", 4, 0), ("The answer is D", 4, 3), ("D", 3, None),
-     ("Because", 4, None), ("", 4, None), ("a", 4, None), ("I think B or C", 4, 1)],
+     ("Because", 4, None), ("", 4, None), ("a", 4, None), ("I think B or C", 4, None), ("A: 9 + 6 = 15", 4, 0),
+     ("The correct answer is (B).", 4, 1), (" C.\n", 4, 2), ("I cannot decide", 10, None),
+     ("A better answer is C", 4, 2), ("B is better", 4, None), (None, 4, None)],
 )  # fmt: skip
-def test_a_reply_names_its_choice_by_the_first_standalone_letter(text, n, expected):
+def test_a_reply_names_its_choice_at_its_start_or_after_answer(text, n, expected):
+    """The letter must stand where a choice is named: a word that is a candidate letter ("I", "A") is no vote."""
     from areal_lite.reward.judge import parse_choice
 
     assert parse_choice(text, n) == expected
@@ -84,6 +87,24 @@ def test_abstentions_do_not_count_and_all_abstaining_scores_zero(tok):
     judge, _ = judge_with(tok, the_answer("6"), votes=3, template="Answer: {}")
     verdict = asyncio.run(judge.judge("What is 2 + 3?", ["5", "6"]))
     assert verdict.scores == [0.0, 1.0] and verdict.votes == [1, 1, 1]
+
+
+def test_a_failed_vote_abstains_and_is_counted(tok):
+    """A judge server that fails a request costs that vote, not the group (nor the training step waiting on it)."""
+    judge, engine = judge_with(tok, the_answer("6"), votes=4)
+    answered = engine.agenerate
+    calls = []
+
+    async def every_other_fails(req):
+        calls.append(req)
+        if len(calls) % 2:
+            raise ConnectionError("judge server gone")
+        return await answered(req)
+
+    engine.agenerate = every_other_fails
+    verdict = asyncio.run(judge.judge("What is 2 + 3?", ["5", "6", None]))
+    assert verdict.errors == 2 and verdict.votes.count(None) == 2 and verdict.scores == [0.0, 1.0, 0.0]
+    assert verdict.distinct == ["5", "6", ""]  # no answer (None) is the empty answer
 
 
 def test_one_distinct_answer_needs_no_judge(tok):

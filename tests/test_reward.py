@@ -180,6 +180,30 @@ def test_gsm8k_reward_fn(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
 
 
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("The answer is $\\frac{\\sqrt{2}}{2}$", "\\frac{\\sqrt{2}}{2}", 1.0),
+        ("The answer is 2", "\\frac{\\sqrt{2}}{2}", 0.0),  # not the gold's last number
+        ("\\boxed{x^2+1}", "x^2+1", 1.0),
+        ("\\boxed{1}", "x^2+1", 0.0),
+        ("\\boxed{(1, 2)}", "(1, 2)", 1.0),
+        ("\\boxed{2}", "(1, 2)", 0.0),
+        ("\\boxed{\\pi}", "\\pi", 1.0),
+        ("\\boxed{2\\pi}", "2\\pi", 1.0),
+        ("\\boxed{\\pi}", "2\\pi", 0.0),
+        ("\\boxed{2\\sin(x)\\cos(x)}", "\\sin(2x)", 1.0),
+        ("\\boxed{0.5}", "$\\frac{1}{2}$", 1.0),
+        ("\\boxed{x+1}", "Adding one gives \\boxed{x+1}", 1.0),  # a solution's boxed answer
+        ("\\boxed{72}", "Half of 48 is 24, and 48 + 24 = 72", 1.0),  # a worked solution in words: its last number
+    ],
+)
+def test_a_symbolic_gold_answer_is_compared_whole(completion, answer, expected):
+    """A one-line gold expression is the answer, compared symbolically; read by its last number, the correct answer
+    to \\frac{\\sqrt{2}}{2} scored 0 and "2" scored 1."""
+    assert answer_reward(completion, answer) == expected
+
+
 def test_areal_signature_adapter():
     assert gsm8k_reward_fn("prompt", "\\boxed{72}", [1, 2], [3], GSM8K_SOLUTION, extra=1) == 1.0
     assert gsm8k_reward_fn("prompt", "\\boxed{7}", [1, 2], [3], answer=GSM8K_SOLUTION) == 0.0
@@ -683,3 +707,14 @@ def test_a_script_without_main_guard_runs_its_setup_once(tmp_path):
     kit = run["kit"]
     assert kit.returncode == 0, kit.stderr[-2000:]
     assert kit.stdout.count("SETUP RAN") == 1 and "results [3.0, 3.0, 3.0, 3.0]" in kit.stdout
+
+
+def test_a_huge_exponent_is_no_number():
+    """A number like 1e3000000 is no answer, and reading it exactly (Fraction) took seconds, growing with the exponent (minutes
+    for 1e99999999) in a reward called directly, outside the worker pool's timeout: it is not read as a number."""
+    from areal_lite.reward.math_answer import _parse_number
+
+    assert _parse_number("1e3000000") is None and _parse_number("-2.5E+99999999") is None
+    assert _parse_number("2.5e3") == 2500 and _parse_number("1e-5") * 100000 == 1  # ordinary exponents still are
+    assert answer_reward("The answer is 1e99999999.", "#### 5") == 0.0
+    assert math_equal("1e99999999", "1e99999999")  # the same text is still the same answer

@@ -8,14 +8,17 @@ Design decisions
   `seed`, the question and the answers, so a group is judged the same way every time), greedily. An answer's score
   is its share of the votes. Small judges pick by position as much as by content; shuffling spreads that bias over
   the answers instead of paying one position.
-- A reply names its choice by the first standalone candidate letter ("B", "(B)", "Answer: B."); anything else
-  abstains. A group whose votes all abstain scores 0.0 everywhere: no signal, and no crash.
+- A reply names its choice by a candidate letter at its start ("B", "(B)", "B: ...") or after "answer"
+  ("Answer: B", "the answer is B"); anything else abstains: a word such as "I" or "A" is no vote. A vote whose
+  request fails abstains too, counted in `Verdict.errors`. A group whose votes all abstain scores 0.0 everywhere:
+  no signal, and no crash.
 - The judge is any `InferenceEngine`: in notebook 12 a second embedded server holding the frozen base model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import string
@@ -30,14 +33,20 @@ from areal_lite.utils.hf_utils import chat_prompt_ids
 
 __all__ = ["JUDGE_INSTRUCTION", "GroupJudge", "Verdict", "pairwise_agreement", "parse_choice"]
 
+log = logging.getLogger("areal_lite.reward.judge")
+
 JUDGE_INSTRUCTION = "Which candidate answer is correct? Reply with its letter only."
 
 
 def parse_choice(text: str, n: int) -> Optional[int]:
-    """The index of the first standalone letter among the first `n` candidate letters in `text`, or None."""
+    """The index of the candidate letter (one of the first `n`) that `text` names, or None (see the module
+    docstring): "B", "(B)", "B: ...", "Answer: B", "The correct answer is (B)."; not "I cannot tell"."""
     letters = string.ascii_uppercase[:n]
-    m = re.search(rf"(?<![A-Za-z])([{letters}])(?![A-Za-z])", text) if n else None
-    return None if m is None else letters.index(m.group(1))
+    if not n or not isinstance(text, str):
+        return None
+    at_start = re.match(rf"\s*[(\[]?([{letters}])[)\]]?(?:\s*$|\s*\n|[.:,)\]-])", text)
+    named = at_start or re.search(rf"(?i:answer)(?:\s+is)?\s*[:\-]?\s*[(\[]?([{letters}])(?![A-Za-z])", text)
+    return None if named is None else letters.index(named.group(1))
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Verdict:
     scores: List[float]
     distinct: List[str]
     votes: List[Optional[int]]  # per vote, the index into `distinct` it chose
+    errors: int = 0  # votes whose request failed (they abstain)
 
 
 class GroupJudge:
@@ -108,15 +118,32 @@ class GroupJudge:
         choice = parse_choice(text, len(distinct))
         return None if choice is None else order[choice]
 
+    async def _vote_or_error(
+        self, question: str, distinct: Sequence[str], order: List[int]
+    ) -> Optional[int] | Exception:
+        """A vote, or the exception its request raised: a judge server that fails one request costs that vote,
+        not the group (nor the training step that waits for it)."""
+        try:
+            return await self._vote(question, distinct, order)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("judge vote failed (it abstains): %s: %s", type(e).__name__, e)
+            return e
+
     async def judge(self, question: str, answers: Sequence[str]) -> Verdict:
         """Each answer's share of the judge's votes among the group's distinct answers."""
-        distinct = list(dict.fromkeys(a.strip() for a in answers))
+        answers = [(a or "").strip() for a in answers]  # None (an empty reply) is the empty answer
+        distinct = list(dict.fromkeys(answers))
         if len(distinct) == 1:  # nothing to compare: every answer ties
             return Verdict([0.0] * len(answers), distinct, [])
-        votes = await asyncio.gather(*(self._vote(question, distinct, o) for o in self.orders(question, distinct)))
+        orders = self.orders(question, distinct)
+        results = await asyncio.gather(*(self._vote_or_error(question, distinct, o) for o in orders))
+        votes = [None if isinstance(r, Exception) else r for r in results]
         counted = [v for v in votes if v is not None]
         share = [counted.count(i) / len(counted) if counted else 0.0 for i in range(len(distinct))]
-        return Verdict([share[distinct.index(a.strip())] for a in answers], distinct, list(votes))
+        errors = sum(isinstance(r, Exception) for r in results)
+        return Verdict([share[distinct.index(a)] for a in answers], distinct, votes, errors)
 
 
 def pairwise_agreement(judged: Sequence[float], truth: Sequence[float]) -> Dict[str, int]:

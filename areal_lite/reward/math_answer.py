@@ -166,6 +166,9 @@ def _parse_number(s: str) -> Fraction | None:
     s = s.replace(" ", "") if re.fullmatch(r"-?[\d.]+\s*/\s*-?[\d.]+", s) else s
     try:
         if _PLAIN_NUMBER_RE.match(s):
+            exponent = re.search(r"e[-+]?0*(\d+)$", s, re.IGNORECASE)
+            if exponent and (len(exponent.group(1)) > 4 or int(exponent.group(1)) > 1000):  # 1e3000000: no answer,
+                return None  # and Fraction alone takes seconds on it
             return Fraction(s)
         m = re.fullmatch(r"(-?[\d.]+)/(-?[\d.]+)", s)
         if m:
@@ -351,6 +354,10 @@ def get_math_verify_worker() -> MathVerifyWorker:
 
 # ============================================================================ one answer vs another
 _MAX_SYMBOLIC_CHARS = 1000
+# A word of three letters or more that is no function name: a sentence ("The sum is 7"), not a formula (sin(x)+1)
+_PROSE_WORD_RE = re.compile(
+    r"\b(?!(?:a?(?:sin|cos|tan|cot|sec|csc)h?|arc(?:sin|cos|tan)|log|exp|sqrt|max|min|inf|infty|deg|mod)\b)[A-Za-z]{3,}"
+)
 
 
 def _symbolic_equal(pred: str, gold: str, timeout: float | None) -> bool:
@@ -403,13 +410,22 @@ def math_equal(pred, gold, rel_tol: float = 1e-4, timeout: bool | float | None =
 
 
 def _gold_from_solution(answer) -> str | None:
-    """GSM8K solutions end in '#### N'; reasoning-gym and plain datasets give N itself."""
+    """The gold answer in a dataset's `answer`: a GSM8K solution's '#### N', a solution's last \\boxed{}, or a
+    one-line answer whole: a number, or an expression such as \\frac{\\sqrt{2}}{2}, x^2+1 or (1, 2), which
+    `math_equal` compares symbolically (reading one by its last number would pay "2" for \\frac{\\sqrt{2}}{2}).
+    Only a worked solution in words falls back to its last number."""
     if answer is None:
         return None
     text = str(answer).strip()
     if _to_number(text)[0] is not None:
         return text
-    return extract_answer(text, "hash") or extract_answer(text, "last_number")
+    marked = extract_answer(text, "hash") or parse_boxed(text)
+    if marked:
+        return marked
+    words = _PROSE_WORD_RE.search(re.sub(r"\\[A-Za-z]+", " ", text))  # LaTeX commands (\frac, \pi) are no words
+    if text and "\n" not in text and len(text) <= _MAX_SYMBOLIC_CHARS and words is None:
+        return text
+    return extract_answer(text, "last_number")
 
 
 def answer_reward(completion, answer, **kwargs) -> float:
