@@ -252,6 +252,15 @@ def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
         ("actor.path=", "actor.path"),
         ("trial_name=", "trial_name"),
         ("actor.optimizer=null", "actor.optimizer"),  # AReaL's "does not train"; the actor trains
+        ("gconfig.top_p=1.5", "gconfig.top_p"),  # else the server refuses it at the first rollout
+        ("train_dataset.batch_size=0", "train_dataset.batch_size"),
+        ("rollout.consumer_batch_size=0", "rollout.consumer_batch_size"),
+        ("rollout.max_concurrent_rollouts=0", "rollout.max_concurrent_rollouts"),
+        ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness"),
+        ("actor.ppo_n_minibatches=0", "actor.ppo_n_minibatches"),
+        ("actor.eps_clip=-1", "actor.eps_clip"),
+        ("total_train_epochs=0", "total_train_epochs"),
+        ("total_train_steps=0", "total_train_steps"),
     ],
 )
 def test_values_no_run_can_use_are_refused_at_load(override, key):
@@ -259,6 +268,25 @@ def test_values_no_run_can_use_are_refused_at_load(override, key):
     path = os.path.join(CONFIGS, "arith_grpo_demo.yaml")
     with pytest.raises(ConfigError, match=rf"key '{re.escape(key)}': expected "):
         load_expr_config(["--config", path, override], GRPOConfig, verbose=False)
+
+
+@pytest.mark.parametrize(
+    "text, overrides, start",
+    [
+        ("", ["actor.rejection_sampling.upper=0.5"], "command line: section 'actor.rejection_sampling' "
+         "(actor.rejection_sampling.upper=0.5): upper must be > 1.0"),
+        ("actor:\n  rejection_sampling:\n    lower: 9.0\n", ["actor.rejection_sampling.upper=2.0"],
+         "exp.yaml and command line: section 'actor.rejection_sampling' (actor.rejection_sampling.lower=9.0, "
+         "actor.rejection_sampling.upper=2.0): lower (9.0) cannot be greater than upper (2.0)"),
+    ],
+)  # fmt: skip
+def test_a_sections_own_check_names_its_keys_and_where_they_were_set(tmp_path, text, overrides, start):
+    """A section's own check (its __post_init__) names no key, and the value may come from the command line: the
+    message must say which keys of which section, set where (it blamed the YAML file for a command-line value)."""
+    with pytest.raises(ConfigError) as err:
+        load_expr_config(["--config", write(tmp_path, text), *overrides], GRPOConfig, verbose=False)
+    message = str(err.value)
+    assert start in message and (message.startswith(str(tmp_path)) or message.startswith("command line")), message
 
 
 def test_environment_overrides_say_where_they_come_from_and_keep_quoted_values(monkeypatch):

@@ -1129,6 +1129,20 @@ def _check_values(loaded: Any) -> None:
         ("gconfig.n_samples", "an integer >= 1", lambda v: v >= 1),
         ("gconfig.max_new_tokens", "an integer >= 1", lambda v: v >= 1),
         ("gconfig.temperature", "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+        ("gconfig.top_p", "a number in (0, 1]", lambda v: 0 < v <= 1),
+        ("train_dataset.batch_size", "an integer >= 1", lambda v: v >= 1),
+        ("valid_dataset.batch_size", "an integer >= 1", lambda v: v >= 1),
+        ("rollout.consumer_batch_size", "an integer >= 1", lambda v: v >= 1),
+        (
+            "rollout.max_concurrent_rollouts",
+            "an integer >= 1, or null (consumer_batch_size)",
+            lambda v: v is None or v >= 1,
+        ),
+        ("rollout.max_head_offpolicyness", "an integer >= 0", lambda v: v >= 0),
+        ("actor.ppo_n_minibatches", "an integer >= 1", lambda v: v >= 1),
+        ("actor.eps_clip", "a finite number > 0", lambda v: math.isfinite(v) and v > 0),
+        ("total_train_epochs", "an integer >= 1", lambda v: v >= 1),
+        ("total_train_steps", "an integer >= 1, or null (the epochs decide)", lambda v: v is None or v >= 1),
     )
     for dotted, expected, ok in rules:
         if not loaded.sets(dotted):

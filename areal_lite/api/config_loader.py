@@ -285,13 +285,46 @@ def load_layers(argv: List[str], config_cls: type) -> LoadedConfig:
     chosen, why = resolve_profile(requested)
     merged = _deep_merge(_deep_merge(data, profiles.get(chosen, {})), cli)
     merged["profile"] = chosen
-    try:
-        conf = OmegaConf.merge(OmegaConf.structured(config_cls), OmegaConf.create(merged))
-        config = OmegaConf.to_object(conf)
-    except Exception as e:  # our checker should catch everything first; keep OmegaConf's words if not
-        raise ConfigError(f"{source}: {e}") from None
     layers = [(source, data), (f"{source} (profiles.{chosen})", profiles.get(chosen, {})), *override_layers]
-    return LoadedConfig(config, path, merged, chosen, why, layers)
+    loaded = LoadedConfig(None, path, merged, chosen, why, layers)
+    try:
+        loaded.config = _build(config_cls, merged)
+    except Exception as e:  # a section's own check (__post_init__), or OmegaConf's: name the keys and their layers
+        raise ConfigError(_build_error(loaded, config_cls, e)) from None
+    return loaded
+
+
+def _build(cls: type, data: dict) -> Any:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data)))
+
+
+def _build_error(loaded: LoadedConfig, cls: type, error: Exception) -> str:
+    """`error`'s message, led by where the failing section's keys were set: a section's own check (as
+    `actor.rejection_sampling`'s "upper must be > 1.0") names no key, and the value may come from the command line."""
+    section, keys = _failing_section(cls, loaded.merged, "")
+    if not section:  # only the whole config fails (an interpolation across sections): OmegaConf names the key
+        return f"{loaded.path or '<defaults>'}: {error}"
+    at = f"{section}."
+    sources = list(dict.fromkeys(loaded.source_of(at + k) or "defaults" for k in keys))
+    settings = ", ".join(f"{at}{k}={v!r}" for k, v in keys.items())
+    return f"{' and '.join(sources)}: section '{section}' ({settings}): {error}"
+
+
+def _failing_section(cls: type, data: dict, prefix: str) -> Tuple[str, dict]:
+    """The deepest section of `data` (typed by dataclass `cls`) that fails to build alone: (its dotted path, the
+    plain keys set in it); ("", {}) when none does alone."""
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        inner, _ = _unwrap_optional(hints.get(key, Any))
+        if isinstance(value, dict) and dataclasses.is_dataclass(inner):
+            found = _failing_section(inner, value, f"{prefix}{key}.")
+            if found[1]:
+                return found
+    try:
+        _build(cls, data)
+    except Exception:
+        return prefix.rstrip("."), {k: v for k, v in data.items() if not isinstance(v, dict)}
+    return "", {}
 
 
 def _split_argv(argv: List[str]) -> tuple[Optional[str], List[str]]:
