@@ -237,6 +237,19 @@ def test_an_answer_without_a_call_ends_the_episode_and_max_turns_caps_it(tok):
     assert len(policy.requests) == 1 and log[0]["parse_errors"] == 1
 
 
+def _warnings(monkeypatch):
+    """The messages the environment module logs from now on, on a logger of its own (global set-ups cannot mute it)."""
+    from areal_lite.experimental.workflow import environment
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    own = logging.Logger("environment-test")
+    own.addHandler(handler)
+    monkeypatch.setattr(environment, "logger", own)
+    return records
+
+
 def test_a_failing_reward_scores_zero_and_a_failing_reset_rejects_one_episode(tok, monkeypatch):
     class BadReward(Warehouse):
         def get_reward(self):
@@ -250,14 +263,7 @@ def test_a_failing_reward_scores_zero_and_a_failing_reset_rejects_one_episode(to
         def reset(self, seed, **kwargs):
             raise RuntimeError("no such warehouse")
 
-    from areal_lite.experimental.workflow import environment
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    own = logging.Logger("environment-test")  # a logger of its own: global logging set-ups cannot mute it
-    own.addHandler(handler)
-    monkeypatch.setattr(environment, "logger", own)
+    records = _warnings(monkeypatch)
     for cls in (BadReward, NaNReward):
         log = []
         row, _ = run(workflow(tok, cls, log=log), ["<report>1</report>"], tok=tok)
@@ -268,6 +274,122 @@ def test_a_failing_reward_scores_zero_and_a_failing_reset_rejects_one_episode(to
     assert "BadReward's reward failed, scored 0.0: KeyError: 'stock'" in said
     assert "NaNReward's reward failed, scored 0.0: ValueError: reward is nan" in said
     assert "BadReset.reset failed; episode rejected: RuntimeError: no such warehouse" in said
+
+
+def test_a_result_json_cannot_hold_is_sent_as_its_text():
+    """Tuple keys (TypeError) and a cycle (ValueError) are the tool's answer as `str()`, not a dead episode; a result
+    that has no text either is a tool error."""
+    from areal_lite.experimental.workflow.environment import call_tool, inspect_environment
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    class Odd:
+        def reset(self, **row):
+            return None
+
+        def pairs(self) -> dict:
+            """Pairs."""
+            return {(1, 2): "x"}
+
+        def cycle(self) -> list:
+            """A list that holds itself."""
+            items = []
+            items.append(items)
+            return items
+
+        def opaque(self) -> list:
+            """Something without text."""
+            return [Unprintable()]
+
+        def get_reward(self):
+            return 0.0
+
+    env = Odd()
+    spec = inspect_environment(env)
+    said = {name: asyncio.run(call_tool(env, spec, name, {})) for name in ("pairs", "cycle", "opaque")}
+    assert said == {
+        "pairs": ("{(1, 2): 'x'}", False),
+        "cycle": ("[[...]]", False),
+        "opaque": ("error: RuntimeError: no text", True),
+    }
+
+
+def test_a_hanging_tool_times_out_as_a_tool_error_and_the_episode_goes_on(tok, monkeypatch):
+    class Stuck(Warehouse):
+        async def wait(self) -> str:
+            """Wait for a delivery."""
+            await asyncio.Event().wait()  # never set
+            return "delivered"
+
+    with pytest.raises(ValueError, match="tool_timeout"):
+        workflow(tok, Stuck, tool_timeout=0)
+    said = _warnings(monkeypatch)
+    log = []
+    row, policy = run(workflow(tok, Stuck, log=log, tool_timeout=0.05), ["<wait></wait>", "No call."], tok=tok)
+    assert "<result>error: tool wait timed out after 0.05 s</result>" in tok.decode(policy.requests[1].input_ids)
+    assert row["tool_calls"].tolist() == [1.0] and row["tool_errors"].tolist() == [1.0] and len(policy.requests) == 2
+    assert log[0]["calls"][0]["error"] and [r.getMessage() for r in said] == ["Stuck.wait timed out after 0.05 s"]
+
+
+def test_a_sync_tool_runs_in_a_thread_so_the_event_loop_keeps_running(tok, monkeypatch):
+    """The tool blocks until a coroutine on the event loop releases it: on the loop it could never be released.
+    One that is never released times out; its thread cannot be stopped, so that episode makes no further call."""
+    import threading
+
+    started, release, threads = threading.Event(), threading.Event(), []
+
+    class Slow(Warehouse):
+        def fetch(self) -> str:
+            """Fetch a crate."""
+            threads.append(threading.get_ident())
+            started.set()
+            return "fetched" if release.wait(timeout=10) else "never released"
+
+    async def episode(wf, outputs, release_at_once):
+        policy = ScriptedPolicy([tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in outputs])
+        task = asyncio.ensure_future(wf.arun_episode(policy, {"prompt": PROMPT, "seed": 3}))
+        if release_at_once:
+            await asyncio.to_thread(started.wait, 10)  # the loop runs this while the tool blocks
+        else:
+            await task
+        release.set()  # (a timed-out tool's thread ends here, so the loop can close)
+        return await task, policy, threading.get_ident()
+
+    log = []
+    row, policy, loop_thread = asyncio.run(episode(workflow(tok, Slow, log=log), ["<fetch></fetch>", "Ok."], True))
+    assert log[0]["calls"][0]["result"] == "fetched" and threads[0] != loop_thread and len(policy.requests) == 2
+    said = _warnings(monkeypatch)
+    started.clear()
+    release.clear()
+    wf, calls = workflow(tok, Slow, log=log, tool_timeout=0.05), ["<fetch></fetch><count>pears</count>", "Ok."]
+    row, policy, _ = asyncio.run(episode(wf, calls, False))
+    assert log[1]["calls"][0]["result"] == "error: tool fetch timed out after 0.05 s" and len(log[1]["calls"]) == 1
+    assert row["tool_errors"].tolist() == [1.0] and len(policy.requests) == 1
+    assert [r.getMessage() for r in said] == ["Slow.fetch timed out after 0.05 s; its thread still runs"]
+
+
+def test_a_failing_done_flag_ends_the_episode_visibly(tok, monkeypatch):
+    class BrokenFlag(Warehouse):
+        @property
+        def done(self):
+            if self.reported is not None:
+                raise RuntimeError("flag broken")
+            return False
+
+        @done.setter
+        def done(self, value):
+            pass
+
+    said = _warnings(monkeypatch)
+    log, n = [], Warehouse()
+    n.reset(seed=3)
+    outputs = ["<count>pears</count>", f"<report>{n.stock['pears']}</report>", "<count>figs</count>"]
+    row, policy = run(workflow(tok, BrokenFlag, log=log), outputs, tok=tok)
+    assert len(policy.requests) == 2 and row["tool_calls"].tolist() == [2.0] and row["env_reward"].tolist() == [1.0]
+    assert log[0]["env_error"] == "done: RuntimeError: flag broken" and log[0]["reward_error"] is None
+    assert [r.getMessage() for r in said] == ["BrokenFlag.done failed; episode ended: RuntimeError: flag broken"]
 
 
 def test_per_turn_rewards_and_the_turn_discount_reach_the_tokens(tok):

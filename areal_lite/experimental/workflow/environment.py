@@ -8,19 +8,20 @@ TRL 1.16's `GRPOTrainer(environment_factory=...)` (`tools/trl_environment.py`).
 
 Design decisions
 - One instance per episode (`environment_factory()` each time): episodes run concurrently and share no state.
-- The model's tool calls are parsed and the results fed back through `ChatTemplate`, the syntax the endpoint of
-  notebook 09 uses (`tool_syntax="compact"` for a model whose template has no tools); results are appended as
-  tokens, never re-tokenized with the model's output.
-- A tool that raises answers `error: <Type>: <message>` and the episode goes on, so the model can learn from it; a
-  reward that raises or is not a finite number scores 0.0; a `reset` that raises rejects that one episode (None).
-  Each is logged as a warning. A class without `reset` or a reward, or a tool without a docstring, is a `TypeError`
-  that names the class, raised when the workflow is built.
+- Tool calls are parsed and results fed back through `ChatTemplate` in the syntax of notebook 09's endpoint
+  (`tool_syntax="compact"` for a template without tools), appended as tokens, never re-tokenized with the output.
+- A tool that raises answers `error: <Type>: <message>` and the episode goes on, so the model can learn from it;
+  so does one past `tool_timeout` (a timeout error). A sync tool runs in a worker thread, so it stalls no other
+  episode; no timeout stops a thread, so a sync timeout ends its episode. A result JSON cannot hold is sent as `str()`.
+  A reward that raises or is not finite scores 0.0, a `done` that raises ends the episode, a `reset` that raises
+  rejects it (None); each, and a timeout, is logged as a warning. A class that is no environment is a `TypeError`.
 - The episode ends at an answer without a tool call, when the environment sets `done = True` (OpenEnv's flag; TRL
   ignores it), or after `max_turns` completions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -103,19 +104,65 @@ def _coerce(value: Any, json_type: str) -> Any:
     return value
 
 
-async def call_tool(env: Any, spec: EnvironmentSpec, name: str, arguments: Mapping[str, Any]) -> tuple[str, bool]:
-    """Run one tool call on `env`; (its result as text, whether it failed). Never raises on a bad call."""
+class _TimedOut(Exception):
+    """A tool call ran past its timeout (distinct from a `TimeoutError` the tool raises itself)."""
+
+
+async def _bounded(awaitable: Any, timeout: Optional[float]) -> Any:
+    """`awaitable`'s result within `timeout` seconds (None: no limit); `_TimedOut` after, with it cancelled."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():  # timed out, or the episode itself was cancelled
+            task.cancel()
+    if not done:
+        raise _TimedOut
+    return task.result()
+
+
+def _as_text(result: Any) -> str:
+    """A tool's result as the model reads it: JSON, or `str()` of what JSON cannot hold (tuple keys, a cycle)."""
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return str(result)
+
+
+async def call_tool(
+    env: Any, spec: EnvironmentSpec, name: str, arguments: Mapping[str, Any], timeout: Optional[float] = None
+) -> tuple[str, bool]:
+    """Run one tool call on `env` within `timeout` seconds; (its result as text, whether it failed). Never raises
+    on a bad call."""
+    text, failed, _ = await _run_tool(env, spec, name, arguments, timeout)
+    return text, failed
+
+
+async def _run_tool(
+    env: Any, spec: EnvironmentSpec, name: str, arguments: Mapping[str, Any], timeout: Optional[float]
+) -> tuple[str, bool, bool]:
+    """`call_tool`, plus whether the call still runs: a sync tool runs in a worker thread (so it cannot stall the
+    event loop), and a timeout cannot stop a thread."""
     if name not in spec.parameter_types:
-        return f"error: there is no tool {name!r}", True
-    types = spec.parameter_types[name]
+        return f"error: there is no tool {name!r}", True, False
+    types, threaded = spec.parameter_types[name], False
     try:
         args = {k: _coerce(v, types.get(k, "string")) for k, v in arguments.items()}
-        result = getattr(env, name)(**args)
+        fn = getattr(env, name)
+        threaded = not inspect.iscoroutinefunction(fn)
+        result = await _bounded(asyncio.to_thread(fn, **args) if threaded else fn(**args), timeout)
+        threaded = False  # the thread has returned
         if inspect.isawaitable(result):
-            result = await result
+            result = await _bounded(result, timeout)
+        return _as_text(result), False, False
+    except _TimedOut:  # the environment's fault, not the model's: a warning, and the model reads it as an error
+        still = "; its thread still runs" if threaded else ""
+        logger.warning("%s.%s timed out after %g s%s", spec.name, name, timeout, still)
+        return f"error: tool {name} timed out after {timeout:g} s", True, threaded
     except Exception as e:  # the model's call went wrong: it reads why, and the episode goes on
-        return f"error: {type(e).__name__}: {e}", True
-    return (result if isinstance(result, str) else json.dumps(result, default=str)), False
+        return f"error: {type(e).__name__}: {e}", True, False
 
 
 class EnvironmentWorkflow(RolloutWorkflow):
@@ -133,7 +180,11 @@ class EnvironmentWorkflow(RolloutWorkflow):
             "hermes"; a template that renders tools itself (Qwen2.5) keeps its own format.
         reward_per_turn: read the reward after `reset` and after every turn; turn k's reward is its change, so the
             returns credit the turn that earned it (with gamma = 1 they add up to the final reward).
-        log: a list to which every episode appends a record (reward, turns, calls, texts) for plots and viewers.
+        log: a list to which every episode appends a record (reward, turns, calls, texts) for plots and viewers;
+            `reward_error` and `env_error` (a `done` that raised) say what failed, None when nothing did.
+        tool_timeout: seconds one tool call may take (None: no limit); a call past it answers
+            `error: tool <name> timed out after <N> s`, counted in `tool_errors`. A sync tool's thread cannot be
+            stopped, so after such a timeout its episode makes no further call and ends.
         chat_template_kwargs: extra variables for the chat template (e.g. `enable_thinking`).
 
     Data rows: `prompt` (chat messages, or a string) plus whatever `reset` takes; the row is passed whole.
@@ -158,11 +209,14 @@ class EnvironmentWorkflow(RolloutWorkflow):
         reward_per_turn: bool = False,
         chat_template_kwargs: Optional[Mapping[str, Any]] = None,
         log: Optional[List[Dict[str, Any]]] = None,
+        tool_timeout: Optional[float] = 30.0,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not 0.0 < turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
+        if tool_timeout is not None and not tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be > 0 seconds or None, got {tool_timeout}")
         self.environment_factory = environment_factory
         self.spec = inspect_environment(environment_factory())
         self.tokenizer = tokenizer
@@ -172,6 +226,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
         self.turn_discount = float(turn_discount)
         self.reward_per_turn = bool(reward_per_turn)
         self.log = log
+        self.tool_timeout = None if tool_timeout is None else float(tool_timeout)
 
     # ------------------------------------------------------------------------------------------------ text
 
@@ -216,6 +271,35 @@ class EnvironmentWorkflow(RolloutWorkflow):
             return 0.0, f"{type(e).__name__}: {e}"
         return value, None
 
+    def _done(self, env: Any, record: Dict[str, Any]) -> bool:
+        """Whether the environment says the episode is over (OpenEnv's `done`); a `done` that raises ends it, logged
+        and kept as the record's `env_error`."""
+        try:
+            return bool(getattr(env, "done", False))
+        except Exception as e:
+            logger.warning("%s.done failed; episode ended: %s: %s", self.spec.name, type(e).__name__, e)
+            record["env_error"] = f"done: {type(e).__name__}: {e}"
+            return True
+
+    async def _act(
+        self, env: Any, calls: Sequence[Dict[str, Any]], turn: int, record: Dict[str, Any]
+    ) -> tuple[List[str], bool]:
+        """Run one completion's tool calls in order; (their results, whether the episode is over)."""
+        results: List[str] = []
+        for call in calls:
+            if self._done(env, record):
+                return results, True
+            fn = call["function"]
+            result, failed, running = await _run_tool(
+                env, self.spec, fn["name"], json.loads(fn["arguments"]), self.tool_timeout
+            )
+            record["calls"].append({"turn": turn, "name": fn["name"], "arguments": fn["arguments"],
+                                    "result": result, "error": failed})  # fmt: skip
+            results.append(result)
+            if running:  # a thread still in the environment: no other call may touch it
+                return results, True
+        return results, not results or self._done(env, record)
+
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]):
         env = self.environment_factory()
         try:
@@ -227,6 +311,7 @@ class EnvironmentWorkflow(RolloutWorkflow):
         builder = TrajectoryBuilder().add_prompt(prompt_ids)
         rid = uuid.uuid4().hex
         record: Dict[str, Any] = {"observation": observation, "texts": [], "calls": [], "parse_errors": 0}
+        record["env_error"] = None  # a `done` that raised (`_done`)
         levels = [await self._reward(env)] if self.reward_per_turn else []
         for turn in range(self.max_turns):
             req = ModelRequest(rid=rid, input_ids=builder.context(), gconfig=self.gconfig, tokenizer=self.tokenizer)
@@ -236,18 +321,10 @@ class EnvironmentWorkflow(RolloutWorkflow):
             record["texts"].append(text)
             parsed = self.template.parse_tool_calls(text, self.spec.tools)
             record["parse_errors"] += parsed.error is not None
-            results = []
-            for call in parsed.tool_calls:
-                if getattr(env, "done", False):
-                    break
-                fn = call["function"]
-                result, failed = await call_tool(env, self.spec, fn["name"], json.loads(fn["arguments"]))
-                record["calls"].append({"turn": turn, "name": fn["name"], "arguments": fn["arguments"],
-                                        "result": result, "error": failed})  # fmt: skip
-                results.append(result)
+            results, ended = await self._act(env, parsed.tool_calls, turn, record)
             if self.reward_per_turn:
                 levels.append(await self._reward(env))
-            if not results or getattr(env, "done", False) or turn + 1 == self.max_turns:
+            if ended or turn + 1 == self.max_turns:
                 break
             builder.add_observation(self._results_turn(resp.output_tokens, results), kind="tool")
         turns = builder.num_turns
