@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from areal_lite import GenerationHyperparameters
 from areal_lite.experimental.openai.proxy.protocol import RESERVED_TEMPLATE_KWARGS
 from areal_lite.experimental.openai.proxy.server import ChatServer
-from areal_lite.kit.server.protocol import SGLANG_SAMPLING_KEYS
+from areal_lite.kit.server.protocol import SGLANG_CONTROL_FIELDS, SGLANG_SAMPLING_KEYS
 from areal_lite.utils.jsonhttp import MAX_JSON_DEPTH
 
 EXAMPLES = int(os.environ.get("AREAL_LITE_SOAK_EXAMPLES", "40"))
@@ -225,6 +225,144 @@ def test_sglang_fields_the_server_does_not_implement_pass_at_their_neutral_value
             "priority": None, "custom_labels": {}, "stream": False, "logprob_start_len": -1}  # fmt: skip
     status, answer, _ = send(inference + "/generate", json.dumps(body).encode())
     assert status == 200, answer
+
+
+# ------------------------------------------------------------------------------------------------ control fields
+# Before: the control routes ignored keys they do not know, as SGLang does, so `{"mod": "retract"}` paused in the
+# default mode (abort: the running work was lost), `weigth_version` left the version at "1" and `{"rid_": ...}`
+# aborted nothing, each with a 200. Now each is a 400 naming the nearest field, and nothing changes.
+
+LONG_RID = "control-fields-long"
+LONG = {"input_ids": [5, 6, 7], "rid": LONG_RID, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+
+
+def _wait_running(url: str, timeout: float = 30) -> None:
+    """Until the server runs a row: tests wait on its observable state, never on a sleep."""
+    deadline = time.time() + timeout
+    while send(url + "/server_info")[1]["num_running"] < 1:
+        assert time.time() < deadline, "the long request never started"
+        time.sleep(0.02)
+
+
+def _refused_naming(url: str, path: str, body: dict, field: str, nearest: str) -> None:
+    status, answer, _ = send(url + path, dump(body))
+    assert status == 400 and f"`{field}`" in answer["error"] and f"`{nearest}`" in answer["error"], answer
+
+
+def _ends_by_abort_request(url: str, running: concurrent.futures.Future) -> None:
+    """End the long request by rid: it must have run until then (aborted by this call, by no earlier one)."""
+    assert send(url + "/abort_request", dump({"rid": LONG_RID}))[0] == 200
+    status, out, _ = running.result(timeout=60)
+    assert status == 200 and out["meta_info"]["finish_reason"]["message"] == "Aborted by abort_request.", out
+
+
+def _start_long(pool, url: str) -> concurrent.futures.Future:
+    running = pool.submit(send, url + "/generate", dump(LONG))
+    _wait_running(url)
+    return running
+
+
+def test_a_misspelt_pause_field_is_refused_and_the_work_in_flight_kept(inference):
+    before = inference_counters(inference)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = _start_long(pool, inference)
+        _refused_naming(inference, "/pause_generation", {"mod": "retract"}, "mod", "mode")
+        assert inference_counters(inference)["paused"] is False and not running.done()  # no pause, no abort
+        # the body meant: retract keeps the request, which runs on after continue_generation
+        assert send(inference + "/pause_generation", dump({"mode": "retract"}))[0] == 200
+        assert inference_counters(inference)["paused"] is True
+        assert send(inference + "/continue_generation", b"{}")[0] == 200
+        _ends_by_abort_request(inference, running)
+    assert inference_counters(inference)["aborted_requests"] == before["aborted_requests"] + 1
+
+
+@pytest.mark.parametrize(
+    "body,field,nearest", [({"rid_": LONG_RID}, "rid_", "rid"), ({"abort-all": True}, "abort-all", "abort_all")]
+)
+def test_a_misspelt_abort_field_is_refused_and_aborts_nothing(inference, body, field, nearest):
+    before = inference_counters(inference)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = _start_long(pool, inference)
+        _refused_naming(inference, "/abort_request", body, field, nearest)
+        assert inference_counters(inference)["aborted_requests"] == before["aborted_requests"]
+        assert not running.done() and send(inference + "/server_info")[1]["num_running"] >= 1
+        _ends_by_abort_request(inference, running)
+
+
+def test_a_misspelt_weight_update_field_is_refused_and_the_version_kept(inference, tiny_model_path):
+    before = inference_counters(inference)
+    body = {"model_path": str(tiny_model_path), "weigth_version": "v7"}
+    _refused_naming(inference, "/update_weights_from_disk", body, "weigth_version", "weight_version")
+    assert inference_counters(inference) == before  # no update: same version, same count of updates
+
+
+def _every_field_bodies(tiny_model_path: str, version: str, missing: str) -> dict:
+    """One body per control route with every field SGLang defines: what the route acts on set to change nothing on
+    the shared server, the rest at their neutral values."""
+    base = {"rid": None, "http_worker_ipc": None}
+    return {
+        "/pause_generation": {**base, "mode": "in_place"},
+        "/continue_generation": {**base, "torch_empty_cache": False},
+        "/abort_request": {**base, "rid": "no-such-request", "abort_all": False, "finished_reason": None,
+                           "abort_message": None, "weight_versions": None},
+        "/update_weights_from_disk": {**base, "model_path": tiny_model_path, "load_format": None,
+                                      "abort_all_requests": False, "weight_version": version, "is_async": False,
+                                      "torch_empty_cache": True, "keep_pause": False, "recapture_cuda_graph": False,
+                                      "token_step": 0, "flush_cache": True, "manifest": None},
+        "/load_lora_adapter": {**base, "lora_name": "a", "lora_path": missing, "pinned": False, "lora_id": None},
+        "/unload_lora_adapter": {**base, "lora_name": "a", "lora_id": None},
+        "/flush_cache": {},
+    }  # fmt: skip
+
+
+def test_every_field_sglang_defines_for_a_control_route_is_accepted(inference, tiny_model_path, tmp_path):
+    greedy = dump({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    outputs = send(inference + "/generate", greedy)[1]["output_ids"]
+    version = inference_counters(inference)["weight_version"]
+    bodies = _every_field_bodies(str(tiny_model_path), version, str(tmp_path / "missing"))
+    assert {route: tuple(body) for route, body in bodies.items()} == SGLANG_CONTROL_FIELDS
+    for route, body in bodies.items():
+        status, answer, _ = send(inference + route, dump(body))
+        if route.endswith("_lora_adapter"):  # the body passed; the adapter is the loader's to refuse (not shared)
+            assert status == 400 and answer["success"] is False, (route, answer)
+            assert "is not a directory" in answer["error_message"] or "is not loaded" in answer["error_message"]
+        else:
+            assert status == 200, (route, answer)
+    after = inference_counters(inference)
+    assert after["weight_version"] == version and after["paused"] is False  # the same weights, reloaded
+    assert send(inference + "/generate", greedy)[1]["output_ids"] == outputs
+
+
+def test_the_control_fields_are_sglangs():
+    """Each route's list is the fields of the request type SGLang's own handler reads its body into (none for
+    /flush_cache), read from SGLang's source: http_server.py for the type, io_struct.py for its fields."""
+    import ast
+
+    from test_sglang_conformance import sglang_dir
+
+    def parse(*parts):
+        with open(os.path.join(sglang_dir(), "srt", *parts)) as f:
+            return ast.parse(f.read())
+
+    classes = {n.name: n for n in parse("managers", "io_struct.py").body if isinstance(n, ast.ClassDef)}
+
+    def fields(name: str) -> tuple:
+        cls = classes[name]
+        inherited = sum((fields(b.id) for b in cls.bases if isinstance(b, ast.Name) and b.id in classes), ())
+        own = tuple(s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+        return inherited + own
+
+    handlers = {}  # route -> the fields of its `Annotated[<type>, Body()]` parameter; () when it reads no body
+    for fn in parse("entrypoints", "http_server.py").body:
+        routes = [d.args[0].value for d in getattr(fn, "decorator_list", []) if isinstance(d, ast.Call) and d.args
+                  and isinstance(d.args[0], ast.Constant) and d.args[0].value in SGLANG_CONTROL_FIELDS]  # fmt: skip
+        if not routes:
+            continue
+        bodies = [a.annotation.slice.elts[0].id for a in fn.args.args
+                  if a.annotation is not None and "Body()" in ast.unparse(a.annotation)]  # fmt: skip
+        for route in routes:
+            handlers[route] = fields(bodies[0]) if bodies else ()
+    assert handlers == SGLANG_CONTROL_FIELDS
 
 
 def test_max_tokens_beyond_the_context_is_judged_by_the_endpoint(chat, session):

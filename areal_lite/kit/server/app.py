@@ -36,6 +36,7 @@ from areal_lite.kit.server.protocol import (
     GenerationState,
     PromptSpec,
     SamplingParams,
+    check_control_fields,
     parse_abort_body,
     parse_generate_body,
     parse_load_lora_body,
@@ -236,7 +237,7 @@ async def pause_generation(request: web.Request) -> web.Response:
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    await read_json_object(request)
+    check_control_fields("/continue_generation", await read_json_object(request))
     return web.json_response(await asyncio.wrap_future(_scheduler_or_503(request).continue_generation()))
 
 
@@ -247,8 +248,8 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    if request.method == "POST":
-        await read_json_object(request)
+    if request.method == "POST":  # SGLang reads no body here: any field in one is refused rather than ignored
+        check_control_fields("/flush_cache", await read_json_object(request))
     if await asyncio.wrap_future(_scheduler_or_503(request).flush_cache()):
         return web.Response(text="Cache flushed.\n", content_type="text/plain")
     return web.Response(

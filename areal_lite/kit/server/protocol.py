@@ -5,6 +5,10 @@ Design decisions
   unknown `sampling_params` keys and wrong types are rejected, `16.0` is not an integer, booleans are not numbers.
   A bad body raises `BadRequest` with a message that says what to send instead; the HTTP layer answers 400 and the
   scheduler never sees it, so one bad client cannot disturb the batch of the others.
+- Every body is checked against the fields SGLang defines for its route (`SGLANG_GENERATE_FIELDS`,
+  `SGLANG_CONTROL_FIELDS`): SGLang ignores any other key, so a typo there (`{"mod": "retract"}`) silently gets the
+  default (an abort that loses the work a retract keeps); here it is a 400 naming the nearest field, before anything
+  changes.
 - SGLang parameters this server does not implement (repetition penalty, min_p, grammars, ...) are accepted only at
   their neutral values and rejected otherwise, rather than silently ignored: a rollout that asks for a repetition
   penalty must not silently get none. Frequency and presence penalties are implemented (`sampling.apply_penalties`):
@@ -269,20 +273,21 @@ def parse_generate_body(
     return is_batch, specs, text_in_lp
 
 
-def _refuse_unknown_fields(body: dict) -> None:
-    """A top-level field SGLang does not define is a 400 naming it and the nearest field SGLang has."""
-    unknown = [key for key in body if key not in SGLANG_GENERATE_FIELDS]
+def _refuse_unknown_fields(body: dict, known: tuple[str, ...], route: str) -> None:
+    """A top-level field SGLang's `route` does not define is a 400 naming it and the nearest field SGLang has."""
+    unknown = [key for key in body if key not in known]
     if unknown:
         hints = []
         for key in unknown:
-            near = difflib.get_close_matches(str(key), SGLANG_GENERATE_FIELDS, n=1)
+            near = difflib.get_close_matches(str(key), known, n=1)
             hints.append(f"`{key}`" + (f" (did you mean `{near[0]}`?)" if near else ""))
-        raise BadRequest(f"unknown field {', '.join(hints)}: SGLang's /generate has no such field")
+        has = "has no such field" if known else "reads no fields from the body"
+        raise BadRequest(f"unknown field {', '.join(hints)}: SGLang's {route} {has}")
 
 
 def _refuse_unsupported_fields(body: dict) -> None:
     """Top-level fields SGLang has and this server does not implement: only their neutral values pass."""
-    _refuse_unknown_fields(body)
+    _refuse_unknown_fields(body, SGLANG_GENERATE_FIELDS, "/generate")
     if body.get("input_embeds") is not None:
         raise BadRequest("input_embeds is not supported by the embedded server; send input_ids or text")
     if (body.get("text") is not None) == (body.get("input_ids") is not None):
@@ -430,9 +435,55 @@ def render_generate_response(state: GenerationState, tokenizer: Any, text_in_log
 # ----------------------------------------------------------------------------------------------------------------
 # control endpoints
 
+# Every field of SGLang 0.5.23's control bodies: the request types of python/sglang/srt/managers/io_struct.py that
+# its http_server.py reads each route's body into, with the `rid` and `http_worker_ipc` every one inherits from
+# BaseReq (FastAPI reads a body into all of a struct's fields: srt/utils/msgspec_utils.py). SGLang drops any other
+# key without a word, so a misspelt `mode` or `abort_all` quietly does the default; here it is refused.
+_BASE_REQ_FIELDS = ("rid", "http_worker_ipc")
+SGLANG_CONTROL_FIELDS: dict[str, tuple[str, ...]] = {
+    "/pause_generation": (*_BASE_REQ_FIELDS, "mode"),  # PauseGenerationReqInput
+    "/continue_generation": (*_BASE_REQ_FIELDS, "torch_empty_cache"),  # ContinueGenerationReqInput
+    "/abort_request": (  # AbortReq
+        *_BASE_REQ_FIELDS, "abort_all", "finished_reason", "abort_message", "weight_versions",
+    ),
+    "/update_weights_from_disk": (  # UpdateWeightFromDiskReqInput
+        *_BASE_REQ_FIELDS, "model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+        "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest",
+    ),
+    "/load_lora_adapter": (*_BASE_REQ_FIELDS, "lora_name", "lora_path", "pinned", "lora_id"),  # LoadLoRAAdapterReqInput
+    "/unload_lora_adapter": (*_BASE_REQ_FIELDS, "lora_name", "lora_id"),  # UnloadLoRAAdapterReqInput
+    "/flush_cache": (),  # SGLang's handler reads no body (its only parameter, `timeout`, is in the query string)
+}  # fmt: skip
+# Control fields SGLang defines and this server does not act on: only their neutral value (or null) passes, so a
+# client that asks for something (a `keep_pause`, a `load_format`) is told it does not get it.
+NEUTRAL_CONTROL_VALUES: dict[str, Any] = {
+    "rid": None, "http_worker_ipc": None, "finished_reason": None, "abort_message": None, "weight_versions": None,
+    "load_format": None, "is_async": False, "keep_pause": False, "token_step": 0, "manifest": None,
+}  # fmt: skip
+# Flags about GPU memory and caches this server does not keep (no CUDA graphs, no prefix cache): either value gives
+# the same answers, so any true or false passes.
+IGNORED_CONTROL_FLAGS = ("torch_empty_cache", "recapture_cuda_graph", "flush_cache")
+
+
+def check_control_fields(route: str, body: dict, acted_on: tuple[str, ...] = ()) -> None:
+    """A control body's fields before its own checks: none that SGLang's `route` lacks, and those this server does
+    not act on (all but `acted_on`, which the route's parser checks) at values that change nothing."""
+    _refuse_unknown_fields(body, SGLANG_CONTROL_FIELDS[route], route)
+    for key, v in body.items():
+        if key in acted_on or v is None:  # null means "default", as in /generate
+            continue
+        if key in IGNORED_CONTROL_FLAGS:
+            want_bool(key, v)
+            continue
+        neutral = NEUTRAL_CONTROL_VALUES[key]
+        if v != neutral or type(v) is not type(neutral):  # `0` is not `false`, nor `false` a `0`
+            only = "null" if neutral is None else f"{json.dumps(neutral)} or null"
+            raise BadRequest(f"{key}: not supported by the embedded server (only {only} is accepted)")
+
 
 def parse_pause_body(body: dict) -> str:
     """/pause_generation: the pause mode (SGLang's default is "abort")."""
+    check_control_fields("/pause_generation", body, ("mode",))
     mode = body.get("mode", "abort") or "abort"
     if mode not in PAUSE_MODES:
         raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {describe(mode)}")
@@ -441,6 +492,7 @@ def parse_pause_body(body: dict) -> str:
 
 def parse_abort_body(body: dict) -> tuple[str, bool]:
     """/abort_request: (rid, abort_all); an empty rid matches nothing unless abort_all."""
+    check_control_fields("/abort_request", body, ("rid", "abort_all"))
     rid = body.get("rid", "")
     rid = "" if rid is None else rid
     if not isinstance(rid, str):
@@ -460,16 +512,16 @@ class WeightUpdate:
 
 
 def parse_update_weights_body(body: dict) -> WeightUpdate:
+    check_control_fields("/update_weights_from_disk", body, ("model_path", "weight_version", "abort_all_requests"))
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
         raise BadRequest("model_path: expected a non-empty string (a folder of *.safetensors files)")
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
         raise BadRequest(f"weight_version: expected a string or null, got {describe(version)}")
-    for key in ("abort_all_requests", "flush_cache"):  # flush_cache: accepted, nothing to flush (no prefix cache)
-        if body.get(key) is not None:
-            want_bool(key, body[key])
-    return WeightUpdate(path, version, bool(body.get("abort_all_requests") or False))
+    abort_all = body.get("abort_all_requests")
+    abort_all = False if abort_all is None else want_bool("abort_all_requests", abort_all)
+    return WeightUpdate(path, version, abort_all)
 
 
 def weight_update_result(success: bool, message: str) -> dict:
@@ -500,15 +552,25 @@ def _want_name(body: dict, key: str) -> str:
 def parse_load_lora_body(body: dict) -> LoraUpdate:
     """SGLang's LoadLoRAAdapterReqInput: lora_name, lora_path (a folder with adapter_config.json and
     adapter_model.safetensors), optional pinned and lora_id (accepted; one adapter is active at a time anyway)."""
+    check_control_fields("/load_lora_adapter", body, ("lora_name", "lora_path", "pinned", "lora_id"))
     name, path = _want_name(body, "lora_name"), _want_name(body, "lora_path")
     if body.get("pinned") is not None:
         want_bool("pinned", body["pinned"])
-    if body.get("lora_id") is not None and not isinstance(body["lora_id"], str):
-        raise BadRequest(f"lora_id: expected a string or null, got {describe(body['lora_id'])}")
+    _check_lora_id(body)
     return LoraUpdate(name, path)
 
 
+def _check_lora_id(body: dict) -> None:
+    """SGLang's lora_id (its tokenizer manager makes one up when unset): any string passes, one adapter is active at
+    a time anyway."""
+    if body.get("lora_id") is not None and not isinstance(body["lora_id"], str):
+        raise BadRequest(f"lora_id: expected a string or null, got {describe(body['lora_id'])}")
+
+
 def parse_unload_lora_body(body: dict) -> LoraUpdate:
+    """SGLang's UnloadLoRAAdapterReqInput: lora_name, optional lora_id."""
+    check_control_fields("/unload_lora_adapter", body, ("lora_name", "lora_id"))
+    _check_lora_id(body)
     return LoraUpdate(_want_name(body, "lora_name"))
 
 
