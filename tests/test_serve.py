@@ -718,6 +718,12 @@ def test_draw_follows_each_rows_probabilities_and_never_picks_a_zero():
     big = torch.softmax(torch.randn(4, 49152, generator=torch.Generator().manual_seed(1)) * 4, -1)
     assert draw(big, _uniforms(4, 2)).max() < 49152
     assert draw(rows, torch.tensor([1 - 2**-53] * 3, dtype=torch.float64)).tolist() == [4, 5, 5]  # u -> 1: last nonzero
+    for bad in (float("nan"), float("inf")):  # NaN weights: a clear error, not an index past the vocabulary
+        with pytest.raises(ValueError, match="not finite"):
+            draw(torch.tensor([[0.5, bad, 0.5]]), _uniforms(1, 3))
+    logits = torch.full((2, 6), float("nan"))  # NaN weights under greedy decoding: no token 0 as if it meant something
+    with pytest.raises(ValueError, match="not finite"):
+        sample_tokens(logits, [_seq(SamplingParams(temperature=0.0))] * 2)
 
 
 def test_row_seeds_streams():

@@ -83,6 +83,9 @@ def sample_tokens(
     return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
 
 
+NOT_FINITE = "the next-token probabilities are not finite: the weights (or an update) hold NaN or inf"
+
+
 def _sample_rows(
     logits: torch.Tensor, seqs: list[GenerationState], original_logprob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +115,8 @@ def _sample_rows(
         else:
             tokens[rows] = picked
     logprobs = logprobs_all.gather(1, tokens[:, None]).flatten()
+    if bool(logprobs.isnan().any()):  # a greedy row's argmax over NaN logits: token 0, as if it meant something
+        raise ValueError(NOT_FINITE)
     # JSON has no -inf; SGLang clamps the same way.
     logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
     assert tokens.shape == (B,)
@@ -143,6 +148,8 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # each entry widened, then summed: no float64 copy first
     total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all()):  # else searchsorted answers an index past the vocabulary
+        raise ValueError(NOT_FINITE)
     u = uniforms.to(torch.float64).view(-1, 1) * total
     # strictly below the total: `right=True` then finds the first entry whose cumulative sum exceeds u, which has
     # nonzero probability (a zeroed entry repeats the previous sum)
