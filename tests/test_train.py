@@ -130,6 +130,19 @@ def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, token
     assert not (run_dir / "weights").exists()  # ... and removed at the end: transport, not checkpoints
 
 
+def raising_reward(prompt, completions, prompt_ids, completion_ids, **kwargs):
+    raise RuntimeError("a reward with a bug")
+
+
+def test_reward_failures_are_counted_in_each_steps_stats(tmp_path, tiny_model_path):
+    """A reward that raises scores 0.0 and the run goes on, but not silently: each step's stats (stats.jsonl) count
+    the reward calls that raised or timed out since the step began."""
+    config = make_config(tmp_path, tiny_model_path, steps=2)
+    stats = train(config, reward_fn=raising_reward, progress=False)
+    assert [s["reward_fn_errors"] for s in stats] == [4.0 * G, 4.0 * G], stats  # 4 prompts x G samples a step
+    assert all(s["reward_fn_timeouts"] == 0 and s["reward"] == 0 for s in stats)
+
+
 def test_async_mode_respects_the_staleness_bound(tmp_path, tiny_model_path, tokenizer):
     config = make_config(tmp_path, tiny_model_path, steps=6, eta=1, max_concurrent=8, async_training=True)
     stats = train(config, workflow=token_workflow(tokenizer, config), progress=False)

@@ -612,7 +612,7 @@ def train(
         def run_eval(step: int) -> Dict[str, float]:
             return _held_out_eval(config, server_addrs, data.valid_rows, eval_workflow, step, progress)
 
-        loop = _Loop(config, run, engine, actor, meta, data, workflow, logger)
+        loop = _Loop(config, run, engine, actor, meta, data, workflow, logger, rewards)
         loop.steps(start, run_eval, on_step, progress)
         _save_curve(config, logger.history, run.path)
         return logger.history
@@ -684,6 +684,12 @@ class _Loop:
     data: _RunData
     workflow: RolloutWorkflow
     logger: StatsLogger
+    rewards: Optional[AsyncRewardWrapper] = None  # the run's reward pool: its failures are counted per step
+
+    def _reward_failures(self, before: Dict[str, int]) -> Dict[str, float]:
+        """Reward calls that timed out or raised since `before` (each scored 0.0): in stats.jsonl, not only a log."""
+        now = self.rewards.stats if self.rewards is not None else before
+        return {f"reward_fn_{k}": float(now[k] - before[k]) for k in ("timeouts", "errors") if k in before}
 
     def save(self, step: int) -> None:
         ckpt_root = os.path.join(self.run.path, "checkpoints")
@@ -702,6 +708,7 @@ class _Loop:
         data_iter = cycle_dataloader(self.data.dataloader)
         bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
         for step in bar:
+            failures_before = self.rewards.stats if self.rewards is not None else {}
             stats, t_step = grpo_step(
                 config, step, self.engine, self.actor, self.meta, self.data.dataloader, data_iter, self.workflow
             )
@@ -712,6 +719,7 @@ class _Loop:
                 stats["eval_accuracy_before"] = pending_eval["eval_accuracy"]
             if done == total or (freq and done % freq == 0):
                 stats.update(run_eval(done))
+            stats.update(self._reward_failures(failures_before))
             stats["time/step"] = time.perf_counter() - t_step
             self.logger.log(stats)  # before the checkpoint: a run killed after it must not lose this step's line
             if config.saver.freq_steps and done % config.saver.freq_steps == 0 and done < total:
