@@ -404,6 +404,11 @@ def math_equal(pred, gold, rel_tol: float = 1e-4, timeout: bool | float | None =
         if max(len(pred), len(gold)) > _MAX_SYMBOLIC_CHARS:
             return False  # not a final answer; sympy could spend seconds on it
         return _symbolic_equal(pred, gold, _seconds(timeout))
+    except concurrent.futures.TimeoutError:  # scored unequal, perhaps wrongly: say so, as MathVerifyWorker does
+        logger.warning(
+            "math_equal took over %ss on pred=%.200r, gold=%.200r: scored unequal", _seconds(timeout), pred, gold
+        )
+        return False
     except Exception:  # a reward must not take down a rollout
         logger.debug("math_equal(%r, %r) failed", pred, gold, exc_info=True)
         return False
