@@ -100,6 +100,23 @@ def test_tools_are_the_public_methods_described_by_their_signatures():
     assert spec.parameter_types == {"count": {"fruit": "string"}, "report": {"number": "integer"}}
 
 
+def test_a_tool_is_offered_under_the_name_the_model_calls():
+    """An alias (or a decorator without functools.wraps) gives the function another `__name__`: the schema must
+    name the attribute, the name a call reaches, or the tool is offered and can never be called."""
+    from areal_lite.experimental.workflow.environment import call_tool, inspect_environment
+
+    class Aliased(Warehouse):
+        tally = Warehouse.count  # __name__ "count"
+
+    spec = inspect_environment(Aliased())
+    assert sorted(t["function"]["name"] for t in spec.tools) == ["count", "report", "tally"]
+    env = Aliased()
+    env.reset(seed=1)
+    assert asyncio.run(call_tool(env, spec, "tally", {"fruit": "apples"})) == asyncio.run(
+        call_tool(env, spec, "count", {"fruit": "apples"})
+    )
+
+
 def test_a_reward_attribute_is_a_reward_source_too():
     from areal_lite.experimental.workflow.environment import inspect_environment
 

@@ -213,6 +213,9 @@ def test_bad_adapters_and_bodies_get_4xx_and_the_server_keeps_serving(lora_serve
     bad_cfg.mkdir()
     dora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True}
     (bad_cfg / "adapter_config.json").write_text(json.dumps(dora))
+    not_json = tmp_path / "not_json"
+    not_json.mkdir()
+    (not_json / "adapter_config.json").write_text("{r: 4")
     for body, needle in [
         ({}, "lora_name"),
         ({"lora_name": "a"}, "lora_path"),
@@ -220,6 +223,7 @@ def test_bad_adapters_and_bodies_get_4xx_and_the_server_keeps_serving(lora_serve
         ({"lora_name": "a", "lora_path": str(tmp_path / "missing")}, "not a directory"),
         ({"lora_name": "a", "lora_path": str(tmp_path / "empty")}, "adapter_config.json"),
         ({"lora_name": "a", "lora_path": str(bad_cfg)}, "use_dora"),
+        ({"lora_name": "a", "lora_path": str(not_json)}, f"{not_json / 'adapter_config.json'} is not valid JSON"),
         ({"lora_name": "a", "lora_path": "x", "pinned": "yes"}, "pinned"),
     ]:
         status, out = call(addr, "/load_lora_adapter", body)

@@ -763,3 +763,7 @@ def test_multi_turn_feedback_dumps_answers_per_version(tok, rewards, tmp_path):
         assert all(r["answer"] == answer and r["gold"] == "5" for r in lines)
     v1 = [json.loads(line) for line in (log / "v1.jsonl").read_text().splitlines()]
     assert [(r["question"], r["version"], r["turn"]) for r in v1] == [("late", 1, 1), ("late", 1, 2)]
+    blocked = tmp_path / "a_file"  # a log that cannot be written costs the log line, not the episode
+    blocked.write_text("")
+    wf.dump_dir = str(blocked / "log")
+    assert asyncio.run(run(["again"]))[0]["turns"].tolist() == [2.0]

@@ -7,6 +7,7 @@ a turn is credited for what followed it; AReaL's `MultiTurnWorkflow` gives one d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import uuid
@@ -20,6 +21,8 @@ from areal_lite.utils.functional import discounted_returns
 from areal_lite.utils.hf_utils import chat_turn_fragments
 from areal_lite.utils.trajectory import TrajectoryBuilder
 from areal_lite.workflow.rlvr import RLVRWorkflow, TensorDict
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FEEDBACK_CORRECT", "FEEDBACK_WRONG", "MultiTurnFeedbackWorkflow"]
 
@@ -149,7 +152,10 @@ class MultiTurnFeedbackWorkflow(RLVRWorkflow):
         solved = any(s > 0.5 for s in successes)
         turns = next(k + 1 for k, s in enumerate(successes) if s > 0.5) if solved else len(successes)
         if self.dump_dir is not None:
-            self._dump(engine, data, rid, responses, successes, turn_rewards, returns)
+            try:
+                self._dump(engine, data, rid, responses, successes, turn_rewards, returns)
+            except OSError as e:  # a full disk or a folder gone costs the log line, not the episode
+                logger.warning("could not write the episode log to %s: %s", self.dump_dir, e)
         return builder.to_tensors(
             returns[0], token_returns=builder.per_turn_values(returns), turns=turns, solved=float(solved)
         )

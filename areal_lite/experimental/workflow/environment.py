@@ -82,6 +82,9 @@ def inspect_environment(env: Any) -> EnvironmentSpec:
             schema = get_json_schema(getattr(env, name))
         except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
             raise TypeError(f"{cls.__name__}.{name} cannot be offered as a tool: {e}") from None
+        # The schema names the function (`__name__`); the model calls the attribute: an alias or a decorator without
+        # functools.wraps would offer a tool no call can reach
+        schema["function"]["name"] = name
         tools.append(schema)
         props = schema["function"].get("parameters", {}).get("properties", {})
         types[name] = {p: spec.get("type", "string") for p, spec in props.items()}

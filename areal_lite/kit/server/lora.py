@@ -42,8 +42,11 @@ def _read_config(path: str) -> float:
     cfg_file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} holds no {ADAPTER_CONFIG}")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    except ValueError as e:  # json's own message names no file
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_file}: expected a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
