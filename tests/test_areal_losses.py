@@ -20,22 +20,34 @@ import torch
 from areal_lite.api import cli_args as kit_args
 from areal_lite.utils import functional as kit
 
-areal_args = pytest.importorskip("areal.api.cli_args")
-areal = pytest.importorskip("areal.utils.functional")
+
+# AReaL's modules come from fixtures, not `pytest.importorskip`: AReaL is installed --no-deps, and a dependency it
+# lacks must fail these conformance tests (with the import error), not skip them. `import_areal` (conftest) also
+# undoes the OPENAI_* variables AReaL sets at import, which would otherwise leak into every later test.
+@pytest.fixture
+def areal_args(import_areal):
+    """AReaL 1.0.4's `areal.api.cli_args`."""
+    return import_areal("areal.api.cli_args")
+
+
+@pytest.fixture
+def areal(import_areal):
+    """AReaL 1.0.4's `areal.utils.functional`."""
+    return import_areal("areal.utils.functional")
 
 
 # ------------------------------------------------------------------------------------------------ names and config
 
 
 @pytest.mark.parametrize("name", ["ppo_actor_loss_fn", "sapo_loss_fn", "apply_rejection_sampling"])
-def test_signatures_and_defaults(name):
+def test_signatures_and_defaults(name, areal):
     ours = inspect.signature(getattr(kit, name)).parameters
     theirs = inspect.signature(getattr(areal, name)).parameters
     assert list(ours) == list(theirs)
     assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
 
 
-def test_config_fields_and_defaults():
+def test_config_fields_and_defaults(areal, areal_args):
     ours, theirs = (
         dataclasses.fields(kit_args.RejectionSamplingConfig),
         dataclasses.fields(areal_args.RejectionSamplingConfig),
@@ -66,7 +78,7 @@ BAD_CONFIGS = [
 
 
 @pytest.mark.parametrize("kwargs", BAD_CONFIGS, ids=str)
-def test_config_errors_match(kwargs):
+def test_config_errors_match(kwargs, areal_args):
     with pytest.raises(ValueError) as theirs:
         areal_args.RejectionSamplingConfig(**kwargs)
     with pytest.raises(ValueError) as ours:
@@ -86,7 +98,7 @@ GOOD_CONFIGS = [
 
 
 @pytest.mark.parametrize("kwargs", GOOD_CONFIGS, ids=str)
-def test_config_values_and_warnings_match(kwargs):
+def test_config_values_and_warnings_match(kwargs, areal_args):
     with warnings.catch_warnings(record=True) as theirs_w:
         warnings.simplefilter("always")
         theirs = areal_args.RejectionSamplingConfig(**kwargs)
@@ -153,7 +165,7 @@ def _assert_same_result(ours, theirs):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("i", range(1, len(RS_IDS)), ids=RS_IDS[1:])
-def test_rejection_sampling_matches(i, packed):
+def test_rejection_sampling_matches(i, packed, areal, areal_args):
     ours_cfg, theirs_cfg = _configs(kit_args)[i], _configs(areal_args)[i]
     for seed in range(3):
         _, prox, behav, _, mask, cu = _batch(seed, packed)
@@ -163,7 +175,7 @@ def test_rejection_sampling_matches(i, packed):
             _assert_same_result(ours, theirs)
 
 
-def test_rejection_sampling_errors_match():
+def test_rejection_sampling_errors_match(areal, areal_args):
     cfg_k, cfg_a = kit_args.RejectionSamplingConfig(), areal_args.RejectionSamplingConfig()
     seq_k, seq_a = (m.RejectionSamplingConfig(level="sequence") for m in (kit_args, areal_args))
     x = torch.zeros(2, 3)
@@ -181,7 +193,7 @@ def test_rejection_sampling_errors_match():
         assert str(ours.value) == str(theirs.value)
 
 
-def test_non_finite_logprobs_match():
+def test_non_finite_logprobs_match(areal, areal_args):
     prox = torch.tensor([[0.0, float("-inf"), -1.0, float("-inf")]])
     behav = torch.tensor([[0.0, float("-inf"), float("-inf"), -2.0]])
     for metric, upper in (("ratio", 3.0), ("kl_k2", 0.5)):
@@ -233,7 +245,7 @@ CLIPS = [
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("clip", CLIPS, ids=str)
-def test_ppo_actor_loss_matches(clip, level, packed):
+def test_ppo_actor_loss_matches(clip, level, packed, areal, areal_args):
     for seed in range(2):
         logp, prox, behav, adv, mask, cu = _batch(seed, packed)
         for rs_k, rs_a in zip(_configs(kit_args), _configs(areal_args)):
@@ -243,7 +255,7 @@ def test_ppo_actor_loss_matches(clip, level, packed):
             _assert_same_loss(ours, theirs)
 
 
-def test_ppo_actor_loss_in_bfloat16_matches():
+def test_ppo_actor_loss_in_bfloat16_matches(areal, areal_args):
     logp, prox, behav, adv, mask, _ = _batch(4, False, torch.bfloat16)
     for rs_k, rs_a in zip(_configs(kit_args)[:4], _configs(areal_args)[:4]):
         ours = _run(
@@ -258,7 +270,7 @@ def test_ppo_actor_loss_in_bfloat16_matches():
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("taus", [(1.0, 1.05), (0.5, 2.0), (4.0, 4.0)], ids=str)
-def test_sapo_loss_matches(taus, level, packed):
+def test_sapo_loss_matches(taus, level, packed, areal):
     for seed in range(2):
         logp, _, behav, adv, mask, cu = _batch(seed, packed)
         kw = dict(tau_pos=taus[0], tau_neg=taus[1], loss_mask=mask, importance_sampling_level=level, cu_seqlens=cu)
@@ -278,7 +290,7 @@ LOSS_ERRORS = [
 
 
 @pytest.mark.parametrize("name,kw,packed", LOSS_ERRORS, ids=[f"{n}-{k}" for n, k, _ in LOSS_ERRORS])
-def test_loss_errors_match(name, kw, packed):
+def test_loss_errors_match(name, kw, packed, areal):
     logp, prox, behav, adv, mask, _ = _batch(0, packed)
     args = (logp, prox, behav, adv) if name == "ppo_actor_loss_fn" else (logp, behav, adv)
     with pytest.raises(ValueError) as theirs:
@@ -289,7 +301,7 @@ def test_loss_errors_match(name, kw, packed):
     assert str(ours.value).startswith(first_sentence)
 
 
-def test_dual_clip_at_most_one_is_refused_on_both_sides():
+def test_dual_clip_at_most_one_is_refused_on_both_sides(areal):
     """Kept on purpose: AReaL's check is an `assert` (stripped under python -O), the kit's a ValueError."""
     logp, prox, behav, adv, mask, _ = _batch(0, False)
     with pytest.raises(AssertionError):
@@ -299,7 +311,7 @@ def test_dual_clip_at_most_one_is_refused_on_both_sides():
 
 
 @pytest.mark.parametrize("cap", [None, 1.3])
-def test_the_kits_token_loss_is_ppo_actor_loss_fn_per_token(cap):
+def test_the_kits_token_loss_is_ppo_actor_loss_fn_per_token(cap, areal, areal_args):
     """`ppo_token_loss` summed over the tokens is `ppo_actor_loss_fn` with the cap as rejection sampling (no cap:
     an infinite one, so every token keeps its behaviour weight), value and gradient."""
     logp, prox, behav, adv, mask, _ = _batch(7, False)

@@ -12,11 +12,17 @@ import pytest
 
 from areal_lite.infra.staleness_manager import RolloutStat, StalenessManager, VersionCounter
 
-areal_sm = pytest.importorskip("areal.infra.staleness_manager")
+
+@pytest.fixture
+def areal_sm(import_areal):
+    """AReaL 1.0.4's `areal.infra.staleness_manager`. A fixture, not `pytest.importorskip`: AReaL is installed
+    --no-deps, and a dependency it lacks must fail this conformance test (with the import error), not skip it;
+    `import_areal` (conftest) also undoes the OPENAI_* variables AReaL sets at import."""
+    return import_areal("areal.infra.staleness_manager")
 
 
-def _pair(mc, B, eta, version=0):
-    """(AReaL's manager, the kit's) on one version provider."""
+def _pair(areal_sm, mc, B, eta, version=0):
+    """(AReaL's manager, the kit's) on one version provider; `areal_sm` is the fixture's module."""
     provider = VersionCounter(version)
     return [cls(provider, mc, B, eta) for cls in (areal_sm.StalenessManager, StalenessManager)]
 
@@ -33,16 +39,16 @@ def _drive(manager, accepted, running, rejected, enqueued):
         manager.on_rollout_rejected()
 
 
-def test_constructor_is_areals():
+def test_constructor_is_areals(areal_sm, import_areal):
     theirs = list(inspect.signature(areal_sm.StalenessManager.__init__).parameters.values())
     ours = list(inspect.signature(StalenessManager.__init__).parameters.values())
     assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
     assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in ours[len(theirs) :])  # kit extras
-    from areal.api.io_struct import RolloutStat as AReaLRolloutStat
+    AReaLRolloutStat = import_areal("areal.api.io_struct").RolloutStat
 
     fields = lambda cls: [(f.name, f.default) for f in dataclasses.fields(cls)]  # noqa: E731
     assert fields(RolloutStat) == fields(AReaLRolloutStat)
-    theirs_sm, ours_sm = _pair(10, 4, 2)
+    theirs_sm, ours_sm = _pair(areal_sm, 10, 4, 2)
     for name in ("version_provider", "max_concurrent_rollouts", "consumer_batch_size", "max_staleness"):
         assert getattr(ours_sm, name) == getattr(theirs_sm, name), name
 
@@ -58,9 +64,9 @@ GRID = list(
 
 
 @pytest.mark.parametrize("mc,B,eta,version", GRID)
-def test_capacity_and_stats_equal_areals(mc, B, eta, version):
+def test_capacity_and_stats_equal_areals(mc, B, eta, version, areal_sm):
     for accepted, running, rejected, enqueued in itertools.product((0, 4), (0, 3), (0, 2), (0, 1)):
-        theirs, ours = _pair(mc, B, eta, version)
+        theirs, ours = _pair(areal_sm, mc, B, eta, version)
         for m in (theirs, ours):
             _drive(m, accepted, running, rejected, enqueued)
         case = (mc, B, eta, version, accepted, running, rejected, enqueued)
@@ -73,8 +79,8 @@ def test_capacity_and_stats_equal_areals(mc, B, eta, version):
 
 
 @pytest.mark.parametrize("recovered", [0, 3, 10])
-def test_a_recovered_run_equals_areals(recovered):
-    theirs, ours = _pair(64, 4, 1, version=recovered)
+def test_a_recovered_run_equals_areals(recovered, areal_sm):
+    theirs, ours = _pair(areal_sm, 64, 4, 1, version=recovered)
     for m in (theirs, ours):
         m.on_version_recovered(recovered)
     assert ours.get_capacity() == theirs.get_capacity() == (1 + 1) * 4  # not (1 + recovered + 1) * 4
@@ -86,7 +92,7 @@ def test_a_recovered_run_equals_areals(recovered):
         assert dataclasses.asdict(ours.get_stats()) == dataclasses.asdict(theirs.get_stats())
 
 
-def test_the_kit_extras_change_nothing_when_unused():
+def test_the_kit_extras_change_nothing_when_unused(areal_sm):
     """`rollout_batch` episodes (outside the bound) and `queue_size` are the kit's; without them, AReaL's number."""
     provider = VersionCounter(2)
     theirs = areal_sm.StalenessManager(provider, 8, 2, 1)

@@ -126,8 +126,8 @@ class OneTurn:
 
     async def arun_episode(self, engine, data):
         gate = data.get("gate")
-        while gate is not None and not gate.is_set():
-            await asyncio.sleep(0.01)
+        if gate is not None:  # waited on where it is set, not polled; 60 s: a test that never opens it fails the row
+            assert await asyncio.to_thread(gate.wait, 60), f"row {data['i']}: the gate was never opened"
         prompt = PROMPT[:3] + [100 + data["i"]]
         resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=self.gconfig))
         if data.get("fail"):
@@ -423,28 +423,31 @@ def test_initialize_errors(monkeypatch):
 def test_address_from_environment_and_destroy_is_idempotent(monkeypatch, embedded_server):
     before = set(threading.enumerate())
     monkeypatch.setenv(ADDRS_ENV, embedded_server.address)
-    eng = RemoteSGLangEngine(_config())
-    eng.initialize()
-    assert eng.addresses == [embedded_server.address]
-    assert _gen(eng, gconfig=_greedy(2)).output_len == 2
-    _until_running(embedded_server.address, 0)
-    eng.submit({"i": 0}, OneTurn(max_new_tokens=2000))  # still running when destroyed: it gets cancelled
-    pending = {}
-    caller = threading.Thread(target=lambda: pending.setdefault("resp", _gen(eng, gconfig=_greedy(2000))))
-    caller.start()  # a request from another thread's loop, in flight during destroy()
-    # Both requests on the server before counting tokens: 100 tokens could otherwise all be the episode's, with the
-    # caller's request not yet sent (then it has no output, or is refused as destroyed).
-    _until_running(embedded_server.address, 2)
-    asyncio.run(_until_generated(embedded_server.address, 100))
-    eng.destroy()
-    eng.destroy()
-    caller.join(timeout=60)
-    assert not caller.is_alive()
-    assert pending["resp"].stop_reason == "abort"  # handed back, not hung or raised
-    assert 0 < pending["resp"].output_len < 2000
-    assert set(threading.enumerate()) <= before
-    with pytest.raises(RuntimeError, match="destroyed"):
-        _gen(eng)
+    eng = RemoteSGLangEngine(_config())  # by hand, not make_engine: initialize() reads the address from the env
+    try:
+        eng.initialize()
+        assert eng.addresses == [embedded_server.address]
+        assert _gen(eng, gconfig=_greedy(2)).output_len == 2
+        _until_running(embedded_server.address, 0)
+        eng.submit({"i": 0}, OneTurn(max_new_tokens=2000))  # still running when destroyed: it gets cancelled
+        pending = {}
+        caller = threading.Thread(target=lambda: pending.setdefault("resp", _gen(eng, gconfig=_greedy(2000))))
+        caller.start()  # a request from another thread's loop, in flight during destroy()
+        # Both requests on the server before counting tokens: 100 tokens could otherwise all be the episode's, with
+        # the caller's request not yet sent (then it has no output, or is refused as destroyed).
+        _until_running(embedded_server.address, 2)
+        asyncio.run(_until_generated(embedded_server.address, 100))
+        eng.destroy()
+        eng.destroy()
+        caller.join(timeout=60)
+        assert not caller.is_alive()
+        assert pending["resp"].stop_reason == "abort"  # handed back, not hung or raised
+        assert 0 < pending["resp"].output_len < 2000
+        assert set(threading.enumerate()) <= before
+        with pytest.raises(RuntimeError, match="destroyed"):
+            _gen(eng)
+    finally:  # idempotent: a failed check must not leave the engine, or its 2000-token requests, on the shared server
+        eng.destroy()
 
 
 # ------------------------------------------------------------------------------------------------ executor

@@ -144,8 +144,8 @@ class Echo:
     async def arun_episode(self, engine, data):
         self.engines.add(id(engine))
         gate = data.get("gate")
-        while gate is not None and not gate.is_set():
-            await asyncio.sleep(0.005)
+        if gate is not None:  # waited on where it is set, not polled; 60 s: a test that never opens it fails the row
+            assert await asyncio.to_thread(gate.wait, 60), f"row {data['i']}: the gate was never opened"
         await asyncio.sleep(data.get("sleep", 0.0))
         if data.get("fail") == "exit":
             sys.exit(3)
@@ -203,14 +203,16 @@ def test_workflows_get_the_engine_and_results_come_in_submission_order(make_exec
     ex = make_executor(consumer_batch_size=3, max_head_offpolicyness=0, max_concurrent_rollouts=3)
     wf = Echo()
     gate = threading.Event()  # row 0 finishes last for certain: it is released once rows 1 and 2 are ready
-    for row in ({"i": 0, "gate": gate}, {"i": 1}, {"i": 2}):
-        ex.submit(row, wf)
-    deadline = time.monotonic() + 10
-    while ex.stats()["ready"] < 2:
-        assert time.monotonic() < deadline, ex.explain()
-        time.sleep(0.005)
-    assert ex.stats()["running"] == 1
-    gate.set()
+    try:
+        for row in ({"i": 0, "gate": gate}, {"i": 1}, {"i": 2}):
+            ex.submit(row, wf)
+        deadline = time.monotonic() + 10
+        while ex.stats()["ready"] < 2:
+            assert time.monotonic() < deadline, ex.explain()
+            time.sleep(0.005)
+        assert ex.stats()["running"] == 1
+    finally:  # a failed check must not leave row 0's thread waiting on the gate
+        gate.set()
     assert _rewards(ex.wait(2, timeout=10)) == [0.0, 1.0]  # row 0 finished last but goes first
     assert _rewards(ex.wait(1, timeout=10)) == [2.0]
     assert wf.engines == {id(make_executor.engine)}

@@ -36,6 +36,19 @@ def wait_dead(pid: int, timeout: float = 60.0) -> bool:
     return False
 
 
+def kill_server(pid: int) -> None:
+    """A test's last-resort cleanup of a server it could not stop through a handle (one outliving its parent): kill
+    it and its children, if `pid` is still a kit server (never a process that took over a recycled pid)."""
+    try:
+        server = psutil.Process(pid)
+        if "areal_lite.kit.server" not in " ".join(server.cmdline()):
+            return
+        for p in [*server.children(recursive=True), server]:
+            p.kill()
+    except psutil.Error:  # gone already
+        pass
+
+
 def cfg(path: str, **kw) -> EmbeddedServerConfig:
     return EmbeddedServerConfig(model_path=path, threads=1, **kw)
 
@@ -193,6 +206,7 @@ time.sleep(600)
 
 def test_killing_the_parent_leaves_no_server(tiny_model_path):
     parent = subprocess.Popen([sys.executable, "-c", CHILD, tiny_model_path], stdout=subprocess.PIPE, text=True)
+    pid = None
     try:
         lines = []
         for line in parent.stdout:
@@ -208,6 +222,10 @@ def test_killing_the_parent_leaves_no_server(tiny_model_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+        parent.wait(timeout=10)
+        parent.stdout.close()
+        if pid is not None:  # a server that outlived its parent (the failure checked above) is not left running
+            kill_server(pid)
 
 
 def test_launch_from_a_short_lived_thread_survives_the_thread(tiny_model_path):
@@ -228,20 +246,25 @@ def test_launch_from_a_short_lived_thread_survives_the_thread(tiny_model_path):
 
 def test_dead_server_raises_with_log_tail(tmp_path):
     handle = launch_server(cfg(str(tmp_path / "no-such-model")), backend="embedded")
-    with pytest.raises(ServerLaunchError) as err:
-        handle.wait_ready(timeout=120)
-    msg = str(err.value)
-    assert "exited with code" in msg and "last log lines" in msg and "no-such-model" in msg
-    assert "no such folder" in msg and "Traceback" not in msg  # the user's mistake: its message, not a trace
-    assert not handle.is_alive()
-    handle.stop()
+    try:
+        with pytest.raises(ServerLaunchError) as err:
+            handle.wait_ready(timeout=120)
+        msg = str(err.value)
+        assert "exited with code" in msg and "last log lines" in msg and "no-such-model" in msg
+        assert "no such folder" in msg and "Traceback" not in msg  # the user's mistake: its message, not a trace
+        assert not handle.is_alive()
+    finally:  # a server that did start (the failure checked above) is not left running
+        handle.stop()
 
 
 def test_timeout_raises_and_stops(tiny_model_path):
     handle = launch_server(cfg(tiny_model_path), backend="embedded")
-    with pytest.raises(ServerLaunchError, match="did not become ready within"):
-        handle.wait_ready(timeout=0.01)
-    assert not handle.is_alive()
+    try:
+        with pytest.raises(ServerLaunchError, match="did not become ready within"):
+            handle.wait_ready(timeout=0.01)
+        assert not handle.is_alive()  # stopped by wait_ready itself
+    finally:  # idempotent, so a no-op when the checks pass; a failed one must not leave the server running
+        handle.stop()
 
 
 def test_backend_choice_and_config_kinds(tiny_model_path):

@@ -302,9 +302,18 @@ def test_resolve_model_path_passthrough(tmp_path):
         resolve_model_path("smollm2-135m-instruc")
 
 
-def test_load_tokenizer_sets_pad(tiny_model_path):
-    tok = load_tokenizer(tiny_model_path)
-    assert tok.pad_token_id is not None
+def test_load_tokenizer_sets_pad(tiny_model_path, tmp_path):
+    """A tokenizer without a pad token gets EOS as its pad; one with its own pad keeps it."""
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert own.pad_token_id is not None and own.pad_token_id != own.eos_token_id  # so the two cases differ
+    assert load_tokenizer(tiny_model_path).pad_token_id == own.pad_token_id
+    own.pad_token = None  # a copy saved without a pad token: the case load_tokenizer exists for
+    own.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).pad_token_id is None
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.eos_token_id is not None and tok.pad_token_id == tok.eos_token_id
 
 
 def test_pick_device():

@@ -290,6 +290,13 @@ def slow_reward(x, delay=0.0):
     return float(x)
 
 
+def marked_slow_reward(mark: str, delay: float) -> float:
+    """`slow_reward` that first creates the file `mark`: a test waits for the file to know a worker took the call."""
+    open(mark, "w").close()
+    time.sleep(delay)
+    return 1.0
+
+
 def crashing_reward(x):
     raise RuntimeError("boom")
 
@@ -523,15 +530,21 @@ def _is_mp_helper(pid) -> bool:
 
 
 HUNG_AT_EXIT = """
-import asyncio, os, sys
+import asyncio, os, sys, time
 from areal_lite.api.reward_api import AsyncRewardWrapper
 sys.path.insert(0, {tests!r})
-from test_reward import slow_reward
+from test_reward import marked_slow_reward
 
 async def main():
-    w = AsyncRewardWrapper(slow_reward, timeout_seconds=600)
-    asyncio.ensure_future(w(1, delay=600))  # still running when the interpreter exits
-    await asyncio.sleep(1.5)  # lets a worker take the call; the pool itself is started by then in any case
+    w = AsyncRewardWrapper(marked_slow_reward, timeout_seconds=600, max_workers=2)
+    await w.warmup()  # returns once every worker exists, however slowly the pool starts
+    workers = sorted(w._pool._processes)
+    asyncio.ensure_future(w({mark!r}, delay=600))  # still running when the interpreter exits
+    deadline = time.monotonic() + 60
+    while not os.path.exists({mark!r}):  # the reward creates it first: a worker has taken the call
+        assert time.monotonic() < deadline, "no worker took the call within 60 s"
+        await asyncio.sleep(0.01)
+    print(" ".join(map(str, workers)), flush=True)
     print(" ".join(str(p.pid) for p in __import__("psutil").Process().children(recursive=True)), flush=True)
 
 asyncio.run(main())
@@ -605,28 +618,24 @@ def test_a_killed_process_group_leaves_no_semaphore_names_behind():
     assert shm(out.stdout.split()[:5]) == []
 
 
-def test_exit_with_a_hung_reward_is_quick_and_kills_workers():
+def test_exit_with_a_hung_reward_is_quick_and_kills_workers(tmp_path):
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
+    script = HUNG_AT_EXIT.format(tests=os.path.join(root, "tests"), mark=str(tmp_path / "taken"))
     t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-c", HUNG_AT_EXIT.format(tests=os.path.join(root, "tests"))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - t0 < 120  # not blocked by the 600 s reward (room for slow imports on a loaded machine)
-    pids = [int(p) for p in out.stdout.split()]
-    assert pids
+    workers, children = ([int(p) for p in line.split()] for line in out.stdout.splitlines())
+    # Both workers existed (one of them in the hung call) and were the child's processes when it exited.
+    assert len(workers) == 2 and set(workers) <= set(children), out.stdout
 
     def alive():
         left = []
-        for p in pids:
+        for p in children:
             try:
                 if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
                     left.append(p)
@@ -635,11 +644,8 @@ def test_exit_with_a_hung_reward_is_quick_and_kills_workers():
         return left
 
     # The workers are killed at exit; the forkserver and resource tracker leave when they see their parent gone, a
-    # moment later. Poll for that instead of asserting after a fixed 0.5 s.
-    deadline = time.monotonic() + 30
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert alive() == []
+    # moment later: awaited, not asserted after a fixed wait.
+    assert wait_until(lambda: not alive(), timeout=30), alive()
 
 
 @pytest.mark.parametrize(
@@ -710,11 +716,21 @@ def test_a_script_without_main_guard_runs_its_setup_once(tmp_path):
 
 
 def test_a_huge_exponent_is_no_number():
-    """A number like 1e3000000 is no answer, and reading it exactly (Fraction) took seconds, growing with the exponent (minutes
-    for 1e99999999) in a reward called directly, outside the worker pool's timeout: it is not read as a number."""
+    """A number like 1e3000000 is no answer, and reading it exactly (Fraction) took seconds, growing with the
+    exponent (minutes for 1e99999999) in a reward called directly, outside the worker pool's timeout: it is not read
+    as a number."""
     from areal_lite.reward.math_answer import _parse_number
 
     assert _parse_number("1e3000000") is None and _parse_number("-2.5E+99999999") is None
     assert _parse_number("2.5e3") == 2500 and _parse_number("1e-5") * 100000 == 1  # ordinary exponents still are
     assert answer_reward("The answer is 1e99999999.", "#### 5") == 0.0
     assert math_equal("1e99999999", "1e99999999")  # the same text is still the same answer
+
+
+def test_a_symbolic_comparison_that_times_out_is_logged(caplog):
+    """Scored unequal when it runs out of time (perhaps wrongly): a warning says so, as MathVerifyWorker's does;
+    it was a debug line no one sees."""
+    with caplog.at_level("WARNING", logger="areal_lite.reward.math_answer"):
+        assert not math_equal("\\sin(y)^2+\\cos(y)^2", "1", timeout=0.001)
+    assert "math_equal took over 0.001s" in caplog.text and "scored unequal" in caplog.text
+    assert math_equal("\\sin(y)^2+\\cos(y)^2", "1", timeout=30)  # the same pair, given the time: equal

@@ -423,11 +423,6 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
     assert call(server, "/server_info")[1]["paused"] is False
 
 
-def test_flush_cache(server):
-    status, text = call(server, "/flush_cache", {})
-    assert status == 200 and isinstance(text, str)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # pause / abort / weight updates (private server)
 
@@ -534,6 +529,24 @@ def test_abort_request_by_rid_and_all(private_server):
         assert [r["meta_info"]["finish_reason"]["type"] for r in rc] == ["abort", "abort"]
         assert all(0 < r["meta_info"]["completion_tokens"] < 3000 for r in rc)
     _counters_add_up(addr, before, [ra, rb, *rc])
+
+
+def test_flush_cache_only_when_nothing_is_in_flight(private_server):
+    """SGLang's /flush_cache: flushed when idle, refused (400) while a request runs, flushed again once it ended.
+    Both branches, with their bodies; the request is awaited running on the server's own state, not a sleep."""
+    addr = private_server.address
+    assert call(addr, "/flush_cache", {}) == (200, "Cache flushed.\n")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(generate, addr, _long(PROMPTS[0], rid="busy"))
+        try:
+            _wait_running(addr)
+            status, text = call(addr, "/flush_cache", {})
+        finally:  # never leave a 3000-token request running on the module's server
+            call(addr, "/abort_request", {"rid": "busy"})
+        assert busy.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert status == 400 and "running or waiting requests" in text, (status, text)
+    _wait_info(addr, lambda i: i["num_running"] == i["num_waiting"] == 0, "idle")
+    assert call(addr, "/flush_cache", {}) == (200, "Cache flushed.\n")
 
 
 def test_client_disconnect_aborts_its_request(private_server):

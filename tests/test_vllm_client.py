@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import socket
 import threading
-import time
 
 import pytest
 from aiohttp import web
@@ -27,7 +27,7 @@ from areal_lite.engine.vllm_client import RELOAD_METHOD, VLLMClient, completion_
 from areal_lite.engine.vllm_remote import RemotevLLMEngine
 from areal_lite.infra.remote_inf_engine import EngineError
 from areal_lite.kit.server import launch
-from areal_lite.kit.server.procs import ServerLaunchError, find_free_port
+from areal_lite.kit.server.procs import ServerLaunchError
 
 PROMPT = [5, 6, 7]
 HELD = 3  # tokens a "hold-*" request generates before it waits to be aborted
@@ -35,15 +35,21 @@ HELD = 3  # tokens a "hold-*" request generates before it waits to be aborted
 
 class FakeVLLM:
     """A stand-in for vLLM's server on a free port, in its own thread. Token i of a sequence is `len(prompt) + i`
-    at logprob -0.5, so a request resumed from its partial output continues the same sequence."""
+    at logprob -0.5, so a request resumed from its partial output continues the same sequence. `held` is set once
+    a "hold-*" request waits to be aborted: tests wait on it (with a timeout), not on a polling loop."""
 
     def __init__(self):
         self.calls: list = []  # (path with query, body)
         self.waiting: dict = {}  # internal id -> event set by an abort
+        self.held = threading.Event()  # set when a request is in `waiting` (tests hold one at a time)
         self.sent = collections.Counter()  # internal id -> completions calls
         self.reset_refusals = 1
         self.loop = asyncio.new_event_loop()
-        self.port = find_free_port()
+        # The socket is bound here, on a port the OS picks, and served as is: no window between picking a free port
+        # and binding it in which another process could take it.
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
         app = web.Application()
         app.router.add_get("/health", lambda r: web.Response())
@@ -60,7 +66,7 @@ class FakeVLLM:
     def _serve(self, ready):
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.loop.run_until_complete(web.SockSite(self.runner, self.sock).start())
         ready.set()
         self.loop.run_forever()
 
@@ -68,6 +74,7 @@ class FakeVLLM:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.sock.close()
 
     def paths(self):
         return [p for p, _ in self.calls]
@@ -80,6 +87,7 @@ class FakeVLLM:
         start, n = len(body["prompt"]), body["max_tokens"]
         if body["request_id"].startswith("hold") and self.sent[internal] == 1:
             self.waiting[internal] = event = asyncio.Event()
+            self.held.set()
             await event.wait()
             n, finish = HELD, "abort"
         else:
@@ -247,8 +255,9 @@ def test_pause_aborts_and_resume_continues_with_the_new_version(fake, engine):
     async def scenario():
         req = ModelRequest(rid="hold-1", input_ids=PROMPT, gconfig=_gconfig(n))
         task = asyncio.ensure_future(engine.agenerate(req))
-        while "cmpl-hold-1-0" not in fake.waiting:  # the stand-in holds it after 3 tokens
-            await asyncio.sleep(0.01)
+        # The stand-in holds it after 3 tokens.
+        assert await asyncio.to_thread(fake.held.wait, 60), "the stand-in never held the request"
+        assert list(fake.waiting) == ["cmpl-hold-1-0"]
         await asyncio.to_thread(engine.pause)
         engine.set_version(1)
         # Kept: a correct client cannot finish while paused, however slow the machine; the 0.2 s gives a client
@@ -297,11 +306,11 @@ def test_destroy_aborts_by_vllms_internal_id(fake):
 
     worker = threading.Thread(target=run)
     worker.start()
-    deadline = time.monotonic() + 60
-    while "cmpl-hold-2-0" not in fake.waiting:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    eng.destroy()
+    try:
+        assert fake.held.wait(60), "the stand-in never held the request"
+        assert list(fake.waiting) == ["cmpl-hold-2-0"]
+    finally:  # what the test checks, and also what ends the worker if the request was never held
+        eng.destroy()
     worker.join(60)
     assert not worker.is_alive()
     assert dict(fake.calls)["/abort_requests"] == {"request_ids": ["cmpl-hold-2-0"]}
