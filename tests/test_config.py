@@ -260,7 +260,7 @@ def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
         ("actor.ppo_n_minibatches=0", "actor.ppo_n_minibatches"),
         ("actor.eps_clip=-1", "actor.eps_clip"),
         ("total_train_epochs=0", "total_train_epochs"),
-        ("total_train_steps=0", "total_train_steps"),
+        ("total_train_steps=-1", "total_train_steps"),
     ],
 )
 def test_values_no_run_can_use_are_refused_at_load(override, key):

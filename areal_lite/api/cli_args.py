@@ -1142,7 +1142,8 @@ def _check_values(loaded: Any) -> None:
         ("actor.ppo_n_minibatches", "an integer >= 1", lambda v: v >= 1),
         ("actor.eps_clip", "a finite number > 0", lambda v: math.isfinite(v) and v > 0),
         ("total_train_epochs", "an integer >= 1", lambda v: v >= 1),
-        ("total_train_steps", "an integer >= 1, or null (the epochs decide)", lambda v: v is None or v >= 1),
+        # 0 is a run of the starting evaluation alone
+        ("total_train_steps", "an integer >= 0, or null (the epochs decide)", lambda v: v is None or v >= 0),
     )
     for dotted, expected, ok in rules:
         if not loaded.sets(dotted):
