@@ -11,8 +11,8 @@ Design decisions
 - Tool calls are parsed and results fed back through `ChatTemplate` in the syntax of notebook 09's endpoint
   (`tool_syntax="compact"` for a template without tools), appended as tokens, never re-tokenized with the output.
 - A tool that raises answers `error: <Type>: <message>` and the episode goes on, so the model can learn from it;
-  so does one past `tool_timeout` (a timeout error). A sync tool runs in a worker thread, so it stalls no other
-  episode; no timeout stops a thread, so a sync timeout ends its episode. A result JSON cannot hold is sent as `str()`.
+  so does an async one past `tool_timeout`. Sync tools run inline, on the event loop: threads would finish in an
+  order of their own and break same-seed-same-rewards (`call_tool`). A result JSON cannot hold is sent as `str()`.
   A reward that raises or is not finite scores 0.0, a `done` that raises ends the episode, a `reset` that raises
   rejects it (None); each, and a timeout, is logged as a warning. A class that is no environment is a `TypeError`.
 - The episode ends at an answer without a tool call, when the environment sets `done = True` (OpenEnv's flag; TRL
@@ -137,35 +137,26 @@ def _as_text(result: Any) -> str:
 async def call_tool(
     env: Any, spec: EnvironmentSpec, name: str, arguments: Mapping[str, Any], timeout: Optional[float] = None
 ) -> tuple[str, bool]:
-    """Run one tool call on `env` within `timeout` seconds; (its result as text, whether it failed). Never raises
-    on a bad call."""
-    text, failed, _ = await _run_tool(env, spec, name, arguments, timeout)
-    return text, failed
+    """Run one tool call on `env`; (its result as text, whether it failed). Never raises on a bad call.
 
-
-async def _run_tool(
-    env: Any, spec: EnvironmentSpec, name: str, arguments: Mapping[str, Any], timeout: Optional[float]
-) -> tuple[str, bool, bool]:
-    """`call_tool`, plus whether the call still runs: a sync tool runs in a worker thread (so it cannot stall the
-    event loop), and a timeout cannot stop a thread."""
+    An async tool gets `timeout` seconds (None: no limit). A sync tool runs inline, on the event loop: a thread
+    would finish at a time of its own, and the order in which a group's episodes then ask the server again decides
+    which sampling stream each gets, so the same seed would no longer give the same rewards. Slow tools (I/O, a
+    subprocess) should be `async`."""
     if name not in spec.parameter_types:
-        return f"error: there is no tool {name!r}", True, False
-    types, threaded = spec.parameter_types[name], False
+        return f"error: there is no tool {name!r}", True
+    types = spec.parameter_types[name]
     try:
         args = {k: _coerce(v, types.get(k, "string")) for k, v in arguments.items()}
-        fn = getattr(env, name)
-        threaded = not inspect.iscoroutinefunction(fn)
-        result = await _bounded(asyncio.to_thread(fn, **args) if threaded else fn(**args), timeout)
-        threaded = False  # the thread has returned
+        result = getattr(env, name)(**args)
         if inspect.isawaitable(result):
             result = await _bounded(result, timeout)
-        return _as_text(result), False, False
+        return _as_text(result), False
     except _TimedOut:  # the environment's fault, not the model's: a warning, and the model reads it as an error
-        still = "; its thread still runs" if threaded else ""
-        logger.warning("%s.%s timed out after %g s%s", spec.name, name, timeout, still)
-        return f"error: tool {name} timed out after {timeout:g} s", True, threaded
+        logger.warning("%s.%s timed out after %g s", spec.name, name, timeout)
+        return f"error: tool {name} timed out after {timeout:g} s", True
     except Exception as e:  # the model's call went wrong: it reads why, and the episode goes on
-        return f"error: {type(e).__name__}: {e}", True, False
+        return f"error: {type(e).__name__}: {e}", True
 
 
 class EnvironmentWorkflow(RolloutWorkflow):
@@ -185,9 +176,9 @@ class EnvironmentWorkflow(RolloutWorkflow):
             returns credit the turn that earned it (with gamma = 1 they add up to the final reward).
         log: a list to which every episode appends a record (reward, turns, calls, texts) for plots and viewers;
             `reward_error` and `env_error` (a `done` that raised) say what failed, None when nothing did.
-        tool_timeout: seconds one tool call may take (None: no limit); a call past it answers
-            `error: tool <name> timed out after <N> s`, counted in `tool_errors`. A sync tool's thread cannot be
-            stopped, so after such a timeout its episode makes no further call and ends.
+        tool_timeout: seconds one call of an async tool may take (None: no limit); a call past it answers
+            `error: tool <name> timed out after <N> s`, counted in `tool_errors`. A sync tool runs inline and
+            cannot be timed out: write a slow one as `async def`.
         chat_template_kwargs: extra variables for the chat template (e.g. `enable_thinking`).
 
     Data rows: `prompt` (chat messages, or a string) plus whatever `reset` takes; the row is passed whole.
@@ -293,14 +284,10 @@ class EnvironmentWorkflow(RolloutWorkflow):
             if self._done(env, record):
                 return results, True
             fn = call["function"]
-            result, failed, running = await _run_tool(
-                env, self.spec, fn["name"], json.loads(fn["arguments"]), self.tool_timeout
-            )
+            result, failed = await call_tool(env, self.spec, fn["name"], json.loads(fn["arguments"]), self.tool_timeout)
             record["calls"].append({"turn": turn, "name": fn["name"], "arguments": fn["arguments"],
                                     "result": result, "error": failed})  # fmt: skip
             results.append(result)
-            if running:  # a thread still in the environment: no other call may touch it
-                return results, True
         return results, not results or self._done(env, record)
 
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]):
