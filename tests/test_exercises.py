@@ -248,6 +248,19 @@ WRONG = {
             """,
             get_reward="return 1.0 if self.stock[self.asked] in type(self).answers else 0.0",
         ),
+        "pays only after counting the fruit asked about": warehouse(
+            count="""
+                if fruit not in self.stock:
+                    raise ValueError(f"no {fruit}; there are {', '.join(self.stock)}")
+                self.checked = getattr(self, "checked", set()) | {fruit}
+                return str(self.stock[fruit])
+            """,
+            get_reward="return 1.0 if self.asked in getattr(self, 'checked', set()) and "
+            "self.reported == self.stock[self.asked] else 0.0",
+        ),
+        "pays any number up to the amount": warehouse(
+            get_reward="return 1.0 if self.reported is not None and self.reported <= self.stock[self.asked] else 0.0"
+        ),
         "the answers in an attribute that reset does not clear": warehouse(
             report="""
                 self.answers = getattr(self, "answers", []) + [number]
@@ -327,6 +340,16 @@ RIGHT = {
         """,
     },
     "12_judge": {
+        "a Counter, without the counts that stay 0": """
+            from collections import Counter
+
+            counts = Counter()
+            for i in range(len(truth)):
+                for j in range(i + 1, len(truth)):
+                    if truth[i] != truth[j]:
+                        same = (judged[i] - judged[j]) * (truth[i] - truth[j])
+                        counts["agree" if same > 0 else "disagree" if same < 0 else "tie"] += 1
+        """,
         "itertools.combinations": """
             import itertools
 
@@ -462,6 +485,10 @@ WRONG_SEARCH_LOOP = {
     "exact match instead of F1": [('f1_score(answer, data["answer"], mode="set")', 'float(answer in data["answer"])')],
     "reward 1 for any answer": [('f1_score(answer, data["answer"], mode="set")', "1.0")],
     "scores the first gold answer only": [('data["answer"], mode="set")', 'data["answer"][0], mode="set")')],
+    "scores the last gold answer only": [('data["answer"], mode="set")', 'data["answer"][-1], mode="set")')],
+    "searches the question, not the model's query": [
+        ("call_search_tool([query]", 'call_search_tool([data["question"]]')
+    ],
 }
 RIGHT_SEARCH_LOOP = {
     "grows the lists with extend": [
@@ -587,6 +614,7 @@ SEARCH = "05_search_agent"
 CORPUS = [
     {"id": "0", "title": "France", "contents": "Paris is the capital of France."},
     {"id": "1", "title": "Peru", "contents": "Lima is the capital of Peru."},
+    {"id": "2", "title": "Kenya", "contents": "Nairobi is the capital of Kenya."},
 ]
 
 
@@ -685,6 +713,13 @@ WRONG_AGENT = {
                 "closing = self.end_of_turn",
             )
         ],
+        # the opposite: a cut-off answer (the check's scripted one, and the fixture's) is never closed
+        "never appends the first token of the end of turn": [
+            (
+                "closing = self.end_of_turn[1:] if out and out[-1] == self.end_of_turn[0] else self.end_of_turn",
+                "closing = self.end_of_turn[1:]",
+            )
+        ],
     },
     2: {  # MyGroupedWorkflow
         "runs the episodes one after another": [
@@ -695,6 +730,13 @@ WRONG_AGENT = {
         ],
         "keeps one episode": [("return concat_padded_tensors(list(episodes))", "return episodes[0]")],
         "hard-codes the group size": [("for _ in range(self.group_size)", "for _ in range(4)")],
+        # caught only by the check's scripted answers of two lengths: the fixture's replies are of one length
+        "stacks the rows without padding": [
+            (
+                "return concat_padded_tensors(list(episodes))",
+                "return {k: torch.cat([e[k] for e in episodes]) for k in episodes[0]}",
+            )
+        ],
     },
     3: {  # my_grpo_advantages and my_ppo_loss
         "the batch mean instead of the group's": [("(r - r.mean(1, keepdim=True))", "(r - r.mean())")],
