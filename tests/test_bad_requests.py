@@ -29,6 +29,7 @@ import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_procs import wait_until  # one copy of the polling helper
 
 from areal_lite import GenerationHyperparameters
 from areal_lite.experimental.openai.proxy.protocol import RESERVED_TEMPLATE_KWARGS
@@ -236,14 +237,6 @@ LONG_RID = "control-fields-long"
 LONG = {"input_ids": [5, 6, 7], "rid": LONG_RID, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
 
 
-def _wait_running(url: str, timeout: float = 30) -> None:
-    """Until the server runs a row: tests wait on its observable state, never on a sleep."""
-    deadline = time.time() + timeout
-    while send(url + "/server_info")[1]["num_running"] < 1:
-        assert time.time() < deadline, "the long request never started"
-        time.sleep(0.02)
-
-
 def _refused_naming(url: str, path: str, body: dict, field: str, nearest: str) -> None:
     status, answer, _ = send(url + path, dump(body))
     assert status == 400 and f"`{field}`" in answer["error"] and f"`{nearest}`" in answer["error"], answer
@@ -258,7 +251,8 @@ def _ends_by_abort_request(url: str, running: concurrent.futures.Future) -> None
 
 def _start_long(pool, url: str) -> concurrent.futures.Future:
     running = pool.submit(send, url + "/generate", dump(LONG))
-    _wait_running(url)
+    started = wait_until(lambda: send(url + "/server_info")[1]["num_running"] >= 1, timeout=30)  # observable state
+    assert started, "the long request never started"
     return running
 
 

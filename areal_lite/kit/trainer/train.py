@@ -684,12 +684,12 @@ class _Loop:
     data: _RunData
     workflow: RolloutWorkflow
     logger: StatsLogger
-    rewards: Optional[AsyncRewardWrapper] = None  # the run's reward pool: its failures are counted per step
+    rewards: AsyncRewardWrapper  # the run's reward pool: its failures are counted per step
 
     def _reward_failures(self, before: Dict[str, int]) -> Dict[str, float]:
         """Reward calls that timed out or raised since `before` (each scored 0.0): in stats.jsonl, not only a log."""
-        now = self.rewards.stats if self.rewards is not None else before
-        return {f"reward_fn_{k}": float(now[k] - before[k]) for k in ("timeouts", "errors") if k in before}
+        now = self.rewards.stats
+        return {f"reward_fn_{k}": float(now[k] - before[k]) for k in ("timeouts", "errors")}
 
     def save(self, step: int) -> None:
         ckpt_root = os.path.join(self.run.path, "checkpoints")
@@ -708,7 +708,7 @@ class _Loop:
         data_iter = cycle_dataloader(self.data.dataloader)
         bar = tqdm(range(start, total), initial=start, total=total, desc="grpo", disable=not progress)
         for step in bar:
-            failures_before = self.rewards.stats if self.rewards is not None else {}
+            failures_before = self.rewards.stats
             stats, t_step = grpo_step(
                 config, step, self.engine, self.actor, self.meta, self.data.dataloader, data_iter, self.workflow
             )
