@@ -1075,6 +1075,43 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, dtype,
             assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_past_128_tokens_do_not_depend_on_their_batch(threads, smollm_path):
+    """Contexts longer than 128 tokens keep their bits too. A row's attention sums its values over the batch's
+    width (the longest row's keys, padded), and MKL's matmul groups a sum over more than 192 columns otherwise than
+    a narrower one: a 150-token row beside a 230-token one, or a shared start of 175 tokens prefilled apart from its
+    214-token prompt, got other last bits (`fastpath.value_sum` sums 128 columns at a time)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.kit.server.fastpath import FastRunner, padded_sums_exact, shared_start
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).eval()
+        runner = FastRunner(model)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (214, 198, 150, 230, 100)]
+        prompts[1][:175] = prompts[0][:175]  # joined together: a shared start of 175 tokens, prefilled once
+        n_steps = 4
+        alone = {i: _logits_by_schedule(runner, prompts, [("join", [i]), ("step", n_steps)])[i] for i in range(5)}
+        together = _logits_by_schedule(runner, prompts, [("join", list(range(5))), ("step", n_steps)])
+        staggered = _logits_by_schedule(runner, prompts, [
+            ("join", [2, 4]), ("step", 1), ("join", [3]), ("step", 2), ("keep", [2, 4]), ("join", [0, 1]),
+            ("step", n_steps),
+        ])  # fmt: skip
+    finally:
+        torch.set_num_threads(saved)
+    assert padded_sums_exact(runner.head_dim, runner.heads // runner.kv_heads, threads) and runner.batch_invariant
+    assert shared_start(prompts[:2]) == 175
+    for got in (together, staggered):
+        for i in range(5):
+            n = min(len(got[i]), len(alone[i]))
+            assert n >= 3, (i, n)
+            unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
+            assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
+
+
 @pytest.mark.parametrize("model_name", ["tiny", "smollm2"])  # a Qwen2 and a Llama
 def test_lean_load_is_transformers_load_bit_for_bit(model_name, tiny_model_path, smollm_path):
     """The server's transformers-free load (`lean.load_lean`) gives the fast path what `from_pretrained` gives it:
@@ -1421,20 +1458,22 @@ def test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking(threads, pe
 
 def test_prefill_numbers_hold_under_mkls_avx2_kernels():
     """MKL's AVX2 kernels (what an Intel CPU without AVX-512 runs) may pick a batched matmul kernel by the row count;
-    a lone token's company and the probe's choice of attention keep a prompt's bits there: the test above, run by
-    pytest in a process where MKL is held to AVX2 (its own switch, as an AVX2-only CPU would have it)."""
+    a lone token's company and the probe's choice of attention keep a prompt's bits there: the test above and the
+    long-context one, run by pytest in a process where MKL is held to AVX2 (its own switch, as an AVX2-only CPU
+    would have it)."""
     import os
     import subprocess
     import sys
 
     if torch.backends.cpu.get_cpu_capability() == "AVX2":
         pytest.skip("an AVX2-only CPU: MKL runs its AVX2 kernels in this process, so the test above is this test")
-    test = f"{__file__}::test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking[1-None]"
+    tests = [f"{__file__}::test_prefill_numbers_do_not_depend_on_a_shared_start_or_chunking[1-None]",
+             f"{__file__}::test_rows_past_128_tokens_do_not_depend_on_their_batch[2]"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the outer run's report file is not ours
     env["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def test_the_attention_probe_is_measured_once_per_shape_and_thread_count():

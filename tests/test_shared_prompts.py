@@ -8,8 +8,11 @@ PPO step (weights, statistics, log-probs) with sharing on and off, for full fine
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from _bench import load_bench
 
 from areal_lite.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig
 from areal_lite.engine.fsdp_engine import FSDPPPOActor
@@ -217,3 +220,31 @@ def test_microbatches_keep_each_group_together_and_give_the_same_step(tiny_model
     assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6)
     for name in after_a:
         torch.testing.assert_close(after_a[name], after_b[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_shared_prompt_end_gets_the_same_gradient_on_two_threads(tiny_model_path, vocab):
+    """A group's prompt end predicts each sample's first token, so the positions whose logits a shared row keeps
+    repeat it. Picked by the model's own indexing, its gradients were summed with parallel atomic adds, in an order
+    that changed from run to run on two threads: the same batch gave other weights, and two same-seed runs parted
+    (notebook 11, after three updates). `shared_prefix_forward` picks each position once; 40 samples of 16 tokens
+    make indexing's backward large enough for two threads."""
+    batch = load_bench("update_speed").make_batch(1, 40, 38, 16, vocab, seed=0)
+    packed = packed_of(batch)
+    row = share_prompts(packed, packed["loss_mask"].bool())
+    keep = row.pred_of[torch.nonzero(packed["loss_mask"]).flatten()]
+    assert len(keep.unique()) == len(keep) - 39  # the prompt end, once per sample
+    # float32: a float64 index_put sums in order anyway
+    actor = FSDPPPOActor(dataclasses.replace(actor_cfg(tiny_model_path), dtype="float32")).initialize()
+    weights = torch.randn(len(keep), vocab, generator=torch.Generator().manual_seed(1))
+    grads, saved = [], torch.get_num_threads()
+    torch.set_num_threads(2)  # past CI's OMP_NUM_THREADS=1 cap: the race needs two threads
+    try:
+        for _ in range(8):
+            actor.model.zero_grad(set_to_none=True)
+            (shared_prefix_forward(actor.model, row, keep) * weights).sum().backward()
+            grads.append([p.grad.clone() for p in actor.model.parameters()])
+    finally:
+        torch.set_num_threads(saved)
+        actor.destroy()
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))

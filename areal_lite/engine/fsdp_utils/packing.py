@@ -381,14 +381,29 @@ def share_prompts(packed: Dict[str, torch.Tensor], policy: torch.Tensor) -> Opti
 
 
 def shared_prefix_forward(model: torch.nn.Module, row: SharedPrefixRow, keep: torch.Tensor) -> torch.Tensor:
-    """Logits [len(keep), V] at the positions `keep` of a `SharedPrefixRow` (the `packed_sdpa` attention only)."""
-    out = model(
-        **embedding_inputs(model, row.input_ids.unsqueeze(0)),
-        position_ids=row.position_ids.unsqueeze(0),
-        use_cache=False,
-        logits_to_keep=keep,
-        **{SHARED_PREFIX_KW: row},
-    )
+    """Logits [len(keep), V] at the positions `keep` of a `SharedPrefixRow` (the `packed_sdpa` attention only).
+
+    A shared position can predict several tokens (a group's prompt end predicts each sample's first token). The
+    model's own pick of positions (indexing) would sum a repeated position's gradients with parallel atomic adds,
+    in an order that changes from run to run on two threads. So the model picks each position once, and the LM
+    head's input repeats them by `index_select`, whose backward adds them one index at a time: the sums the
+    indexing makes when it happens to run in order."""
+    positions, repeat = torch.unique(keep, return_inverse=True)
+    handle = None
+    if len(positions) < len(keep):
+        head = model.get_output_embeddings()
+        handle = head.register_forward_pre_hook(lambda _, args: (args[0].index_select(1, repeat), *args[1:]))
+    try:
+        out = model(
+            **embedding_inputs(model, row.input_ids.unsqueeze(0)),
+            position_ids=row.position_ids.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=keep if handle is None else positions,
+            **{SHARED_PREFIX_KW: row},
+        )
+    finally:
+        if handle is not None:
+            handle.remove()
     return out.logits.squeeze(0)  # not [0]: see packed_forward
 
 

@@ -13,11 +13,11 @@ Design decisions
   samples the same tokens alone, beside others or joining a running batch (with `sampling.py`'s per-request
   streams). It takes weight matmuls that keep rows exact (oneDNN's; `weight_matmuls` checks at start-up),
   prefill attention over each prompt's keys padded to whole `KV_ALIGN` columns, prompts batched (one product per
-  token where this CPU's batched matmul changes with the row count, also measured at start-up), and decode over a
-  newest-first cache window. Tested by `tests/test_serve.py`; `HFRunner` and GPUs make no such promise.
+  token where this CPU's batched matmul changes with the row count, also measured at start-up), decode over a
+  newest-first cache window, and sums over values in fixed 128-column chunks (`value_sum`), for contexts of any
+  length. Tested by `tests/test_serve.py`; `HFRunner` and GPUs make no such promise.
 - Only what this forward reproduces takes this path (`supports`); any other model runs its own (`batch.HFRunner`).
-- Prefill packs the prompts and runs the start they all share once (`prefill`), exactly: a prompt's logits and keys
-  are bit for bit those it gets prefilled alone. bench/rollout_throughput.py measures the server.
+- Prefill runs the start all prompts share once (`prefill`), exactly. bench/rollout_throughput.py measures it.
 """
 
 from __future__ import annotations
@@ -77,6 +77,22 @@ class PrefillKV:
 
 
 KV_ALIGN = 32  # decode attends over a whole number of these columns (see StaticKV)
+VALUE_CHUNK = 128  # key columns per product of attention weights x values (`value_sum`)
+
+
+def value_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs [..., m, width] @ values [..., width, d], the key columns summed VALUE_CHUNK at a time, in order.
+
+    Why: a row's width is its batch's (the longest row's keys, padded), and MKL's batched matmul groups a sum over
+    more than 192 columns otherwise than a narrower one, so a 150-key row got other bits padded to 224 columns than
+    to 160. A chunk of at most VALUE_CHUNK columns is summed whole, where the zero columns past a row's keys add exact
+    zeros (`padded_sums_exact` checks that at start-up), and the chunks add in one order whatever the width. A width
+    of VALUE_CHUNK or less is the one plain product."""
+    product = torch.bmm if probs.dim() == 3 else torch.matmul  # bmm: an expanded (zero-stride) operand is not copied
+    out = product(probs[..., :VALUE_CHUNK], values[..., :VALUE_CHUNK, :])
+    for c in range(VALUE_CHUNK, probs.shape[-1], VALUE_CHUNK):
+        out.add_(product(probs[..., c : c + VALUE_CHUNK], values[..., c : c + VALUE_CHUNK, :]))
+    return out
 
 
 class StaticKV:
@@ -288,7 +304,7 @@ def _causal_attention(
         qs = chunk.reshape(mq, kv_heads, rep, d).permute(1, 2, 0, 3).reshape(kv_heads, rep * mq, d)
         scores = torch.bmm(qs, keys.transpose(1, 2)).view(kv_heads, rep, mq, width)
         probs = torch.softmax(scores.mul_(scaling).add_(bias), dim=-1)
-        o = torch.bmm(probs.view(kv_heads, rep * mq, width), values).view(kv_heads, rep, mq, d)
+        o = value_sum(probs.view(kv_heads, rep * mq, width), values).view(kv_heads, rep, mq, d)
         out[c : c + mc].view(mc, kv_heads, rep, d).copy_(o.permute(2, 0, 1, 3)[:mc])
 
 
@@ -303,7 +319,7 @@ def _attend_per_token(
     for h in range(kv_heads):
         scores = torch.bmm(qh[:, h], keys[h].t().expand(mc, d, width))  # [mc, rep, width]
         probs = torch.softmax(scores.mul_(scaling).add_(bias[:, None, :]), dim=-1)
-        oh[:, h].copy_(torch.bmm(probs, values[h].expand(mc, width, d)))  # [mc, rep, d]
+        oh[:, h].copy_(value_sum(probs, values[h].expand(mc, width, d)))  # [mc, rep, d]
 
 
 def _pad(t: torch.Tensor, slot: torch.Tensor, B: int, L: int) -> torch.Tensor:
@@ -392,7 +408,7 @@ class _PromptsAttention:
         bias = torch.zeros(m, width, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
         scores = torch.bmm(qs, kvs[0].transpose(1, 2)).view(P * kv_heads, rep, m, width)
         probs = torch.softmax(scores.mul_(scaling).add_(bias), dim=-1)
-        o = torch.bmm(probs.view(P * kv_heads, rep * m, width), kvs[1]).view(P, kv_heads, rep, m, d)
+        o = value_sum(probs.view(P * kv_heads, rep * m, width), kvs[1]).view(P, kv_heads, rep, m, d)
         out.index_copy_(0, q_rows, o.permute(0, 3, 1, 2, 4).reshape(P * m, heads * d).index_select(0, q_slot))
 
 
@@ -417,6 +433,27 @@ def rows_independent_bmm(head_dim: int, rep: int, threads: int, dtype: torch.dty
         for m in (2 * rep, 3 * rep, 8 * rep, 16 * rep, 32 * rep, 64 * rep, 256 * rep):
             for offset in (0, rep):
                 if not torch.equal(torch.bmm(a[:, offset : offset + m], b), whole[:, offset : offset + m]):
+                    return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def padded_sums_exact(head_dim: int, rows: int, threads: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this CPU's batched matmul gives a row of attention weights x values the same bits at every width of
+    whole KV_ALIGN columns up to VALUE_CHUNK, the weights past its keys zero (what `value_sum` relies on): measured
+    for rows of 5 to VALUE_CHUNK keys, `rows` query rows a product, the weights whole or a chunk of wider ones.
+    `threads`: a key of the cache only."""
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(3, rows, 2 * VALUE_CHUNK, generator=gen).to(dtype)
+    values = torch.randn(3, VALUE_CHUNK, head_dim, generator=gen).to(dtype)
+    for keys in (5, KV_ALIGN + 1, 2 * KV_ALIGN + 7, VALUE_CHUNK - 3, VALUE_CHUNK):
+        w = weights.clone()
+        w[..., keys:] = 0
+        first = -(-keys // KV_ALIGN) * KV_ALIGN
+        want = torch.bmm(w[..., :first].contiguous(), values[:, :first])
+        for width in range(first, VALUE_CHUNK + 1, KV_ALIGN):
+            for chunk in (w[..., :width].contiguous(), w[..., :width]):
+                if not torch.equal(torch.bmm(chunk, values[:, :width]), want):
                     return False
     return True
 
@@ -594,6 +631,9 @@ class FastRunner:
         self.lm_head = _Linear([model.lm_head], pack=packed)
         rep = self.heads // self.kv_heads
         self.per_token_attention = cpu and not rows_independent_bmm(self.head_dim, rep, threads, dtype)
+        if cpu and self.batch_invariant and not padded_sums_exact(self.head_dim, rep, threads, dtype):
+            self.batch_invariant = False
+            log.warning("attention: this CPU's batched matmul sums a row's values otherwise beside wider rows")
         weight = self.inner.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.refresh()  # packed only now: the file's pages and the packed copies are never resident together
@@ -696,7 +736,7 @@ class FastRunner:
             values = kv.values[i][:n, :, kv.start : kv.start + cols]
             scores = torch.matmul(q.view(n, self.kv_heads, rep, d), keys.transpose(-1, -2))
             probs = torch.softmax(scores.mul_(layer.scaling).add_(bias), dim=-1)
-            out = torch.matmul(probs, values)
+            out = value_sum(probs, values)
             x = self._finish_layer(layer, x, out.reshape(n, self.heads * d))
         batch.pos = batch.pos + 1
         return self._logits(x)
