@@ -1080,7 +1080,7 @@ def test_rows_past_128_tokens_do_not_depend_on_their_batch(threads, smollm_path)
     """Contexts longer than 128 tokens keep their bits too. A row's attention sums its values over the batch's
     width (the longest row's keys, padded), and MKL's matmul groups a sum over more than 192 columns otherwise than
     a narrower one: a 150-token row beside a 230-token one, or a shared start of 175 tokens prefilled apart from its
-    214-token prompt, got other last bits (`fastpath.value_sum` sums 128 columns at a time)."""
+    214-token prompt, would get other last bits (`fastpath.value_sum` sums 128 columns at a time)."""
     from transformers import AutoModelForCausalLM
 
     from areal_lite.kit.server.fastpath import FastRunner, padded_sums_exact, shared_start

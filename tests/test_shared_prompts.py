@@ -224,16 +224,15 @@ def test_microbatches_keep_each_group_together_and_give_the_same_step(tiny_model
 
 def test_a_shared_prompt_end_gets_the_same_gradient_on_two_threads(tiny_model_path, vocab):
     """A group's prompt end predicts each sample's first token, so the positions whose logits a shared row keeps
-    repeat it. Picked by the model's own indexing, its gradients were summed with parallel atomic adds, in an order
-    that changed from run to run on two threads: the same batch gave other weights, and two same-seed runs parted
-    (notebook 11, after three updates). `shared_prefix_forward` picks each position once; 40 samples of 16 tokens
-    make indexing's backward large enough for two threads."""
+    repeat it. Picked by the model's own indexing, its gradients would be summed with parallel atomic adds, in an
+    order that changes from run to run on two threads: the same batch would give other weights, and two same-seed
+    runs would part. `shared_prefix_forward` picks each position once; 40 samples of 16 tokens make indexing's
+    backward large enough for two threads, float32 (a float64 index_put sums in order anyway)."""
     batch = load_bench("update_speed").make_batch(1, 40, 38, 16, vocab, seed=0)
     packed = packed_of(batch)
     row = share_prompts(packed, packed["loss_mask"].bool())
     keep = row.pred_of[torch.nonzero(packed["loss_mask"]).flatten()]
     assert len(keep.unique()) == len(keep) - 39  # the prompt end, once per sample
-    # float32: a float64 index_put sums in order anyway
     actor = FSDPPPOActor(dataclasses.replace(actor_cfg(tiny_model_path), dtype="float32")).initialize()
     weights = torch.randn(len(keep), vocab, generator=torch.Generator().manual_seed(1))
     grads, saved = [], torch.get_num_threads()

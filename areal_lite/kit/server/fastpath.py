@@ -84,10 +84,10 @@ def value_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs [..., m, width] @ values [..., width, d], the key columns summed VALUE_CHUNK at a time, in order.
 
     Why: a row's width is its batch's (the longest row's keys, padded), and MKL's batched matmul groups a sum over
-    more than 192 columns otherwise than a narrower one, so a 150-key row got other bits padded to 224 columns than
-    to 160. A chunk of at most VALUE_CHUNK columns is summed whole, where the zero columns past a row's keys add exact
-    zeros (`padded_sums_exact` checks that at start-up), and the chunks add in one order whatever the width. A width
-    of VALUE_CHUNK or less is the one plain product."""
+    more than 192 columns otherwise than a narrower one, so a 150-key row would get other bits padded to 224
+    columns than to 160. A chunk of at most VALUE_CHUNK columns is summed whole, where the zero columns past a row's
+    keys add exact zeros (`padded_sums_exact` checks that at start-up), and the chunks add in one order whatever the
+    width. A width of VALUE_CHUNK or less is the one plain product."""
     product = torch.bmm if probs.dim() == 3 else torch.matmul  # bmm: an expanded (zero-stride) operand is not copied
     out = product(probs[..., :VALUE_CHUNK], values[..., :VALUE_CHUNK, :])
     for c in range(VALUE_CHUNK, probs.shape[-1], VALUE_CHUNK):
