@@ -89,6 +89,8 @@ def value_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     keys add exact zeros (`padded_sums_exact` checks that at start-up), and the chunks add in one order whatever the
     width. A width of VALUE_CHUNK or less is the one plain product."""
     product = torch.bmm if probs.dim() == 3 else torch.matmul  # bmm: an expanded (zero-stride) operand is not copied
+    if probs.shape[-1] <= VALUE_CHUNK:
+        return product(probs, values)
     out = product(probs[..., :VALUE_CHUNK], values[..., :VALUE_CHUNK, :])
     for c in range(VALUE_CHUNK, probs.shape[-1], VALUE_CHUNK):
         out.add_(product(probs[..., c : c + VALUE_CHUNK], values[..., c : c + VALUE_CHUNK, :]))
