@@ -1028,6 +1028,16 @@ def _logits_by_schedule(runner, prompts, schedule) -> dict:
     return got
 
 
+def _assert_as_alone(runs, alone: dict, least: int) -> None:
+    """Each prompt's logits in every run of `runs` are bit for bit its solo run's, over at least `least` steps."""
+    for got in runs:
+        for i in alone:
+            n = min(len(got[i]), len(alone[i]))
+            assert n >= least, (i, n)
+            unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
+            assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
+
+
 @pytest.mark.parametrize(
     "model_name, threads, dtype",
     [("tiny", 1, "float32"), ("tiny", 2, "float32"), ("smollm2", 2, "float32"), ("smollm2", 2, "auto")],
@@ -1067,12 +1077,7 @@ def test_fast_path_rows_do_not_depend_on_their_batch(model_name, threads, dtype,
     finally:
         torch.set_num_threads(saved)
     assert shared_start([prompts[0], prompts[1]]) == 30 and shared_start([prompts[i] for i in (2, 3, 4)]) == 10
-    for got in (together, staggered):
-        for i in range(9):
-            n = min(len(got[i]), len(alone[i]))
-            assert n >= 5, (i, n)
-            unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
-            assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
+    _assert_as_alone((together, staggered), alone, least=5)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -1104,12 +1109,7 @@ def test_rows_past_128_tokens_do_not_depend_on_their_batch(threads, smollm_path)
         torch.set_num_threads(saved)
     assert padded_sums_exact(runner.head_dim, runner.heads // runner.kv_heads, threads) and runner.batch_invariant
     assert shared_start(prompts[:2]) == 175
-    for got in (together, staggered):
-        for i in range(5):
-            n = min(len(got[i]), len(alone[i]))
-            assert n >= 3, (i, n)
-            unequal = [j for j in range(n) if not torch.equal(got[i][j], alone[i][j])]
-            assert not unequal, f"prompt {i}: logits differ from its solo run at steps {unequal[:5]}"
+    _assert_as_alone((together, staggered), alone, least=3)
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "smollm2"])  # a Qwen2 and a Llama
