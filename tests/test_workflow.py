@@ -524,6 +524,7 @@ def test_search_agent_tool_path_with_real_rag(tok, rag_server):
     data = {"question": "What is the capital of France?", "answer": ["Paris", "Paris, France"]}
     out = asyncio.run(wf.arun_episode(policy, data))
     assert out["rewards"].tolist() == [1.0]
+    assert (out["searches"].tolist(), out["search_errors"].tolist()) == ([1.0], [0.0])
     # Every request continues exactly the trajectory so far (no output appended twice).
     r0, r1 = policy.requests
     outs = _outputs(out)
@@ -560,6 +561,7 @@ def test_search_agent_rag_down_gives_error_observation(tok):
     text = tok.decode(out["input_ids"][0, obs.start : obs.end].tolist())
     assert "<information>\nsearch failed: cannot connect" in text and text.endswith("</information>")
     assert out["rewards"].tolist() == [1.0]  # the episode went on and answered
+    assert (out["searches"].tolist(), out["search_errors"].tolist()) == ([1.0], [1.0])  # counted on the row
 
 
 def test_search_agent_any_tool_failure_is_an_observation(tok, monkeypatch):
@@ -575,7 +577,7 @@ def test_search_agent_any_tool_failure_is_an_observation(tok, monkeypatch):
     out = asyncio.run(wf.arun_episode(policy, {"question": "Capital of Peru?", "answer": ["Lima"]}))
     check_trajectory(out)
     assert "search failed: RuntimeError: index corrupted" in tok.decode(out["input_ids"][0].tolist())
-    assert out["rewards"].tolist() == [1.0]
+    assert out["rewards"].tolist() == [1.0] and out["search_errors"].tolist() == [1.0]
 
 
 def test_search_agent_slow_rag_times_out_into_observation(tok):

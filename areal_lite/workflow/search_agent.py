@@ -1,8 +1,9 @@
 """`SearchAgentWorkflow`: think, `<search>` a retrieval server, read `<information>`, `<answer>` (notebook 05).
 
 Design decision: a failing or slow search server becomes an `<information>search failed: ...</information>`
-observation the model can read, not an exception: one flaky tool call must not kill a batch. Observation tokens
-are context (loss_mask 0), never trained on.
+observation the model can read, not an exception: one flaky tool call must not kill a batch. It is counted on the
+row (`search_errors`), so a dead server shows in the batch, not only in the log. Observation tokens are context
+(loss_mask 0), never trained on.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class SearchAgentWorkflow(RolloutWorkflow):
     The episode also ends on EOS, after `max_turns` generations, or when the context would exceed `max_tokens`
     (generation budgets are capped so the trajectory never does). A generation cut by `max_new_tokens` is continued
     by the next one, and tags are parsed in all text generated since the last observation, so a
-    `<search>` opened in one generation and closed in the next still counts.
+    `<search>` opened in one generation and closed in the next still counts. Besides the contract's tensors, a row
+    holds `searches` [1] and `search_errors` [1] (the searches that failed, read by the model as an error).
     """
 
     STOP = ("</search>", "</answer>")
@@ -100,17 +102,18 @@ class SearchAgentWorkflow(RolloutWorkflow):
         stop += [s for s in self.STOP if s not in stop]
         return g.new(stop=stop, max_new_tokens=max(1, min(g.max_new_tokens, budget)))
 
-    async def _search(self, query: str) -> str:
-        """The `<information>` block for `query`; failures become an error block the model can read."""
+    async def _search(self, query: str) -> tuple[str, bool]:
+        """(the `<information>` block for `query`, whether the search failed); a failure becomes an error block the
+        model can read."""
         if not query:
-            return "\n\n<information>\nsearch failed: empty query\n</information>"
+            return "\n\n<information>\nsearch failed: empty query\n</information>", True
         try:
             docs = (await call_search_tool([query], topk=self.topk, addr=self.rag_addr, timeout=self.search_timeout))[0]
-            return format_search_results(docs)
+            return format_search_results(docs), False
         except Exception as e:  # a failing tool never ends the episode: the model reads why, as from any failure
             why = str(e) if isinstance(e, SearchToolError) else f"{type(e).__name__}: {e}"
             logger.warning("search for %r failed: %s", query, why)
-            return f"\n\n<information>\nsearch failed: {why}\n</information>"
+            return f"\n\n<information>\nsearch failed: {why}\n</information>", True
 
     def _is_eos(self, token: int) -> bool:
         ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
@@ -124,7 +127,7 @@ class SearchAgentWorkflow(RolloutWorkflow):
         if len(builder) >= self.max_tokens:
             raise ValueError(f"the prompt alone has {len(builder)} tokens, max_tokens is {self.max_tokens}")
         rid = uuid.uuid4().hex
-        reward, answer, searches = 0.0, None, 0
+        reward, answer, searches, failed = 0.0, None, 0, 0
         # Text generated since the last observation: a tag cut by a length stop is completed by the next turn.
         pending = ""
         while builder.num_turns < self.max_turns and len(builder) < self.max_tokens:
@@ -145,8 +148,9 @@ class SearchAgentWorkflow(RolloutWorkflow):
                 break
             query = parse_search_query(pending)
             if query is not None:
-                obs = self._encode(await self._search(query))
-                searches += 1
+                text, error = await self._search(query)
+                obs = self._encode(text)
+                searches, failed = searches + 1, failed + error
                 if len(builder) + len(obs) >= self.max_tokens:
                     break  # no room left to read the results and still generate
                 builder.add_observation(obs, kind="tool")
@@ -156,7 +160,7 @@ class SearchAgentWorkflow(RolloutWorkflow):
                 break  # EOS (or nothing generated) without an answer: the episode is over
         if self.verbose:
             print(
-                f"[SearchAgent] turns={builder.num_turns} searches={searches} tokens={len(builder)} "
+                f"[SearchAgent] turns={builder.num_turns} searches={searches} (failed {failed}) tokens={len(builder)} "
                 f"answer={answer!r} reward={reward:.3f}"
             )
-        return builder.to_tensors(reward)
+        return builder.to_tensors(reward, searches=searches, search_errors=failed)
