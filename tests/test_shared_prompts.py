@@ -8,8 +8,6 @@ PPO step (weights, statistics, log-probs) with sharing on and off, for full fine
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from _bench import load_bench
@@ -147,10 +145,10 @@ def test_a_one_token_completion_runs_no_remainder(tiny_model_path, vocab):
     actor.destroy()
 
 
-def actor_cfg(path: str, **kw) -> PPOActorConfig:
+def actor_cfg(path: str, dtype: str = "float64", **kw) -> PPOActorConfig:
     # SGD with lr 1 and no clipping: the weights' change is the gradient itself
     opt = OptimizerConfig(type="sgd", lr=1.0, gradient_clipping=0.0)
-    return PPOActorConfig(path=path, dtype="float64", device="cpu", optimizer=opt, threads=1, **kw)
+    return PPOActorConfig(path=path, dtype=dtype, device="cpu", optimizer=opt, threads=1, **kw)
 
 
 def ppo_step(path: str, batch: dict, share: bool, monkeypatch, **kw) -> tuple:
@@ -233,7 +231,7 @@ def test_a_shared_prompt_end_gets_the_same_gradient_on_two_threads(tiny_model_pa
     row = share_prompts(packed, packed["loss_mask"].bool())
     keep = row.pred_of[torch.nonzero(packed["loss_mask"]).flatten()]
     assert len(keep.unique()) == len(keep) - 39  # the prompt end, once per sample
-    actor = FSDPPPOActor(dataclasses.replace(actor_cfg(tiny_model_path), dtype="float32")).initialize()
+    actor = FSDPPPOActor(actor_cfg(tiny_model_path, dtype="float32")).initialize()
     weights = torch.randn(len(keep), vocab, generator=torch.Generator().manual_seed(1))
     grads, saved = [], torch.get_num_threads()
     torch.set_num_threads(2)  # past CI's OMP_NUM_THREADS=1 cap: the race needs two threads
