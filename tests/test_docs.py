@@ -170,6 +170,28 @@ def test_notebook_minutes_are_the_reference_runs():
     assert not wrong, f"notebooks/README.md timing plan: (stated, AVX2 figure) minutes differ: {wrong}"
 
 
+ARROW = re.compile(r"(\d+(?:\.\d+)?) → (\d+(?:\.\d+)?)")
+
+
+def test_the_guide_and_the_readme_quote_the_same_results():
+    """Both READMEs quote each notebook's results ("before → after"): where they quote a change from the same
+    starting figure, they give the same end figure (a notebook re-executed, one of the two not updated)."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    guide = open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read()
+    rows = {n: ARROW.findall(row) for n, row in re.findall(r"^\| `(\d\d)_\w+` \|(.*)$", readme, re.M)}
+    results = " ".join(guide[guide.index("What the committed CPU runs show") :].split("\n\n")[0].split())
+    parts = re.split(r"(?:^|[;:] )(\d\d) ", results)  # "...; 09 the OpenAI-client agent ...; 10 full ..."
+    segments = dict(zip(parts[1::2], parts[2::2]))
+    assert {"04", "05", "11", "12"} <= segments.keys(), f"the guide's results paragraph: {sorted(segments)}"
+    differ = []
+    for n, text in segments.items():
+        ends = {}
+        for start, end in rows.get(n, []):
+            ends.setdefault(start, set()).add(end)
+        differ += [(n, f"{a} → {b}", sorted(ends[a])) for a, b in ARROW.findall(text) if a in ends and b not in ends[a]]
+    assert not differ, f"notebooks/README.md quotes other results than README.md: {differ}"
+
+
 HEADER_TIMES = {  # each notebook's first cell, in the source of both languages: (reference minutes, AVX2 minutes)
     "en": r"\*\*Time\*\* ~([\d.]+) min on a 2-core AVX-512 CPU, an estimated ([\d.]+) on an AVX2-only one",
     "zh": r"\*\*耗时\*\* 2 核 AVX-512 CPU 上约 ([\d.]+) 分钟，仅支持 AVX2 的 CPU 上估计约 ([\d.]+) 分钟",
