@@ -231,7 +231,7 @@ def _merge_streams(outputs: list) -> list:
 
 
 def _machine() -> dict:
-    """The CPU a reference run's times belong to (model, cores, vector ISA): times differ 2-3x between CPUs."""
+    """The CPU a reference run's times belong to (model, cores, vector ISA): times differ between CPUs."""
     if ROOT not in sys.path:  # once, not once per notebook executed
         sys.path.insert(0, ROOT)
     from areal_lite.utils.machine import describe

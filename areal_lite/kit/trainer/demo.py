@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(USAGE)
         return 0
-    print(describe_line(), "(the demo takes two to three times as long on an AVX2-only CPU as on an AVX-512 one)")
+    print(describe_line())  # the minutes below are this CPU's: README.md gives them for an AVX-512 and an AVX2 one
     try:
         config, _ = load_expr_config(["--config", config_path(), *argv], TrainConfig)
         t0 = time.perf_counter()
