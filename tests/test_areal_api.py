@@ -294,7 +294,7 @@ def test_areal_version_of_every_cell_differs_only_in_imports(path):
 TO_AREAL_SOURCE = os.path.join(ROOT, "notebooks", "src", "08_to_areal.nb.md")
 
 
-def _kit_keywords(source: str, areal_params) -> list[tuple[str, str]]:
+def _kit_keywords(source: str) -> list[tuple[str, str]]:
     """(call, keyword) for each keyword a cell passes to an AReaL-named call that AReaL's signature lacks: `name(...)`
     and `Name.method(...)` of a name in AREAL_NAMES, and `obj.method(...)` of a method METHODS lists (by its name)."""
     found = []
@@ -310,7 +310,7 @@ def _kit_keywords(source: str, areal_params) -> list[tuple[str, str]]:
             call = f.attr
         else:
             continue
-        accepted = areal_params(call)
+        accepted = _areal_params(call)
         found += [(call, kw.arg) for kw in node.keywords if kw.arg and accepted is not None and kw.arg not in accepted]
     return found
 
@@ -343,7 +343,7 @@ def test_every_kit_keyword_a_notebook_passes_is_named_in_the_to_areal_notebook()
         for source in _cells(path):
             if source.lstrip().startswith(("%", "!")):
                 continue
-            for call, kw in _kit_keywords(source, _areal_params):
+            for call, kw in _kit_keywords(source):
                 short = call.split(".")[-1]
                 if not any(short in row and f"{kw}=" in row for row in rows):
                     unnamed.add(f"{os.path.basename(path)}: {call}({kw}=...)")
@@ -357,7 +357,7 @@ def test_kit_keywords_are_found():
         "meta = WeightUpdateMeta.from_disk(path='w', experiment_name='e')\n"
         "engine.rollout_batch(data, workflow=wf, kit_only_knob=1)\n"
     )
-    assert sorted(_kit_keywords(cell, _areal_params)) == [
+    assert sorted(_kit_keywords(cell)) == [
         ("WeightUpdateMeta.from_disk", "path"),
         ("load_expr_config", "verbose"),
         ("rollout_batch", "kit_only_knob"),
