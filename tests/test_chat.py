@@ -11,8 +11,10 @@ tool-call accounting runs on SmolLM2-135M itself (compact syntax).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
+import socket
 import threading
 import time
 
@@ -218,6 +220,23 @@ def test_http_errors_and_the_server_keeps_serving(server, session):
     r = _post(server, {"max_tokens": 3}, session.api_key)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert len(session.cache) == before + 1 and server.stats()["errors"] >= 5
+
+
+def test_a_dropped_server_stops_serving_and_frees_its_port(engine, tok):
+    """A notebook cell that starts a chat server, run again, drops the first one without stop(): once collected, its
+    thread ends and its port is free (held by nothing else, it would serve for the rest of the kernel's life)."""
+    before = set(threading.enumerate())
+    server = ChatServer(engine, tok).start()
+    assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
+    thread, port = server._thread, server.port
+    del server
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, but never past a listener
+        sock.bind(("127.0.0.1", port))
+    assert set(threading.enumerate()) <= before
 
 
 def test_pause_holds_requests_until_resume(engine, server, session):

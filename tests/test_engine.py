@@ -9,6 +9,7 @@ weight updates, one to kill) are launched where a test needs them.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -448,6 +449,22 @@ def test_address_from_environment_and_destroy_is_idempotent(monkeypatch, embedde
             _gen(eng)
     finally:  # idempotent: a failed check must not leave the engine, or its 2000-token requests, on the shared server
         eng.destroy()
+
+
+def test_a_dropped_engine_closes_its_session_and_ends_its_thread(embedded_server):
+    """A notebook cell that makes an engine, run again, drops the first one without destroy(): once collected, it
+    closes its HTTP session and its loop, and its thread ends (held by nothing else, the thread would idle forever)."""
+    before = set(threading.enumerate())
+    eng = RemoteSGLangEngine(_config()).initialize(addr=embedded_server.address)
+    assert _gen(eng, gconfig=_greedy(2)).output_len == 2
+    thread, loop, session = eng._thread, eng._loop, eng._client._session
+    assert thread.is_alive() and not session.closed
+    del eng
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert session.closed and loop.is_closed()
+    assert set(threading.enumerate()) <= before
 
 
 # ------------------------------------------------------------------------------------------------ executor

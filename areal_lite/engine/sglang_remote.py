@@ -11,21 +11,23 @@ Design decisions
 - One background thread owns one asyncio event loop; every episode and HTTP request runs on it. Synchronous methods
   hand work to it (`run_coroutine_threadsafe`) and block; nothing calls `asyncio.run`, so it works under Jupyter's
   running loop. `agenerate` also works from a foreign loop (a notebook's top-level `await`): it is forwarded.
-- Pausing raises the executor's and the client's flags before the servers abort their requests; resuming lowers
-  them after the servers continue.
+- Pausing raises the executor's and client's flags before the servers abort requests; resuming lowers them after.
 - One facade, two wire protocols: `initialize` asks the servers (`GET /v1/models`) and switches to
   `engine.vllm_client.VLLMClient` when they are vLLM, so a notebook written for `RemoteSGLangEngine` runs on
   `backend=vllm` (AReaL's would fail there). `RemotevLLMEngine` (AReaL's name) always speaks vLLM.
 - `destroy()` never hangs: the servers abort this engine's requests, episodes are cancelled, the session closed and
-  the thread joined, each with a time limit. The servers are left running and unpaused.
+  the thread joined, each with a time limit; the servers run on, unpaused. An engine dropped undestroyed (a cell run
+  again) closes its session and thread when collected (`utils.loop_thread`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import uuid
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -43,12 +45,29 @@ from areal_lite.infra.remote_inf_engine import (
 )
 from areal_lite.infra.staleness_manager import StalenessManager
 from areal_lite.infra.workflow_executor import WorkflowExecutor
+from areal_lite.utils.loop_thread import LoopThread
 
 __all__ = ["RemoteSGLangEngine", "EngineError", "ADDRS_ENV"]
 
 logger = logging.getLogger("areal_lite.engine")
 
 _SHUTDOWN_TIMEOUT = 10.0  # seconds destroy() waits for cancelled episodes and the loop thread
+
+
+async def _close_clients(clients: list) -> None:
+    for client in clients:
+        await client.close()
+
+
+def _version_reader(engine: "RemoteSGLangEngine") -> Callable[[], int]:
+    """`engine.get_version` through a weak reference: the client must not keep its engine alive (`LoopThread`)."""
+    ref = weakref.ref(engine)
+
+    def version() -> int:
+        alive = ref()
+        return alive.get_version() if alive is not None else -1
+
+    return version
 
 
 class RemoteSGLangEngine(InferenceEngine):
@@ -61,10 +80,12 @@ class RemoteSGLangEngine(InferenceEngine):
         self.config = config
         self.engine_id: Optional[str] = None
         self._executor = WorkflowExecutor(StalenessManager.from_config(config), engine=self)
-        self._client = (self._CLIENT or SGLangClient)(config, current_version=self.get_version)
+        self._client = (self._CLIENT or SGLangClient)(config, current_version=_version_reader(self))
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._initialized = False
+        self._finalizer: Optional[weakref.finalize] = None
+        self._clients: List[Any] = [self._client]  # what `_finalizer` closes (the client `_connect` may swap in)
 
     # -------------------------------------------------------------------------------------------- attributes
 
@@ -113,11 +134,10 @@ class RemoteSGLangEngine(InferenceEngine):
             raise RuntimeError("initialize() may be called once per engine (make a new engine after destroy())")
         self.engine_id = engine_id or uuid.uuid4().hex
         self._client.addresses = parse_addrs(addr)
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._run_loop, args=(started,), name="areal-lite-rollout", daemon=True)
-        self._thread.start()
-        started.wait()
+        runner = LoopThread("areal-lite-rollout")
+        self._loop, self._thread = runner.loop, runner.thread
+        # dropped without destroy(): nothing runs then (a running episode holds its engine), so closing will do
+        self._finalizer = runner.release_with(self, functools.partial(_close_clients, self._clients))
         self._executor.attach(self._loop, self._thread)
         self._initialized = True
         try:
@@ -140,14 +160,8 @@ class RemoteSGLangEngine(InferenceEngine):
                 "use RemoteSGLangEngine for SGLang and the embedded server"
             )
         if all(kinds) and not isinstance(self._client, VLLMClient):
-            self._client = VLLMClient.take_over(self._client)
+            self._client = self._clients[0] = VLLMClient.take_over(self._client)
             logger.info("servers %s are vLLM: using its protocol", ",".join(self._client.addresses))
-
-    def _run_loop(self, started: threading.Event) -> None:
-        assert self._loop is not None
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(started.set)
-        self._loop.run_forever()
 
     @property
     def _destroyed(self) -> bool:
@@ -161,6 +175,8 @@ class RemoteSGLangEngine(InferenceEngine):
             raise RuntimeError("destroy() cannot be called from inside a workflow (the rollout loop itself)")
         if not self._executor.close():
             return  # destroyed already
+        if self._finalizer is not None:
+            self._finalizer.detach()  # the orderly teardown below replaces the garbage collector's
         # Before the aborts: an aborted request must hand back its partial output instead of resuming.
         self._client.closing = True
         if loop is None or thread is None:

@@ -11,7 +11,7 @@ Routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
 Design decisions
 - Each choice is one `engine.agenerate(ModelRequest(...))` (`n` fans out): weight versions, pause/resume and the
   staleness bound apply to agent traffic as to any workflow's.
-- Own thread and event loop, never `asyncio.run` (`start`): works from a Jupyter cell, a script or a workflow.
+- Own thread and loop, never `asyncio.run` (`start`); dropped unstopped (a cell run again), it stops when collected.
 - Sessions are named by the Bearer token (AReaL's proxy), one per episode; an unknown key is a 401: not recordable.
 - A turn continues an earlier completion from its ids (`chat_template`); choices go to `cache` unless `store=false`.
 - Errors have OpenAI's shape: a bad body 400 (`protocol`), an unknown key 401, a prompt too long 400
@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
@@ -49,6 +50,7 @@ from areal_lite.experimental.openai.proxy.protocol import (
 )
 from areal_lite.utils.hf_utils import count_tokens, token_bytes, token_lower_bound
 from areal_lite.utils.jsonhttp import json_errors_middleware, off_loop, read_json
+from areal_lite.utils.loop_thread import LoopThread
 
 __all__ = ["ChatServer", "ChatSession", "ChatCompleter"]
 
@@ -273,6 +275,22 @@ class ChatCompleter:
         return completion_body(cid, created, model, req, ids, choices)
 
 
+def _weakly(handler):
+    """A route calling the bound method `handler` through a weak reference: the running app must not keep its server
+    alive, or a dropped server would serve forever (its finalizer stops it)."""
+    ref = weakref.WeakMethod(handler)
+
+    async def route(request):
+        from aiohttp import web
+
+        method = ref()
+        if method is None:  # between the collection and the finalizer's cleanup
+            raise web.HTTPServiceUnavailable()
+        return await method(request)
+
+    return route
+
+
 class ChatServer:
     """The endpoint (see the module docstring). `start()` returns self; `base_url` ends with `/v1`.
 
@@ -303,6 +321,7 @@ class ChatServer:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._runner = None
+        self._finalizer: Optional[weakref.finalize] = None
         self._created = int(time.time())
 
     # -------------------------------------------------------------------------------------------- lifecycle
@@ -331,18 +350,18 @@ class ChatServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="areal-lite-chat", daemon=True)
-        self._thread.start()
+        runner = LoopThread("areal-lite-chat")
+        self._loop, self._thread = runner.loop, runner.thread
         asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(timeout)
+        self._finalizer = runner.release_with(self, self._runner.cleanup)
         return self
 
     async def _serve(self, sock: socket.socket) -> None:
         from aiohttp import web
 
         app = web.Application(middlewares=[self._errors_middleware()], client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/chat/completions", self._handle_chat)
-        app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_post("/v1/chat/completions", _weakly(self._handle_chat))
+        app.router.add_get("/v1/models", _weakly(self._handle_models))
         app.router.add_get("/health", lambda request: web.json_response({"status": "ok"}))
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -353,6 +372,8 @@ class ChatServer:
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
             return
+        if self._finalizer is not None:
+            self._finalizer.detach()  # this orderly stop replaces the garbage collector's
         if self._runner is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop).result(timeout)
@@ -448,8 +469,10 @@ class ChatServer:
 
         from areal_lite.infra.remote_inf_engine import EngineError
 
+        stats = self._stats  # not self: the app must not keep the server alive (`_weakly`)
+
         def render(status, message, kind, headers=None, param=None, code=None):
-            self._stats["errors"] += 1
+            stats["errors"] += 1
             return web.json_response(error_body(message, param, code, kind), status=status, headers=headers)
 
         def translate(e: Exception):
