@@ -599,9 +599,8 @@ KINDS = {
     "areal_run": (summarise_areal_run, latest_areal_run, ["runs, s", "exit"], row_areal_run),
     "ci_time": (summarise_ci_time, latest_ci_time, ["minutes", "exit"], row_ci_time),
 }
-# bench/cpu_evidence.py's file suffixes (`--tag`): by vector ISA, and a second AVX-512 CPU of another make beside
-# the reference files' Xeon
-CPU_CLASSES = {"_avx2_proxy": "AVX2 proxy", "_avx2": "an AVX2-only CPU", "_epyc_avx512": "an AVX-512 AMD EPYC (Zen 4)"}
+# bench/cpu_evidence.py's file suffixes (`--tag`), by vector ISA: the reference files (no suffix) are an AVX-512 CPU's
+CPU_CLASSES = {"_avx2_proxy": "AVX2 proxy", "_avx2": "an AVX2-only CPU"}
 
 
 def title(name: str) -> str:
