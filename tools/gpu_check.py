@@ -35,7 +35,8 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGE = os.path.join(ROOT, ".gpu-stage")
 WORK = "/tmp/gpu-stage"  # on the GPU machine: parts received so far, then the unpacked payload
-NOTEBOOKS = ["01_setup", "03_gsm8k_agent", "04_gsm8k_training", "07_async_vs_sync", "10_lora"]
+# the first, both halves of the GSM8K agent (written, then trained), multi-turn feedback, and an `openai`-client agent
+NOTEBOOKS = ["01_setup", "03_gsm8k_agent", "04_gsm8k_training", "06_multiturn_feedback", "09_openai_agent"]
 RUNNER = ["nbval", "ipykernel", "nbclient", "nbformat", "jupyter_client"]  # executes the notebooks under pytest
 PY312 = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
          "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
@@ -279,6 +280,13 @@ def timed(cmd: list[str], env: dict, log: str, timeout: float) -> dict:
     return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def save(result: dict, out: str) -> None:
+    """gpu.json as it stands: written after each step, so a call cut off by its time limit still returns the steps
+    that finished."""
+    with open(os.path.join(out, "gpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def run(args: argparse.Namespace) -> int:
     """Assemble and install what was staged (not in a dry run), then prepare, the GPU tests and the notebooks."""
     os.makedirs(args.out, exist_ok=True)
@@ -312,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         tests.append("--collect-only")
     result["tests"] = {**timed(tests, env, os.path.join(args.out, "gpu_tests.log"), left()), **junit_counts(xml)}
     result["notebooks"] = {}
+    save(result, args.out)
     for name in args.notebooks:
         print(f"{name} ...", flush=True)
         xml = os.path.join(args.out, f"{name}.xml")
@@ -319,8 +328,7 @@ def run(args: argparse.Namespace) -> int:
                     "notebooks/sanitize.cfg", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]  # fmt: skip
         result["notebooks"][name] = {**timed(cmd, env, os.path.join(args.out, f"{name}.log"), left()),
                                      **junit_counts(xml)}  # fmt: skip
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        save(result, args.out)
     ok = result["tests"]["rc"] == 0 and all(r["rc"] == 0 for r in result["notebooks"].values())
     print(json.dumps(result, indent=1))
     print(f"gpu check: {'passed' if ok else 'FAILED'}; results {os.path.join(args.out, 'gpu.json')}")
