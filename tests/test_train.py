@@ -126,7 +126,7 @@ def test_grpo_raises_reward_on_a_learnable_task(tmp_path, tiny_model_path, token
     assert last > first + 0.4, rewards
     assert read_jsonl(run_dir / "stats.jsonl") == stats
     assert (run_dir / "reward_curve.png").stat().st_size > 2000
-    assert listed[-1] == [f"weight_update_v{steps - 1}", f"weight_update_v{steps}"]  # pruned to keep_last ...
+    assert listed[-1] == [f"weight_update_v{steps}"]  # pruned to keep_last (1) ...
     assert not (run_dir / "weights").exists()  # ... and removed at the end: transport, not checkpoints
 
 

@@ -150,7 +150,7 @@ class WeightUpdateMeta:
     clear_checkpoint_after_load: bool = True
     version: Optional[int] = None
     # kit extras
-    keep_last: int = 2  # disk: the writer deletes older version folders
+    keep_last: int = 1  # disk: versions the writer keeps (k + 1 is written once the servers loaded k: one is enough)
     names: List[str] = field(default_factory=list)  # NCCL: parameter names, dtypes and shapes in broadcast order
     dtypes: List[str] = field(default_factory=list)
     shapes: List[List[int]] = field(default_factory=list)
@@ -179,7 +179,7 @@ class WeightUpdateMeta:
         lora_keep_versions: int = 0,
         *,
         path: Optional[str] = None,
-        keep_last: int = 2,
+        keep_last: int = 1,
     ) -> "WeightUpdateMeta":
         """Versions go to `<folder>/weight_update_v<k>`; AReaL 1.0.4's signature, plus the kit's folder keyword.
 

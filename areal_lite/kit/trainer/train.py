@@ -643,7 +643,7 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
         )
         versions = os.path.dirname(meta.path)  # where the versions go
         check_writable(versions, "weight_update_dir")
-        _check_weight_room(config, versions, meta.keep_last)
+        _check_weight_room(config, versions, meta.keep_last, recycled=not config.actor.use_lora)
         if run.checkpoint is not None:  # said now, before the server's start-up
             saved = read_checkpoint_file(run.checkpoint, "trainer_state.pt").get("settings")
             report_changed_settings(saved, config_settings(config))
@@ -657,18 +657,20 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
     return run, meta
 
 
-def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
-    """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak:
-    `keep_last` plus the one being written, each the model's parameter count times the size of the dtype the actor
-    writes: float32 for `bfloat16` too (float32 master weights under autocast, `fsdp_engine._precision_plan`)."""
+def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int, recycled: bool) -> None:
+    """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak, each
+    the model's parameter count times the size of the dtype the actor writes: float32 for `bfloat16` too (float32
+    master weights under autocast, `fsdp_engine._precision_plan`). `keep_last` of them; one more while a version is
+    written, unless it is `recycled` (full weights overwrite the pages of the version they prune,
+    `WeightPublisher.write_version`)."""
     from areal_lite.utils.model_store import local_model_dir
 
     written = "float32" if config.actor.dtype == "bfloat16" else config.actor.dtype
     model = local_model_dir(config.actor.path)  # None: a hub id not downloaded yet, size unknown before the actor
     per_version = version_bytes(model, written) if model else None
     if per_version is not None:
-        n = keep_last + 1
-        what = f"{n} weight versions ({keep_last} kept + 1 being written) of {per_version / 2**20:.1f} MiB each"
+        n = keep_last if recycled else keep_last + 1
+        what = f"{n} weight version{'s' if n > 1 else ''} of {per_version / 2**20:.1f} MiB each"
         check_room(folder, n * per_version, what)
 
 
