@@ -60,13 +60,13 @@ from areal_lite.engine.fsdp_utils.packing import (
     split_trajectories,
 )
 from areal_lite.engine.fsdp_utils.weights import (
-    MODEL_FILE,
     WeightPublisher,
     broadcast_params,
     fill_nccl_meta,
     full_optimizer_state,
     full_state_dict,
     load_checkpoint,
+    recycled_file,
     require_cuda,
     save_checkpoint,
     weight_update_specs,
@@ -661,7 +661,7 @@ class _TrainEngine(TrainEngine):
         final = meta.dir_for(version)  # a meta for another version fails here, on every rank alike
         write = self._model_writer()  # collective: every rank takes part
         if self._rank == 0:
-            reuse = None if self.config.use_lora else MODEL_FILE  # an adapter is small: nothing worth recycling
+            reuse = recycled_file(self.config.use_lora)
             folder = self._weights.write_version(final, version, meta.keep_last, write, reuse=reuse)
             self.last_sync_bytes = folder_bytes(folder)
         self._barrier()

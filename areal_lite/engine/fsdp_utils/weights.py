@@ -38,6 +38,7 @@ from areal_lite.utils.safetensors_io import save_tensors
 __all__ = [
     "MODEL_FILE",
     "TOKENIZER_PREFIXES",
+    "recycled_file",
     "WeightPublisher",
     "init_custom_process_group",
     "remove_weight_dirs",
@@ -59,6 +60,12 @@ TOKENIZER_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "add
 MODEL_FILE = "model.safetensors"  # the weights of a full-model folder
 VERSION_PREFIX = "weight_update_v"  # `io_struct.weight_dir`'s naming (AReaL's)
 ACTOR_STATE = "actor_state.pt"
+
+
+def recycled_file(use_lora: bool) -> Optional[str]:
+    """The file a new weight version writes over in place, taken from the version it prunes (`write_version`'s
+    `reuse`): the full model's; none for an adapter (small: nothing worth recycling)."""
+    return None if use_lora else MODEL_FILE
 
 
 # ----------------------------------------------------------------------------------------------------------------

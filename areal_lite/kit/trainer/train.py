@@ -632,6 +632,8 @@ def train(
 
 def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
     """The run folder, continued or fresh (`rundir`), and where the weight versions go, with room checked for them."""
+    from areal_lite.engine.fsdp_utils.weights import recycled_file  # torch.distributed: not at import
+
     run = open_run_dir(config, resume=resume, existing=existing)
     try:
         meta = WeightUpdateMeta.from_disk(
@@ -643,7 +645,7 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
         )
         versions = os.path.dirname(meta.path)  # where the versions go
         check_writable(versions, "weight_update_dir")
-        _check_weight_room(config, versions, meta.keep_last, recycled=not config.actor.use_lora)
+        _check_weight_room(config, versions, meta.keep_last, recycled=recycled_file(config.actor.use_lora) is not None)
         if run.checkpoint is not None:  # said now, before the server's start-up
             saved = read_checkpoint_file(run.checkpoint, "trainer_state.pt").get("settings")
             report_changed_settings(saved, config_settings(config))
