@@ -632,8 +632,6 @@ def train(
 
 def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
     """The run folder, continued or fresh (`rundir`), and where the weight versions go, with room checked for them."""
-    from areal_lite.engine.fsdp_utils.weights import recycled_file  # torch.distributed: not at import
-
     run = open_run_dir(config, resume=resume, existing=existing)
     try:
         meta = WeightUpdateMeta.from_disk(
@@ -645,7 +643,7 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
         )
         versions = os.path.dirname(meta.path)  # where the versions go
         check_writable(versions, "weight_update_dir")
-        _check_weight_room(config, versions, meta.keep_last, recycled=recycled_file(config.actor.use_lora) is not None)
+        _check_weight_room(config, versions, meta.keep_last)
         if run.checkpoint is not None:  # said now, before the server's start-up
             saved = read_checkpoint_file(run.checkpoint, "trainer_state.pt").get("settings")
             report_changed_settings(saved, config_settings(config))
@@ -659,19 +657,19 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
     return run, meta
 
 
-def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int, recycled: bool) -> None:
+def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
     """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak, each
     the model's parameter count times the size of the dtype the actor writes: float32 for `bfloat16` too (float32
     master weights under autocast, `fsdp_engine._precision_plan`). `keep_last` of them; one more while a version is
-    written, unless it is `recycled` (full weights overwrite the pages of the version they prune,
-    `WeightPublisher.write_version`)."""
+    written, unless it writes over the one it prunes (`recycled_file`: full weights, not an adapter)."""
+    from areal_lite.engine.fsdp_utils.weights import recycled_file  # torch.distributed: not at import
     from areal_lite.utils.model_store import local_model_dir
 
     written = "float32" if config.actor.dtype == "bfloat16" else config.actor.dtype
     model = local_model_dir(config.actor.path)  # None: a hub id not downloaded yet, size unknown before the actor
     per_version = version_bytes(model, written) if model else None
     if per_version is not None:
-        n = keep_last if recycled else keep_last + 1
+        n = keep_last if recycled_file(config.actor.use_lora) else keep_last + 1
         what = f"{n} weight version{'s' if n > 1 else ''} of {per_version / 2**20:.1f} MiB each"
         check_room(folder, n * per_version, what)
 
