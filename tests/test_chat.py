@@ -639,3 +639,26 @@ def test_same_rows_as_areal_own_client(engine, server, tok, kind, import_areal):
     torch.testing.assert_close(ours["logprobs"], theirs["logprobs"].float(), atol=1e-4, rtol=0)
     if kind == "scripted":  # the comparison did cover drift: the template re-rendered the answers differently
         assert session.stats["template_drifts"] >= 1
+
+
+def test_a_start_that_fails_ends_its_thread_and_frees_its_port(engine, tok, monkeypatch):
+    """A start whose serving fails (here aiohttp's listening socket, made to fail) raises, and leaves neither its
+    thread nor its port behind; the same server then starts once the fault is gone."""
+    from aiohttp import web
+
+    def refuse(site):
+        raise OSError("no listening here")
+
+    before = set(threading.enumerate())
+    server = ChatServer(engine, tok)
+    with monkeypatch.context() as patched:
+        patched.setattr(web.SockSite, "start", refuse)
+        with pytest.raises(OSError, match="no listening here"):
+            server.start()
+    assert not server.running and set(threading.enumerate()) <= before
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", server.port))
+    with server:
+        assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
+    assert set(threading.enumerate()) <= before

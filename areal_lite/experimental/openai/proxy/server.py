@@ -347,14 +347,42 @@ class ChatServer:
         if self._thread is not None:
             raise RuntimeError("this chat server was started already")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except BaseException:
+            sock.close()  # a port in use: say so, and hold nothing
+            raise
         self.port = sock.getsockname()[1]
         runner = LoopThread("areal-lite-chat")
         self._loop, self._thread = runner.loop, runner.thread
-        asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(timeout)
+        try:
+            asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(timeout)
+        except BaseException:
+            self._undo_start(sock, timeout)
+            raise
         self._finalizer = runner.release_with(self, self._runner.cleanup)
         return self
+
+    def _undo_start(self, sock: socket.socket, timeout: float) -> None:
+        """A start that failed or timed out: cancel what it began, end the thread, free the port; start() may be
+        called again."""
+
+        async def undo() -> None:
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            runner, self._runner = self._runner, None  # stop() below must not clean it up a second time
+            if runner is not None:
+                await runner.cleanup()
+
+        try:
+            asyncio.run_coroutine_threadsafe(undo(), self._loop).result(timeout)
+        finally:
+            self.stop(timeout)
+            sock.close()
+            self._loop = self._thread = self._runner = None
 
     async def _serve(self, sock: socket.socket) -> None:
         from aiohttp import web
