@@ -2,7 +2,7 @@
 two runs mixed in it.
 
     run = open_run_dir(config, resume=False, existing="refuse")   # raises RunDirError on a folder it must not use
-    run.resume, run.checkpoint, run.run_id                        # continue from this checkpoint (or step 0)
+    run.resume, run.checkpoint, run.state, run.run_id             # continue from this checkpoint (or step 0)
     run.close()                                                   # at the end of the run (unlocks the folder)
 
 Design decisions
@@ -35,9 +35,10 @@ import torch
 from areal_lite.utils.atomic import atomic_file, recover_dirs
 from areal_lite.utils.flock import try_lock_folder
 
-__all__ = ["RunDirError", "RunDir", "open_run_dir", "latest_checkpoint", "checkpoint_run_id", "RUN_INFO"]
+__all__ = ["RunDirError", "RunDir", "open_run_dir", "latest_checkpoint", "RUN_INFO", "TRAINER_STATE"]
 
 RUN_INFO = "run.json"
+TRAINER_STATE = "trainer_state.pt"  # a checkpoint's step, data position, RNG, run_id and settings
 EXISTING = ("refuse", "new_trial")
 
 
@@ -48,12 +49,13 @@ class RunDirError(RuntimeError):
 @dataclass
 class RunDir:
     """An open run folder: `resume` says whether this start continues the run `run_id` (from `checkpoint`, or
-    from step 0 when it has none yet)."""
+    from step 0 when it has none yet); `state` is that checkpoint's `TRAINER_STATE`, read once."""
 
     path: str
     run_id: str
     resume: bool
     checkpoint: Optional[str] = None
+    state: Optional[dict] = None
     _fd: Optional[int] = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -71,14 +73,9 @@ def latest_checkpoint(ckpt_root: str) -> Optional[str]:
     done = [
         d
         for d in os.listdir(ckpt_root)
-        if d.startswith("step_") and os.path.isfile(os.path.join(ckpt_root, d, "trainer_state.pt"))
+        if d.startswith("step_") and os.path.isfile(os.path.join(ckpt_root, d, TRAINER_STATE))
     ]
     return os.path.join(ckpt_root, max(done, key=lambda d: int(d[5:]))) if done else None
-
-
-def checkpoint_run_id(ckpt: str) -> Optional[str]:
-    """The `run_id` a checkpoint was written by (None when the checkpoint records none)."""
-    return read_checkpoint_file(ckpt, "trainer_state.pt").get("run_id")
 
 
 def read_checkpoint_file(ckpt: str, name: str) -> Any:
@@ -159,13 +156,14 @@ def _decide(config: Any, path: str, recover: bool, fd: int) -> Optional[RunDir]:
     info, work = _read_info(path), _work(path)
     if recover and info is not None and work:
         ckpt = latest_checkpoint(os.path.join(path, "checkpoints"))
-        if ckpt is not None and checkpoint_run_id(ckpt) != info["run_id"]:
+        state = read_checkpoint_file(ckpt, TRAINER_STATE) if ckpt is not None else None
+        if state is not None and state.get("run_id") != info["run_id"]:
             raise RunDirError(
                 f"{ckpt} was not written by the run recorded in {os.path.join(path, RUN_INFO)} "
                 f"(run_id {info['run_id']}): refusing to continue another run's checkpoint; remove {path} or "
                 "choose another trial_name= to start fresh"
             )
-        return RunDir(path, info["run_id"], resume=True, checkpoint=ckpt, _fd=fd)
+        return RunDir(path, info["run_id"], resume=True, checkpoint=ckpt, state=state, _fd=fd)
     if recover and work:
         raise RunDirError(
             f"{path} holds {', '.join(work)} but no {RUN_INFO} (written by an older areal-lite?), so nothing says "

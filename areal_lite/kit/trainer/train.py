@@ -53,12 +53,12 @@ from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal_lite.api.reward_api import AsyncRewardWrapper
 from areal_lite.api.workflow_api import RolloutWorkflow
 from areal_lite.kit.trainer.rundir import (
+    TRAINER_STATE,
     RunDir,
     RunDirError,
     check_writable,
     damaged,
     open_run_dir,
-    read_checkpoint_file,
 )
 from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
@@ -320,7 +320,7 @@ def save_checkpoint(
         state = {"step": step, "dataloader": dataloader.state_dict(), "python_rng": random.getstate()}
         state["run_id"] = run_id  # `rundir`: a resumed run refuses another run's checkpoints
         state["settings"] = settings  # a resume reports what changed since (`report_changed_settings`)
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        torch.save(state, os.path.join(tmp, TRAINER_STATE))
 
     final = atomic_dir(os.path.join(ckpt_root, f"step_{step:06d}"), fill)  # a re-saved step keeps its old copy
     steps = sorted(int(d[5:]) for d in os.listdir(ckpt_root) if d.startswith("step_"))
@@ -437,22 +437,22 @@ def _load_run_data(config: GRPOConfig) -> _RunData:
 
 
 def _start_weights(
-    ckpt: Optional[str],
+    run: RunDir,
     launched: bool,
     actor: FSDPPPOActor,
     engine: InferenceEngine,
     dataloader: StatefulDataLoader,
     meta: WeightUpdateMeta,
 ) -> int:
-    """Restore checkpoint `ckpt` (when continuing a run) or adopt running servers; returns the first step to run.
+    """Restore the run's checkpoint (when continuing a run) or adopt running servers; returns the first step to run.
 
     With LoRA the servers load each version's adapter as `<gconfig.lora_name>-v<k>`. A fresh run syncs version 0
     first, since the servers start without the adapter; checkpoints hold the adapter, so a resume pushes it back;
     servers the run did not start first get the base model (`_load_base_model`)."""
     if not launched and actor.config.use_lora:
         _load_base_model(actor, engine)
+    ckpt, state = run.checkpoint, run.state
     if ckpt is not None:
-        state = read_checkpoint_file(ckpt, "trainer_state.pt")
         try:
             actor.load(os.path.join(ckpt, "actor"))
         except (OSError, RuntimeError) as e:  # a file missing or truncated, or another actor.path than the run's
@@ -606,7 +606,7 @@ def train(
         server_addrs = list(server_addrs)
         engine = RemoteSGLangEngine(config.rollout).initialize(addr=server_addrs)
         actor.skip_silent_rows = getattr(config, "skip_silent_rows", True)
-        start = _start_weights(run.checkpoint, handle is not None, actor, engine, data.dataloader, meta)
+        start = _start_weights(run, handle is not None, actor, engine, data.dataloader, meta)
         logger = StatsLogger(config, run.path, start)
 
         def run_eval(step: int) -> Dict[str, float]:
@@ -645,8 +645,7 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
         check_writable(versions, "weight_update_dir")
         _check_weight_room(config, versions, meta.keep_last)
         if run.checkpoint is not None:  # said now, before the server's start-up
-            saved = read_checkpoint_file(run.checkpoint, "trainer_state.pt").get("settings")
-            report_changed_settings(saved, config_settings(config))
+            report_changed_settings(run.state.get("settings"), config_settings(config))
     except BaseException:
         run.close()
         raise
