@@ -33,6 +33,8 @@ REGION = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION.*?^[ \t]*# END SOLUTIO
 def f1_counting(common: str) -> str:
     """An F1 body that differs from the solution only in how it counts the common tokens (`common`)."""
     return f"""
+        if not pred_tokens or not gold_tokens:
+            return float(pred_tokens == gold_tokens)
         common = {common}
         if common == 0:
             return 0.0
@@ -68,10 +70,28 @@ def warehouse(**bodies: str) -> list[str]:
 WRONG = {
     "02_rewards_and_tools": {
         "set-based F1": """
+            if not pred_tokens or not gold_tokens:
+                return float(pred_tokens == gold_tokens)
             common = len(set(pred_tokens) & set(gold_tokens))
             if common == 0:
                 return 0.0
             precision, recall = common / len(set(pred_tokens)), common / len(set(gold_tokens))
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "two empty answers score 0": """
+            common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            return 2 * precision * recall / (precision + recall)
+        """,
+        "any empty answer scores 1": """
+            if not pred_tokens or not gold_tokens:
+                return 1.0
+            common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+            if common == 0:
+                return 0.0
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
             return 2 * precision * recall / (precision + recall)
         """,
         **{
@@ -277,6 +297,8 @@ WRONG = {
 RIGHT = {
     "02_rewards_and_tools": {
         "counts by hand with a dict": """
+            if not pred_tokens or not gold_tokens:
+                return float(pred_tokens == gold_tokens)
             left = {}
             for token in gold_tokens:
                 left[token] = left.get(token, 0) + 1
@@ -294,6 +316,8 @@ RIGHT = {
             "sum(min(pred_tokens.count(t), gold_tokens.count(t)) for t in set(pred_tokens))"
         ),
         "F1 as 2 common / (|pred| + |gold|)": """
+            if not pred_tokens and not gold_tokens:
+                return 1.0
             common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
             return 2 * common / (len(pred_tokens) + len(gold_tokens)) if common else 0.0
         """,
