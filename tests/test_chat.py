@@ -662,3 +662,23 @@ def test_a_start_that_fails_ends_its_thread_and_frees_its_port(engine, tok, monk
     with server:
         assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
     assert set(threading.enumerate()) <= before
+
+
+def test_a_start_that_times_out_leaves_nothing_behind(engine, tok, recwarn):
+    """start(timeout=0) gives up before the server listens: it raises TimeoutError, and the half-started server is
+    undone (no thread, no pending task, no unclosed loop), so start() can be called again."""
+    before = set(threading.enumerate())
+    timed_out = []
+    for _ in range(5):  # a thread switch at the wrong moment could let one start finish in time
+        server = ChatServer(engine, tok)
+        try:
+            server.start(timeout=0)
+        except TimeoutError:
+            timed_out.append(server)
+        else:
+            server.stop()
+        assert not server.running and set(threading.enumerate()) <= before
+    gc.collect()
+    assert timed_out and not [w for w in recwarn if issubclass(w.category, (ResourceWarning, RuntimeWarning))]
+    with timed_out[-1] as server:
+        assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200

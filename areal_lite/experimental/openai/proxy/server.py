@@ -275,6 +275,12 @@ class ChatCompleter:
         return completion_body(cid, created, model, req, ids, choices)
 
 
+async def _health(request) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"status": "ok"})
+
+
 def _weakly(handler):
     """A route calling the bound method `handler` through a weak reference: the running app must not keep its server
     alive, or a dropped server would serve forever (its finalizer stops it)."""
@@ -377,6 +383,7 @@ class ChatServer:
             if runner is not None:
                 await runner.cleanup()
 
+        timeout = max(timeout, 10.0)  # a start that timed out after `timeout` gets its own time to undo
         try:
             asyncio.run_coroutine_threadsafe(undo(), self._loop).result(timeout)
         finally:
@@ -390,7 +397,7 @@ class ChatServer:
         app = web.Application(middlewares=[self._errors_middleware()], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", _weakly(self._handle_chat))
         app.router.add_get("/v1/models", _weakly(self._handle_models))
-        app.router.add_get("/health", lambda request: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", _health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
