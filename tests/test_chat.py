@@ -186,6 +186,10 @@ MALFORMED = [
 ]
 
 
+def _health_ok(server) -> bool:
+    return requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
+
+
 def _post(server, body, key, path="/v1/chat/completions", method="POST"):
     if isinstance(body, dict) and "messages" not in body and "model" not in body:
         body = {"model": "t", "messages": USER, **body}
@@ -227,7 +231,7 @@ def test_a_dropped_server_stops_serving_and_frees_its_port(engine, tok):
     thread ends and its port is free (held by nothing else, it would serve for the rest of the kernel's life)."""
     before = set(threading.enumerate())
     server = ChatServer(engine, tok).start()
-    assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
+    assert _health_ok(server)
     thread, port = server._thread, server.port
     del server
     gc.collect()
@@ -660,7 +664,7 @@ def test_a_start_that_fails_ends_its_thread_and_frees_its_port(engine, tok, monk
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", server.port))
     with server:
-        assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
+        assert _health_ok(server)
     assert set(threading.enumerate()) <= before
 
 
@@ -681,4 +685,4 @@ def test_a_start_that_times_out_leaves_nothing_behind(engine, tok, recwarn):
     gc.collect()
     assert timed_out and not [w for w in recwarn if issubclass(w.category, (ResourceWarning, RuntimeWarning))]
     with timed_out[-1] as server:
-        assert requests.get(server.base_url[: -len("/v1")] + "/health", timeout=30).status_code == 200
+        assert _health_ok(server)

@@ -371,21 +371,18 @@ class ChatServer:
         return self
 
     def _undo_start(self, sock: socket.socket, timeout: float) -> None:
-        """A start that failed or timed out: cancel what it began, end the thread, free the port; start() may be
-        called again."""
+        """A start that failed or timed out: cancel what it began, then `stop()` (the app's cleanup, the thread);
+        free the port. start() may be called again."""
 
-        async def undo() -> None:
+        async def cancel_start() -> None:
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in others:
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
-            runner, self._runner = self._runner, None  # stop() below must not clean it up a second time
-            if runner is not None:
-                await runner.cleanup()
 
         timeout = max(timeout, 10.0)  # a start that timed out after `timeout` gets its own time to undo
         try:
-            asyncio.run_coroutine_threadsafe(undo(), self._loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(cancel_start(), self._loop).result(timeout)
         finally:
             self.stop(timeout)
             sock.close()
