@@ -286,6 +286,16 @@ def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_pa
     assert main(zero) == 0  # an evaluation of the start: it says so instead of ending without a word
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == "train: no training step ran (total_train_steps=0)" and "checkpoint" not in out
+    from areal_lite.kit.trainer.demo import main as demo_main
+
+    overrides = [a for a in zero[2:] if a != "trial_name=zero"] + ["trial_name=demo-zero"]
+    assert demo_main(overrides) == 0  # the demo too: no summary of steps that did not run
+    out = capsys.readouterr().out
+    assert "greedy accuracy" in out and "demo: no training step ran (total_train_steps=0)" in out
+    no_eval = [a for a in overrides if a not in ("total_train_steps=0", "trial_name=demo-zero")]
+    assert demo_main([*no_eval, "total_train_steps=1", "valid_dataset=null", "trial_name=demo-no-eval"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy accuracy" not in out and "no held-out evaluation (valid_dataset=null or evaluator.size=0)" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")

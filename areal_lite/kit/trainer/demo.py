@@ -62,16 +62,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"demo: {e}", file=sys.stderr)  # one line, no traceback: the message says what to do
         return 2
     minutes = (time.perf_counter() - t0) / 60
+    if not stats:  # total_train_steps=0: train printed the start's held-out accuracy, and there is no curve
+        print(f"demo: no training step ran (total_train_steps={config.total_train_steps})")
+        return 0
     run_dir = os.path.join(config.fileroot, config.experiment_name, config.trial_name)
-    before = stats[0].get("eval_accuracy_before", float("nan"))
-    after = stats[-1].get("eval_accuracy", float("nan"))
     print()
     print(f"rewards by step: {[round(s['reward'], 2) for s in stats]}")
-    print(f"greedy accuracy after N steps (minutes of training): {accuracy_by_step(stats)}")
-    print(
-        f"greedy accuracy on {config.evaluator.size} held-out problems: {before:.2f} -> {after:.2f} "
-        f"({after - before:+.2f}) in {minutes:.1f} min"
-    )
+    if "eval_accuracy_before" in stats[0] and "eval_accuracy" in stats[-1]:
+        before, after = stats[0]["eval_accuracy_before"], stats[-1]["eval_accuracy"]
+        print(f"greedy accuracy after N steps (minutes of training): {accuracy_by_step(stats)}")
+        print(
+            f"greedy accuracy on {config.evaluator.size} held-out problems: {before:.2f} -> {after:.2f} "
+            f"({after - before:+.2f}) in {minutes:.1f} min"
+        )
+    else:
+        print(
+            f"no held-out evaluation (valid_dataset=null or evaluator.size=0): {len(stats)} steps in {minutes:.1f} min"
+        )
     print(f"reward curve: {os.path.join(run_dir, 'reward_curve.png')}")
     print(describe_line())
     return 0
