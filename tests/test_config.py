@@ -69,6 +69,8 @@ BAD_CASES = [
     ("", ["=3"], ["empty key"]),
     ("", ["gconfig.stop=[a, b"], ["cannot parse value"]),
     ("", ["max_turns=3"], ["max_turns", "unknown key for GRPOConfig"]),
+    ("actor:\n  device: mps\n", [], ["exp.yaml", "key 'actor.device'", "MPS lacks the float64", "got 'mps'"]),
+    ("", ["embedded.device=gpu"], ["command line", "embedded.device", "expected auto, cpu, cuda or cuda:N"]),
 ]
 
 

@@ -1511,7 +1511,7 @@ def test_server_options_are_the_config_fields():
         assert "--" + f.name.replace("_", "-") in help_text
 
 
-def test_config_round_trips_through_the_server_command_line(monkeypatch):
+def test_config_round_trips_through_the_server_command_line(monkeypatch, capsys):
     monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
     default = EmbeddedServerConfig(model_path="some/model")
     changed = EmbeddedServerConfig(
@@ -1529,6 +1529,10 @@ def test_config_round_trips_through_the_server_command_line(monkeypatch):
     assert (args.host, args.port, args.random_seed) == ("0.0.0.0", 1234, 7)
     with pytest.raises(SystemExit):  # the server cannot start without a model
         parse_args(EmbeddedServerConfig().cli_args())
+    for device in ("mps", "gpu"):  # refused before it listens: Apple's MPS, and a name torch does not know
+        with pytest.raises(SystemExit):
+            parse_args([*default.cli_args(), "--device", device])
+    assert "MPS lacks the float64" in capsys.readouterr().err
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # SGLang's switch is honoured too
     assert parse_args(default.cli_args()).return_original_logprob is True
 

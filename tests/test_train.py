@@ -310,6 +310,15 @@ def test_profile_gpu_without_cuda_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="profile=gpu, but torch finds no CUDA GPU here"):
         train(config)
     assert os.listdir(tmp_path) == []  # no run folder, no server, no download
+    for key in ("actor.device=cuda", "embedded.device=cuda:0"):  # a device named, not a profile: the same
+        config, _ = load_expr_config(
+            ["--config", os.path.join(ROOT, "configs", "arith_grpo_demo.yaml"), key, f"fileroot={tmp_path}"],
+            TrainConfig,
+            verbose=False,
+        )
+        with pytest.raises(ConfigError, match=f"{key}, but torch finds no CUDA GPU here: use auto or cpu"):
+            train(config)
+        assert os.listdir(tmp_path) == []
 
 
 def test_demo_config_loads_strictly():

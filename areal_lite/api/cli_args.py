@@ -384,7 +384,7 @@ class EmbeddedServerConfig:
         "weights dtype; auto: bfloat16 where this machine measures it faster and batch-exact (kit/server/precision.py)",
         choices=("float32", "bfloat16", "float16", "auto"),
     )
-    device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when present, else the CPU)")
     max_running_requests: int = _f(32, "requests decoded together in one batch")
     max_prefill_tokens: int = _f(8192, "padded prompt tokens per prefill batch")
     threads: int = _f(1, "torch threads of the server process (1 when a trainer shares the CPU)")
@@ -604,7 +604,7 @@ class TrainEngineConfig:
     scheduling_strategy: SchedulingStrategy = _f(
         help="AReaL scheduler: separate or colocated", factory=SchedulingStrategy
     )
-    device: str = _f("auto", "cpu, cuda, cuda:N or auto (kit-only)")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when present, else the CPU) (kit-only)")
     threads: int = _f(0, "torch threads of the trainer (0: torch's default) (kit-only)")
     seed: int = _f(1, "trainer random seed (kit-only)")
 
@@ -1115,6 +1115,8 @@ def _check_values(loaded: Any) -> None:
     """Refuse values, set by a file, profile or override, that their types allow but no run can use, naming the
     key: at load, not steps later in a traceback from the code that first trips on them. (A default left empty, as
     `actor.path` in a config that sets it in code later, is not checked.)"""
+    from areal_lite.utils.device import DEVICE_CHOICES, is_device_name  # torch: loading a config needs it anyway
+
     rules = (
         ("experiment_name", "a non-empty name", lambda v: bool(str(v).strip())),
         ("trial_name", "a non-empty name (the run's folder)", lambda v: bool(str(v).strip())),
@@ -1144,6 +1146,7 @@ def _check_values(loaded: Any) -> None:
         ("total_train_epochs", "an integer >= 1", lambda v: v >= 1),
         # 0 is a run of the starting evaluation alone
         ("total_train_steps", "an integer >= 0, or null (the epochs decide)", lambda v: v is None or v >= 0),
+        *((f"{section}.device", DEVICE_CHOICES, is_device_name) for section in ("actor", "ref", "embedded")),
     )
     for dotted, expected, ok in rules:
         if not loaded.sets(dotted):

@@ -1,13 +1,14 @@
 """Where torch runs and with how many threads.
 
-Design decisions: `pick_device("auto")` takes CUDA, else MPS, else the CPU, and an explicit name that is not
-available is an error rather than a silent fallback. On a 2-core laptop the server and the trainer share the cores,
-so threads per process go through one rule, `capped_threads` (the config's count, capped by `OMP_NUM_THREADS`).
-`cpu_native_bf16` says whether this CPU computes bfloat16 in hardware (AVX-512 BF16 or AMX): without it, bf16 matmuls
-are emulated and slower than float32. Having the instructions is not enough either (`cpu_bf16_speedup` measures), so
-the actor only autocasts to bf16 where it measured that it pays. On Linux the trainer and
-the embedded server keep freed memory for reuse (`keep_freed_memory`) rather than page-faulting it back every step,
-and give weights that still point into their checkpoint file memory of their own (`own_file_backed`).
+Design decisions: `pick_device("auto")` takes CUDA, else the CPU, and an explicit name that is not available is an
+error rather than a silent fallback; Apple's MPS is refused, never picked (`DEVICE_CHOICES` says why). On a 2-core
+laptop the server and the trainer share the cores, so threads per process go through one rule, `capped_threads`
+(the config's count, capped by `OMP_NUM_THREADS`). `cpu_native_bf16` says whether this CPU computes bfloat16 in
+hardware (AVX-512 BF16 or AMX): without it, bf16 matmuls are emulated and slower than float32. Having the
+instructions is not enough either (`cpu_bf16_speedup` measures), so the actor only autocasts to bf16 where it
+measured that it pays. On Linux the trainer and the embedded server keep freed memory for reuse
+(`keep_freed_memory`) rather than page-faulting it back every step, and give weights that still point into their
+checkpoint file memory of their own (`own_file_backed`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import statistics
 import sys
 import time
@@ -25,6 +27,7 @@ import torch
 
 __all__ = [
     "BF16_MIN_SPEEDUP",
+    "DEVICE_CHOICES",
     "KEEP_FREED_TUNABLES",
     "capped_threads",
     "cpu_bf16_speedup",
@@ -33,6 +36,7 @@ __all__ = [
     "keep_freed_memory",
     "file_mappings",
     "in_file_mapping",
+    "is_device_name",
     "own_file_backed",
     "set_torch_threads",
     "pick_device",
@@ -92,29 +96,29 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
+# What a config's `device` and `pick_device` take (the config check and pick_device's errors say it). Not Apple's
+# MPS: it has no float64, which sampling and the loss sums use, and no test runs on it; on Apple Silicon: the CPU.
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N (on Apple Silicon: cpu; MPS lacks the float64 the kit uses)"
+
+
+def is_device_name(value: object) -> bool:
+    """Whether `value` is one of DEVICE_CHOICES (None: a config section that is not there)."""
+    return value is None or re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(value).strip().lower()) is not None
+
+
 def pick_device(preferred: str = "auto") -> torch.device:
-    """ "auto" -> cuda, else mps, else cpu. Explicit names are honoured, with a clear error if unavailable."""
+    """ "auto" -> cuda, else cpu. Explicit names are honoured, with a clear error if unavailable; mps is refused."""
     preferred = (preferred or "auto").strip().lower()
     if preferred == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(preferred)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {preferred!r} (use auto, cpu, cuda, cuda:N or mps)") from e
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not is_device_name(preferred):
+        raise ValueError(f"device {preferred!r} is not one the kit runs on: use {DEVICE_CHOICES}")
+    device = torch.device(preferred)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {preferred!r} requested but CUDA is not available; use 'auto' or 'cpu'")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise RuntimeError(f"device {preferred!r} requested but only {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise RuntimeError(f"device {preferred!r} requested but MPS is not available; use 'auto' or 'cpu'")
     return device
 
 

@@ -573,10 +573,7 @@ def train(
     from areal_lite.engine.sglang_remote import RemoteSGLangEngine
     from areal_lite.kit.server.launch import launch_server
 
-    if getattr(config, "profile", "") == "gpu" and not torch.cuda.is_available():
-        # before anything starts: else SGLang fails, or the trainer fetches a GPU-sized model to train it on a CPU
-        raise ConfigError("profile=gpu, but torch finds no CUDA GPU here: run with profile=cpu, or profile=auto "
-                          "(it picks by CUDA)")  # fmt: skip
+    _refuse_cuda_settings_without_cuda(config)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     _threads(config, own_server=server_addrs is None)
@@ -628,6 +625,20 @@ def train(
         if handle is not None:
             handle.stop()
         run.close()
+
+
+def _refuse_cuda_settings_without_cuda(config: GRPOConfig) -> None:
+    """Before anything starts: else SGLang fails, or the trainer fetches a GPU-sized model to train it on a CPU, or a
+    device check stops the run after its server started."""
+    if torch.cuda.is_available():
+        return
+    if getattr(config, "profile", "") == "gpu":
+        raise ConfigError("profile=gpu, but torch finds no CUDA GPU here: run with profile=cpu, or profile=auto "
+                          "(it picks by CUDA)")  # fmt: skip
+    for section in ("actor", "embedded"):
+        device = str(getattr(getattr(config, section, None), "device", "auto"))
+        if device.strip().lower().startswith("cuda"):
+            raise ConfigError(f"{section}.device={device}, but torch finds no CUDA GPU here: use auto or cpu")
 
 
 def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
