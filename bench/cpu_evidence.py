@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if "trl" in only and not os.path.exists(args.trl_python):
         print(f"skipping vs_trl: no {args.trl_python} (`make trl` installs it)")
         plan = [(n, c) for n, c in plan if not n.startswith("vs_trl")]
+    if "rollout" in only and not hasattr(os, "sched_setaffinity"):  # macOS: the bench would stop the run
+        print("skipping rollout_throughput: it pins the server to its cores, and this OS has no sched_setaffinity")
+        plan = [(n, c) for n, c in plan if not n.startswith("rollout_throughput")]
     if args.notebooks:
         plan.append(("notebook_times", [sys.executable, "bench/notebook_times.py"]))
     print(f"{describe()} -> results tag {tag!r}")

@@ -623,6 +623,8 @@ def parse_args() -> tuple[argparse.Namespace, list[int], list[int]]:
     args.vllm_modes = [m for m in args.vllm_modes.split(",") if m]
     if set(args.vllm_modes) - set(VLLM_MODES):
         ap.error(f"--vllm-modes: choose from {', '.join(VLLM_MODES)}")
+    if not hasattr(os, "sched_getaffinity"):
+        ap.error("this bench pins the server and itself to cores (sched_setaffinity), which this OS does not offer")
     available = sorted(os.sched_getaffinity(0))
     args.cores = parse_cpu_list(args.cores) if args.cores else list(range(max(thread_counts)))
     if len(args.cores) < max(thread_counts) or not set(args.cores) <= set(available):

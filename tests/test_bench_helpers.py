@@ -494,6 +494,10 @@ def test_cpu_evidence_names_its_files_by_cpu_class(monkeypatch, capsys):
     assert "== demo_avx2: " in plan and "== eval_cost_avx2: " in plan and "== vs_trl" not in plan
     with pytest.raises(SystemExit, match="unknown steps"):
         ev.main(["--dry-run", "--only", "demos"])
+    monkeypatch.delattr(os, "sched_setaffinity")  # macOS: the rollout bench cannot pin, so the run goes on without it
+    assert ev.main(["--dry-run", "--only", "demo,rollout,eval"]) == 0
+    plan = capsys.readouterr().out
+    assert "skipping rollout_throughput" in plan and "== rollout_throughput" not in plan and "== eval_cost" in plan
     import areal_lite.utils.device as device  # update_speed's bf16 rows only where bf16 runs in hardware
 
     for native in (False, True):
