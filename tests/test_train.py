@@ -23,6 +23,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -382,6 +384,18 @@ def test_demo_prints_accuracy_by_minutes_of_training():
         {"step": 3, "time/step": 36.0, "time/eval": 6.0, "eval_accuracy": 0.96},
     ]
     assert accuracy_by_step(stats) == "0: 0.44 (0.0), 2: 0.80 (1.0), 4: 0.96 (2.0)"
+
+
+def test_cli_help_into_a_reader_that_leaves_early_ends_quietly():
+    """`train --help | head`: the help (over 64 KB, more than a pipe holds) meets a closed pipe, and the command ends
+    with status 0 and nothing on stderr, not a BrokenPipeError traceback."""
+    cmd = [sys.executable, "-m", "areal_lite.kit.trainer.train", "--help"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout.readline().startswith(b"usage: ")
+    proc.stdout.close()  # the reader leaves, as `head -1` does
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
 
 
 def test_cli_help_names_the_usage_and_every_field(capsys):

@@ -768,8 +768,11 @@ def _save_curve(config: GRPOConfig, history: List[Dict[str, Any]], run_dir: str)
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
-        print(USAGE)
-        print(describe(TrainConfig))  # every field with its one-line help
+        try:
+            print(USAGE)
+            print(describe(TrainConfig), flush=True)  # every field with its one-line help
+        except BrokenPipeError:  # `--help | head`: the reader left; Python's documented way to end quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     resume = "--resume" in argv
     argv = [a for a in argv if a != "--resume"]
