@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 
 __all__ = ["cpu_id", "cpu_model", "cpuinfo", "describe", "describe_line", "usable_cores", "vector_isa"]
 
@@ -33,8 +35,18 @@ def cpuinfo(path: str = "/proc/cpuinfo") -> dict:
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (elsewhere what `platform` knows)."""
-    return cpuinfo().get("model name") or platform.processor() or platform.machine() or "unknown"
+    """The CPU's model name from /proc/cpuinfo, on macOS from `sysctl` ("Apple M2"), else what `platform` knows."""
+    name = cpuinfo().get("model name") or (_sysctl("machdep.cpu.brand_string") if sys.platform == "darwin" else "")
+    return name or platform.processor() or platform.machine() or "unknown"
+
+
+def _sysctl(key: str) -> str:
+    """`sysctl -n key` (macOS), or "" where it fails."""
+    try:
+        out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def cpu_id(path: str = "/proc/cpuinfo") -> str:
@@ -56,6 +68,8 @@ def vector_isa() -> str:
     from areal_lite.utils.device import cpu_native_bf16
 
     isa = torch.backends.cpu.get_cpu_capability()
+    if isa == "DEFAULT" and platform.machine().lower() in ("arm64", "aarch64"):
+        isa = "NEON"  # torch names no level below SVE on 64-bit Arm, whose every CPU has NEON (its kernels use it)
     native = cpu_native_bf16()
     return f"{isa} + {native.replace('AVX-512 ', '')}" if native else isa
 
