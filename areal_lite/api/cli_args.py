@@ -384,7 +384,7 @@ class EmbeddedServerConfig:
         "weights dtype; auto: bfloat16 where this machine measures it faster and batch-exact (kit/server/precision.py)",
         choices=("float32", "bfloat16", "float16", "auto"),
     )
-    device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when present, else the CPU)")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto: CUDA when present, else the CPU")
     max_running_requests: int = _f(32, "requests decoded together in one batch")
     max_prefill_tokens: int = _f(8192, "padded prompt tokens per prefill batch")
     threads: int = _f(1, "torch threads of the server process (1 when a trainer shares the CPU)")
@@ -604,7 +604,7 @@ class TrainEngineConfig:
     scheduling_strategy: SchedulingStrategy = _f(
         help="AReaL scheduler: separate or colocated", factory=SchedulingStrategy
     )
-    device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when present, else the CPU) (kit-only)")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto: CUDA when present, else the CPU (kit-only)")
     threads: int = _f(0, "torch threads of the trainer (0: torch's default) (kit-only)")
     seed: int = _f(1, "trainer random seed (kit-only)")
 

@@ -86,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    from areal_lite.utils.device import DEVICE_CHOICES, is_device_name
+
     p = build_parser()
     args = p.parse_args(argv)
     if args.max_running_requests < 1 or args.threads < 1 or args.max_prefill_tokens < 1:
         p.error("--max-running-requests, --threads and --max-prefill-tokens must be at least 1")
-    from areal_lite.utils.device import DEVICE_CHOICES, is_device_name
-
     if not is_device_name(args.device):  # before the listening socket and the model load, not from the loader thread
         p.error(f"argument --device: {args.device!r} is not one the server runs on: use {DEVICE_CHOICES}")
     if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
