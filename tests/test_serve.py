@@ -1300,6 +1300,33 @@ def test_weight_matmuls_keep_rows_exact_or_the_log_says_so(monkeypatch, tiny_mod
         fastpath.weight_matmuls.cache_clear()  # later runners measure this CPU again
 
 
+def test_weight_matmuls_fall_back_to_plain_where_onednn_cannot_pack(monkeypatch):
+    """A torch whose oneDNN says it is there but cannot pack weights on this CPU (an Arm build, say) gets the plain
+    matmuls, measured as usual, instead of a server that fails to start."""
+    from areal_lite.kit.server import fastpath
+
+    real = fastpath.probe_linears
+
+    def probe(hidden, inter, dtype, pack=True):
+        if pack:
+            raise RuntimeError("mkldnn_reorder_linear_weight: unsupported on this platform")
+        return real(hidden, inter, dtype, pack)
+
+    monkeypatch.setattr(fastpath, "packs_weights", lambda dtype: True)
+    monkeypatch.setattr(fastpath, "probe_linears", probe)
+    monkeypatch.setattr(fastpath, "rows_exact", lambda linears, counts, most: all(not x.pack for x in linears))
+    fastpath.weight_matmuls.cache_clear()
+    try:
+        pack, exact, why = fastpath.weight_matmuls(64, 96, torch.float32, torch.get_num_threads())
+        assert (pack, exact) == (False, True) and why.startswith("plain (torch.mm, F.linear), each row's bits")
+        monkeypatch.setattr(fastpath, "rows_exact", lambda linears, counts, most: False)
+        fastpath.weight_matmuls.cache_clear()
+        pack, exact, why = fastpath.weight_matmuls(64, 96, torch.float32, torch.get_num_threads())
+        assert (pack, exact) == (False, False) and why.startswith("plain (torch.mm, F.linear); on this CPU the plain")
+    finally:
+        fastpath.weight_matmuls.cache_clear()  # later runners measure this CPU again
+
+
 def test_the_plain_matmul_check_also_runs_the_lm_heads_layout(monkeypatch):
     """Unpacked, the lm_head runs `F.linear` over the model's [out, in] weight, another matmul than the layers'
     transposed one: the start-up check probes that layout too, so a CPU where only the layers' plain matmul keeps
