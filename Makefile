@@ -58,7 +58,7 @@ help:
 	@echo "make clean     - remove runs/, .pytest_cache and build leftovers (.venv stays)"
 
 $(BIN)/python:
-	@$(PY) tools/check_python.py $(PY)  # 3.11 or 3.12, else a message that says what to do
+	@$(PY) tools/check_python.py $(PY)  # 3.11 or 3.12, on a machine torch 2.13.0 is built for, else what to do
 	$(PY) -m venv $(VENV)
 
 $(UV): $(BIN)/python

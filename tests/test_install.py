@@ -135,3 +135,16 @@ def test_make_refuses_a_python_it_cannot_install_on_and_says_what_to_do():
         assert "3.11 or 3.12" in why and f"python3 is {version[0]}.{version[1]}" in why and "PY=python3.12" in why
     run = subprocess.run([sys.executable, os.path.join(TOOLS, "check_python.py")], capture_output=True, text=True)
     assert (run.returncode, run.stderr) == (0, "")  # this suite's own interpreter is one make accepts
+
+
+def test_make_refuses_a_mac_that_torch_has_no_wheel_for():
+    """torch 2.13.0's macOS wheels are for Apple Silicon on macOS 14 or newer (PyPI's files): an Intel Mac (or an
+    x86-64 Python under Rosetta) and macOS 13 get a message instead of a resolver conflict; Linux is never refused."""
+    check = _tool("check_python")
+    intel = check.platform_problem("Darwin", "x86_64", "14.5")
+    assert "no wheels for Intel Macs after torch 2.2" in intel and "Rosetta" in intel and "Linux" in intel
+    old = check.platform_problem("Darwin", "arm64", "13.6.1")
+    assert "macOS 14 or newer" in old and "runs macOS 13.6.1" in old
+    for ok in [("Darwin", "arm64", "14.0"), ("Darwin", "arm64", "26.1"), ("Darwin", "arm64", ""), ("Linux", "x86_64")]:
+        assert check.platform_problem(*ok) is None, ok
+    assert check.platform_problem("Linux", "aarch64") is None
