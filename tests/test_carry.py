@@ -6,7 +6,6 @@ import nbformat
 import pytest
 
 from areal_lite import run_cells_defining
-from areal_lite.utils.machine import describe, describe_line
 
 
 def _notebook(path, *sources):
@@ -78,37 +77,3 @@ def test_a_missing_name_or_notebook_says_what_to_do(tmp_path):
         run_cells_defining(path, ["loss", "my_ppo_loss"], {})
     with pytest.raises(FileNotFoundError, match="run this notebook from its own folder"):
         run_cells_defining(str(tmp_path / "absent.ipynb"), ["loss"], {})
-
-
-def test_the_machine_line_names_model_cores_and_isa():
-    m = describe()
-    assert m["cpu_model"] and m["cores"] >= 1 and m["vector_isa"]
-    assert describe_line() == f"CPU: {m['cpu_model']}, {m['cores']} cores, {m['vector_isa']}"
-
-
-def test_the_machine_line_on_apple_silicon(monkeypatch):
-    """A Mac has no /proc/cpuinfo and torch calls its Arm kernels "DEFAULT": the line names the chip (sysctl) and
-    NEON, not "arm, ... DEFAULT". Where sysctl fails, `platform` still names something."""
-    import subprocess
-
-    import torch
-
-    from areal_lite.utils import device, machine
-
-    monkeypatch.setattr(machine, "cpuinfo", lambda path="/proc/cpuinfo": {})
-    monkeypatch.setattr(machine.sys, "platform", "darwin")
-    monkeypatch.setattr(machine.platform, "machine", lambda: "arm64")
-    monkeypatch.setattr(machine.platform, "processor", lambda: "arm")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    monkeypatch.setattr(device, "cpu_native_bf16", lambda: "")
-    calls = []
-
-    def sysctl(cmd, **kwargs):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout="Apple M2\n", stderr="")
-
-    monkeypatch.setattr(machine.subprocess, "run", sysctl)
-    assert describe_line().startswith("CPU: Apple M2, ") and describe_line().endswith(" cores, NEON")
-    assert calls[0] == ["sysctl", "-n", "machdep.cpu.brand_string"]
-    monkeypatch.setattr(machine.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no"))
-    assert machine.cpu_model() == "arm"

@@ -4,17 +4,30 @@ add the CPU's family, model and stepping numbers, `cpu_id`: a VM's model name ma
 Why: the same notebook runs at very different speeds on an AVX-512 CPU and an AVX2-only one, so every time the
 kit prints (`make demo`, each notebook's first cell, every bench's results file) says which CPU it came from. The
 vector ISA is torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: the kernels it really runs),
-refined by `utils.device.cpu_native_bf16` where the CPU also computes bfloat16 in hardware.
+refined by `utils.device.cpu_native_bf16` where the CPU also computes bfloat16 in hardware. The cores are those this
+process may use (`usable_cores`): its affinity, capped by a container's CPU quota, which the affinity does not show and
+which the trainer's and the server's thread counts must fit.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import subprocess
 import sys
+from typing import Optional
 
-__all__ = ["cpu_id", "cpu_model", "cpuinfo", "describe", "describe_line", "usable_cores", "vector_isa"]
+__all__ = [
+    "cgroup_cpu_limit",
+    "cpu_id",
+    "cpu_model",
+    "cpuinfo",
+    "describe",
+    "describe_line",
+    "usable_cores",
+    "vector_isa",
+]
 
 
 def cpuinfo(path: str = "/proc/cpuinfo") -> dict:
@@ -75,8 +88,47 @@ def vector_isa() -> str:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its affinity where the OS says (Linux), else the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on: its affinity where the OS says (Linux), else the machine's count, and no more
+    than its cgroup's CPU quota allows (`cgroup_cpu_limit`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return max(1, min(cores, limit)) if limit else cores
+
+
+def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The CPUs this process's cgroup quota gives it, rounded up (a container's `--cpus`, a Kubernetes pod's CPU limit,
+    as on a JupyterHub), or None without a quota. The affinity still shows every core of the host there, and threads
+    sized to it would take turns under the quota. cgroup v2: `cpu.max` ("200000 100000"; "max" is none) of the
+    process's group and the groups above it; v1: `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1 is none)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None  # not Linux
+    limits = []
+    for _, controllers, path in lines:
+        if controllers == "":  # v2: the group's own limit and every ancestor's
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                quota, _, period = _read(os.path.join(root, *parts[:depth], "cpu.max")).partition(" ")
+                if quota.isdigit() and period.isdigit() and int(period) > 0:  # "max": no quota
+                    limits.append(int(quota) / int(period))
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's mount, under its own name or cpu,cpuacct
+            for folder in {
+                os.path.join(root, mount, group) for mount in (controllers, "cpu") for group in (path.strip("/"), "")
+            }:
+                quota, period = _read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us")
+                if quota.isdigit() and period.isdigit() and int(period) > 0:  # "-1": no quota
+                    limits.append(int(quota) / int(period))
+    return math.ceil(min(limits)) if limits else None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, ValueError):
+        return ""
 
 
 def describe() -> dict:

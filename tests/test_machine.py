@@ -1,0 +1,69 @@
+"""`utils.machine`: the CPU line every run prints (model, usable cores, vector ISA), on Linux, a Mac and in a
+container with a CPU quota."""
+
+from __future__ import annotations
+
+from areal_lite.utils.machine import describe, describe_line
+
+
+def test_the_machine_line_names_model_cores_and_isa():
+    m = describe()
+    assert m["cpu_model"] and m["cores"] >= 1 and m["vector_isa"]
+    assert describe_line() == f"CPU: {m['cpu_model']}, {m['cores']} cores, {m['vector_isa']}"
+
+
+def test_the_machine_line_on_apple_silicon(monkeypatch):
+    """A Mac has no /proc/cpuinfo and torch calls its Arm kernels "DEFAULT": the line names the chip (sysctl) and
+    NEON, not "arm, ... DEFAULT". Where sysctl fails, `platform` still names something."""
+    import subprocess
+
+    import torch
+
+    from areal_lite.utils import device, machine
+
+    monkeypatch.setattr(machine, "cpuinfo", lambda path="/proc/cpuinfo": {})
+    monkeypatch.setattr(machine.sys, "platform", "darwin")
+    monkeypatch.setattr(machine.platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(machine.platform, "processor", lambda: "arm")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(device, "cpu_native_bf16", lambda: "")
+    calls = []
+
+    def sysctl(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="Apple M2\n", stderr="")
+
+    monkeypatch.setattr(machine.subprocess, "run", sysctl)
+    assert describe_line().startswith("CPU: Apple M2, ") and describe_line().endswith(" cores, NEON")
+    assert calls[0] == ["sysctl", "-n", "machdep.cpu.brand_string"]
+    monkeypatch.setattr(machine.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no"))
+    assert machine.cpu_model() == "arm"
+
+
+def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, monkeypatch):
+    """A container's `--cpus` or a Kubernetes CPU limit (a JupyterHub's pods) leaves every host core in the affinity:
+    the usable cores are the quota's, rounded up, in cgroup v2 (the group or any group above it) and v1 alike."""
+    from areal_lite.utils import machine
+
+    def limit(proc: str, files: dict):
+        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text + "\n")
+        (root / "self-cgroup").write_text(proc)
+        return machine.cgroup_cpu_limit(str(root / "self-cgroup"), str(root))
+
+    assert limit("0::/\n", {"cpu.max": "200000 100000"}) == 2  # a container's own namespace
+    assert limit("0::/\n", {"cpu.max": "max 100000"}) is None
+    nested = {"kubepods/pod1/cpu.max": "150000 100000", "kubepods/pod1/c1/cpu.max": "max 100000"}
+    assert limit("0::/kubepods/pod1/c1\n", nested) == 2  # the pod's 1.5 CPUs, rounded up
+    v1 = {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"}
+    assert limit("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n", v1) == 3
+    unlimited = {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}  # this CI machine's kind
+    assert limit("1:cpu:/\n", unlimited) is None
+    assert machine.cgroup_cpu_limit(str(tmp_path / "absent"), str(tmp_path)) is None  # not Linux
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: 2)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert machine.usable_cores() == 2
+    monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: None)
+    assert machine.usable_cores() == 64
