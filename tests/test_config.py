@@ -231,6 +231,26 @@ def test_weight_update_dir_defaults_to_ram_when_available(tmp_path):
     assert explicit.weight_update_dir == str(tmp_path)
 
 
+def test_weight_versions_go_to_disk_where_dev_shm_cannot_hold_one(tmp_path, monkeypatch, capsys):
+    """A container's /dev/shm is often 64 MB (Docker's default), less than one SmolLM2 version (~0.5 GB): the default
+    folder is then under fileroot, and a line says why, rather than a run that cannot write its first version."""
+    import collections
+    import shutil
+
+    demo = os.path.join(ROOT, "configs", "arith_grpo_demo.yaml")
+    real = shutil.disk_usage
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 0, 64 << 20) if p == "/dev/shm" else real(p))
+    args = ["--config", demo, f"fileroot={tmp_path}", "trial_name=small-shm"]
+    config, _ = load_expr_config(args, GRPOConfig, verbose=False)
+    assert config.weight_update_dir == str(tmp_path / "arith-grpo-demo" / "small-shm" / "weights")
+    assert re.search(r"/dev/shm holds 64 MiB, less than one weight version \(5\d\d MiB\)", capsys.readouterr().out)
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):  # a /dev/shm that holds a version: RAM
+        monkeypatch.setattr(shutil, "disk_usage", real)
+        config, _ = load_expr_config([*args, "trial_name=big-shm"], GRPOConfig, verbose=False)
+        assert config.weight_update_dir.startswith("/dev/shm/")
+
+
 def test_every_embedded_server_option_is_settable_from_a_config(tmp_path):
     """The options the embedded server takes are EmbeddedServerConfig's fields, so YAML and overrides reach them and
     `cli_args()` carries them to the server's command line."""

@@ -1188,7 +1188,13 @@ def _fill_derived(config: Any) -> None:
             vllm.model = vllm.model or actor.path
             vllm.dtype = vllm.dtype or actor.dtype
     if hasattr(config, "weight_update_dir") and not config.weight_update_dir:
-        config.weight_update_dir = default_weight_update_dir(config.experiment_name, config.trial_name, config.fileroot)
+        from areal_lite.utils.weight_dirs import written_version_bytes
+
+        # one version at least: what a run writes at its peak (a new version over the one it prunes)
+        need = written_version_bytes(actor.path, actor.dtype) if actor is not None and actor.path else None
+        config.weight_update_dir = default_weight_update_dir(
+            config.experiment_name, config.trial_name, config.fileroot, need=need
+        )
     _fill_section_names(config)
     rollout = getattr(config, "rollout", None)
     if rollout is not None and hasattr(config, "backend"):
@@ -1210,19 +1216,29 @@ def _fill_section_names(config: Any) -> None:
                 setattr(section, key, value)
 
 
-def default_weight_update_dir(experiment_name: str, trial_name: str, fileroot: str = "runs") -> str:
+def default_weight_update_dir(
+    experiment_name: str, trial_name: str, fileroot: str = "runs", need: Optional[int] = None
+) -> str:
     """Where disk weight updates go: RAM (`/dev/shm`) when the machine has it, since every step writes a full copy
-    of the weights (0.5 GB for SmolLM2 in float32) and the server reads it right back; else under `fileroot`.
+    of the weights (0.5 GB for SmolLM2 in float32) and the server reads it right back; else under `fileroot`. Also
+    under `fileroot` (and a line says so) when /dev/shm is smaller than `need` bytes, one version: a container's is
+    often 64 MB (Docker's default). A large but full one is `train`'s to refuse, with what to free.
 
     The folder belongs to the run, `<exp>/<trial>/weights`, claimed under a lock for as long as this process lives
     (`utils.weight_dirs`): a restarted or resumed run first removes what dead runs left, and a second live run with
     the same names (the English and the Chinese notebook side by side) gets `weights.1` instead of pruning the
     first one's versions. The actor removes its versions when destroyed; the folder goes at exit."""
+    import shutil
+
     from areal_lite.utils.weight_dirs import claim_weight_dir
 
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
-        user = os.environ.get("USER") or str(os.getuid())
-        root = os.path.join(shm, f"areal-lite-{user}")
-        return claim_weight_dir(os.path.join(root, experiment_name, trial_name, "weights"), sweep_root=root)
+        size = shutil.disk_usage(shm).total
+        if need is None or size >= need:
+            user = os.environ.get("USER") or str(os.getuid())
+            root = os.path.join(shm, f"areal-lite-{user}")
+            return claim_weight_dir(os.path.join(root, experiment_name, trial_name, "weights"), sweep_root=root)
+        print(f"areal-lite: {shm} holds {size / 2**20:.0f} MiB, less than one weight version ({need / 2**20:.0f} "
+              f"MiB): weight versions go under {fileroot}/ instead", flush=True)  # fmt: skip
     return claim_weight_dir(os.path.abspath(os.path.join(fileroot, experiment_name, trial_name, "weights")))

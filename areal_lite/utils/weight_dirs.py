@@ -36,6 +36,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "NoRoomError",
+    "written_version_bytes",
     "claim_weight_dir",
     "is_claimed",
     "release_weight_dirs",
@@ -221,6 +222,16 @@ def version_bytes(model_dir: str, dtype: str) -> Optional[int]:
                     n *= int(d)
                 count += n
     return count * _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 4)
+
+
+def written_version_bytes(model_path: str, dtype: str) -> Optional[int]:
+    """Bytes of one full weight version an actor of `dtype` writes for `model_path` (float32 for `bfloat16` too:
+    float32 master weights under autocast, `fsdp_engine._precision_plan`); None where the model's files are not local
+    (a hub id not downloaded yet: its size is unknown before the actor loads it)."""
+    from areal_lite.utils.model_store import local_model_dir
+
+    model = local_model_dir(model_path)
+    return version_bytes(model, "float32" if dtype == "bfloat16" else dtype) if model else None
 
 
 def _existing_ancestor(path: str) -> str:

@@ -63,7 +63,7 @@ from areal_lite.kit.trainer.rundir import (
 from areal_lite.utils.atomic import atomic_dir
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.model_store import ModelPathError
-from areal_lite.utils.weight_dirs import NoRoomError, check_room, version_bytes
+from areal_lite.utils.weight_dirs import NoRoomError, check_room, written_version_bytes
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -669,15 +669,11 @@ def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, 
 
 def _check_weight_room(config: GRPOConfig, folder: str, keep_last: int) -> None:
     """Refuse to start (`NoRoomError`, one line) when `folder` cannot hold the versions a run keeps at its peak, each
-    the model's parameter count times the size of the dtype the actor writes: float32 for `bfloat16` too (float32
-    master weights under autocast, `fsdp_engine._precision_plan`). `keep_last` of them; one more while a version is
-    written, unless it writes over the one it prunes (`recycled_file`: full weights, not an adapter)."""
+    of `written_version_bytes`: `keep_last` of them; one more while a version is written, unless it writes over the
+    one it prunes (`recycled_file`: full weights, not an adapter)."""
     from areal_lite.engine.fsdp_utils.weights import recycled_file  # torch.distributed: not at import
-    from areal_lite.utils.model_store import local_model_dir
 
-    written = "float32" if config.actor.dtype == "bfloat16" else config.actor.dtype
-    model = local_model_dir(config.actor.path)  # None: a hub id not downloaded yet, size unknown before the actor
-    per_version = version_bytes(model, written) if model else None
+    per_version = written_version_bytes(config.actor.path, config.actor.dtype)
     if per_version is not None:
         n = keep_last if recycled_file(config.actor.use_lora) else keep_last + 1
         what = f"{n} weight version{'s' if n > 1 else ''} of {per_version / 2**20:.1f} MiB each"
