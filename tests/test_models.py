@@ -298,8 +298,10 @@ def test_resolve_model_path_passthrough(tmp_path):
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
     with pytest.raises(ModelPathError, match="no such folder"):
         resolve_model_path(str(tmp_path / "nope"))
-    with pytest.raises(ModelPathError, match="did you mean 'smollm2-135m-instruct'"):
-        resolve_model_path("smollm2-135m-instruc")
+    for miss in ("smollm2-135m-instruc", "smollm2-135m", "SmolLM2"):  # a near miss, a shortened alias
+        with pytest.raises(ModelPathError, match="did you mean 'smollm2-135m-instruct'"):
+            resolve_model_path(miss)
+    assert resolve_model_path("bert-base-uncased") == "bert-base-uncased"  # an unscoped hub id like no alias
 
 
 def test_load_tokenizer_sets_pad(tiny_model_path, tmp_path):

@@ -294,7 +294,10 @@ def resolve_model_path(name_or_path: str) -> str:
         return expanded
     if name_or_path.startswith(("/", ".", "~")):
         raise ModelPathError(f"model path {name_or_path!r}: no such folder")
-    near = difflib.get_close_matches(name_or_path, list(MODEL_REGISTRY), n=1, cutoff=0.8)
+    # a near miss, or a shortened alias ("smollm2-135m"): no unscoped hub id is either of the kit's aliases
+    near = difflib.get_close_matches(name_or_path, list(MODEL_REGISTRY), n=1, cutoff=0.8) or [
+        a for a in MODEL_REGISTRY if len(name_or_path) >= 4 and a.startswith(name_or_path.lower())
+    ]
     if near and "/" not in name_or_path:
         raise ModelPathError(
             f"model {name_or_path!r} is no alias, folder or hub id (org/name); did you mean {near[0]!r}? "
