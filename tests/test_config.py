@@ -376,3 +376,33 @@ def test_a_yaml_key_indented_one_level_off_is_pointed_to_its_place(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("key 'actor.lr': unknown key for PPOActorConfig; did you mean "
                                                     "'actor.optimizer.lr'?")):  # fmt: skip
         load_expr_config(["--config", path], GRPOConfig, verbose=False)
+
+
+def test_a_misspelt_environment_variable_is_refused_by_name(monkeypatch):
+    """`AREAL_LITE_OVERIDES=...` would be ignored without a word (the run goes on without the overrides): loading a
+    config refuses any AREAL_LITE_* name the kit does not read, and names the nearest one it does."""
+    monkeypatch.setenv("AREAL_LITE_OVERIDES", "backend=vllm")
+    with pytest.raises(
+        ConfigError, match="AREAL_LITE_OVERIDES: not one the kit reads; did you mean AREAL_LITE_OVERRIDES"
+    ):
+        load_expr_config([], GRPOConfig, verbose=False)
+    monkeypatch.delenv("AREAL_LITE_OVERIDES")
+    load_expr_config([], GRPOConfig, verbose=False)
+
+
+def test_the_kit_reads_exactly_the_environment_variables_it_lists():
+    """config_loader.ENVIRONMENT against every AREAL_LITE_* name in the code, tools, benches, tests and docs."""
+    from areal_lite.api.config_loader import ENVIRONMENT
+
+    used = set()
+    for folder in ("areal_lite", "tools", "bench", "tests", "notebooks/src", "docs", ".ci"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith((".py", ".md", ".sh", ".cfg", ".yaml", "run")):
+                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                        used |= set(re.findall(r"AREAL_LITE_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
+    for name in ("Makefile", "README.md"):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            used |= set(re.findall(r"AREAL_LITE_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
+    used.discard("AREAL_LITE_OVERIDES")  # the misspelling the test above sets
+    assert used == set(ENVIRONMENT)

@@ -13,7 +13,8 @@ Design decisions
   overrides applied on top of the base keys, before the command line. `profile=auto` picks `gpu` when CUDA is
   available, else `cpu` (`resolve_profile`), and whatever loads a config prints the profile it chose.
 - The environment is the one switch a whole run (CI, `make test-gpu`) flips without editing a notebook:
-  `$AREAL_LITE_OVERRIDES` holds overrides applied before the command line's, `$AREAL_LITE_PROFILE` the profile.
+  `$AREAL_LITE_OVERRIDES` holds overrides applied before the command line's, `$AREAL_LITE_PROFILE` the profile. An
+  AREAL_LITE_* name the kit does not read (`ENVIRONMENT`) is refused, as an unknown key is.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from omegaconf import OmegaConf
 
 from areal_lite.api.areal_only import ConfigError
 
-__all__ = ["LoadedConfig", "load_layers", "resolve_profile", "describe"]
+__all__ = ["ENVIRONMENT", "LoadedConfig", "check_environment", "load_layers", "resolve_profile", "describe"]
 
 
 _INTERPOLATION = re.compile(r"\$\{[^{}]+\}")
@@ -262,6 +263,32 @@ class LoadedConfig:
         return True
 
 
+# The environment variables the kit reads (a test checks this list against the code). Any other AREAL_LITE_* name is
+# a misspelling that would be ignored without a word, so loading a config refuses it.
+ENVIRONMENT = (
+    "AREAL_LITE_CACHE",
+    "AREAL_LITE_CPU_BF16",
+    "AREAL_LITE_GPU_INSTALL",
+    "AREAL_LITE_OVERRIDES",
+    "AREAL_LITE_PROFILE",
+    "AREAL_LITE_SERVER_TRANSFORMERS",
+    "AREAL_LITE_SMOKE",
+    "AREAL_LITE_SOAK_EXAMPLES",
+)
+
+
+def check_environment(environ: Optional[Dict[str, str]] = None) -> None:
+    """Raise ConfigError for an AREAL_LITE_* variable the kit does not read, naming the nearest one it does."""
+    environ = os.environ if environ is None else environ
+    unknown = sorted(k for k in environ if k.startswith("AREAL_LITE_") and k not in ENVIRONMENT)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], ENVIRONMENT, n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        raise ConfigError(
+            f"environment variable {unknown[0]}: not one the kit reads{hint} (it reads {', '.join(ENVIRONMENT)})"
+        )
+
+
 def load_layers(argv: List[str], config_cls: type) -> LoadedConfig:
     """Parse `["--config", FILE, "a.b=1", ...]` into a checked `config_cls` instance (no derived fields filled).
 
@@ -269,6 +296,7 @@ def load_layers(argv: List[str], config_cls: type) -> LoadedConfig:
     The profile comes from `profile=` in argv, else `$AREAL_LITE_PROFILE`, else `profile=` in
     `$AREAL_LITE_OVERRIDES`, else the YAML, else `auto`.
     """
+    check_environment()
     path, overrides = _split_argv(argv)
     data, profiles = _read_yaml(path)
     source = path or "<defaults>"
