@@ -304,20 +304,18 @@ def test_cli_with_the_demo_config_runs_on_the_tiny_model(tmp_path, tiny_model_pa
 def test_profile_gpu_without_cuda_is_refused_before_anything_starts(tmp_path):
     from areal_lite.api.cli_args import ConfigError
 
-    config, _ = load_expr_config(
-        ["--config", os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"), "profile=gpu", f"fileroot={tmp_path}"],
-        TrainConfig,
-        verbose=False,
-    )
+    runs = tmp_path / "runs"
+    # the weight folder named apart: by default it is claimed when the config loads, under fileroot where /dev/shm
+    # is missing or small
+    paths = [f"fileroot={runs}", f"weight_update_dir={tmp_path / 'weights'}"]
+    gpu = ["--config", os.path.join(ROOT, "configs", "gsm8k_grpo.yaml"), "profile=gpu", *paths]
+    config, _ = load_expr_config(gpu, TrainConfig, verbose=False)
     with pytest.raises(ConfigError, match="profile=gpu, but torch finds no CUDA GPU here"):
         train(config)
     assert os.listdir(tmp_path) == []  # no run folder, no server, no download
     for key in ("actor.device=cuda", "embedded.device=cuda:0"):  # a device named, not a profile: the same
-        config, _ = load_expr_config(
-            ["--config", os.path.join(ROOT, "configs", "arith_grpo_demo.yaml"), key, f"fileroot={tmp_path}"],
-            TrainConfig,
-            verbose=False,
-        )
+        demo = ["--config", os.path.join(ROOT, "configs", "arith_grpo_demo.yaml"), key, *paths]
+        config, _ = load_expr_config(demo, TrainConfig, verbose=False)
         with pytest.raises(ConfigError, match=f"{key}, but torch finds no CUDA GPU here: use auto or cpu"):
             train(config)
         assert os.listdir(tmp_path) == []
