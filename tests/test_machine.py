@@ -40,6 +40,23 @@ def test_the_machine_line_on_apple_silicon(monkeypatch):
     assert machine.cpu_model() == "arm"
 
 
+def test_the_cpu_model_on_arm_linux(monkeypatch):
+    """Arm Linux's /proc/cpuinfo names no model (part numbers only): `lscpu` does ("Cortex-A76", "Neoverse-N1")."""
+    import subprocess
+
+    from areal_lite.utils import machine
+
+    monkeypatch.setattr(machine, "cpuinfo", lambda path="/proc/cpuinfo": {"CPU part": "0xd0b"})
+    monkeypatch.setattr(machine.sys, "platform", "linux")
+    lscpu = "Architecture:  aarch64\nVendor ID:     ARM\nModel name:    Cortex-A76\nThread(s) per core:  1\n"
+    monkeypatch.setattr(machine.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, lscpu, ""))
+    assert machine.cpu_model() == "Cortex-A76"
+    monkeypatch.setattr(machine.subprocess, "run", lambda cmd, **kw: (_ for _ in ()).throw(FileNotFoundError(cmd[0])))
+    monkeypatch.setattr(machine.platform, "processor", lambda: "")
+    monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
+    assert machine.cpu_model() == "aarch64"  # no lscpu: what platform knows
+
+
 def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, monkeypatch):
     """A container's `--cpus` or a Kubernetes CPU limit (a JupyterHub's pods) leaves every host core in the affinity:
     the usable cores are the quota's, rounded up, in cgroup v2 (the group or any group above it) and v1 alike."""

@@ -48,15 +48,21 @@ def cpuinfo(path: str = "/proc/cpuinfo") -> dict:
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, on macOS from `sysctl` ("Apple M2"), else what `platform` knows."""
-    name = cpuinfo().get("model name") or (_sysctl("machdep.cpu.brand_string") if sys.platform == "darwin" else "")
+    """The CPU's model name from /proc/cpuinfo; on Arm Linux, whose cpuinfo has only part numbers, from `lscpu`
+    ("Cortex-A76"); on macOS from `sysctl` ("Apple M2"); else what `platform` knows."""
+    name = cpuinfo().get("model name")
+    if not name and sys.platform == "darwin":
+        name = _run(["sysctl", "-n", "machdep.cpu.brand_string"])
+    elif not name and sys.platform.startswith("linux"):
+        lines = _run(["lscpu"]).splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name:")), "")
     return name or platform.processor() or platform.machine() or "unknown"
 
 
-def _sysctl(key: str) -> str:
-    """`sysctl -n key` (macOS), or "" where it fails."""
+def _run(cmd: list) -> str:
+    """A command's output, or "" where it is missing or fails."""
     try:
-        out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
