@@ -277,10 +277,9 @@ ENVIRONMENT = (
 )
 
 
-def check_environment(environ: Optional[Dict[str, str]] = None) -> None:
+def check_environment() -> None:
     """Raise ConfigError for an AREAL_LITE_* variable the kit does not read, naming the nearest one it does."""
-    environ = os.environ if environ is None else environ
-    unknown = sorted(k for k in environ if k.startswith("AREAL_LITE_") and k not in ENVIRONMENT)
+    unknown = sorted(k for k in os.environ if k.startswith("AREAL_LITE_") and k not in ENVIRONMENT)
     if unknown:
         near = difflib.get_close_matches(unknown[0], ENVIRONMENT, n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]}?" if near else ""

@@ -635,10 +635,14 @@ def _refuse_cuda_settings_without_cuda(config: GRPOConfig) -> None:
     if getattr(config, "profile", "") == "gpu":
         raise ConfigError("profile=gpu, but torch finds no CUDA GPU here: run with profile=cpu, or profile=auto "
                           "(it picks by CUDA)")  # fmt: skip
+    from areal_lite.utils.device import pick_device
+
     for section in ("actor", "embedded"):
-        device = str(getattr(getattr(config, section, None), "device", "auto"))
-        if device.strip().lower().startswith("cuda"):
-            raise ConfigError(f"{section}.device={device}, but torch finds no CUDA GPU here: use auto or cpu")
+        device = getattr(getattr(config, section, None), "device", "auto")
+        try:
+            pick_device(device)  # the one rule for device names; without CUDA it refuses exactly the cuda ones
+        except RuntimeError:
+            raise ConfigError(f"{section}.device={device}, but torch finds no CUDA GPU here: use auto or cpu") from None
 
 
 def _open_run(config: GRPOConfig, resume: bool, existing: str) -> Tuple[RunDir, WeightUpdateMeta]:
