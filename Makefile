@@ -25,7 +25,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test notebook-times test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test notebook-times memory test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -42,6 +42,7 @@ help:
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
 	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
+	@echo "make memory    - peak memory of make demo and of every notebook, full budget (~30 min; NOTEBOOKS=\"05 06\")"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make gpu-stage - the GPU check for an offline GPU machine, staged in parts (.gpu-stage/; docs/gpu.md)"
@@ -167,12 +168,12 @@ soak: $(DEVSTAMP)
 lab: $(DEVSTAMP)
 	$(BIN)/jupyter lab notebooks/
 
-# vs_trl.py needs TRL's venv: `make bench-trl`; notebook_times.py runs every notebook (`make notebook-times`);
-# areal_run.py needs notebook 08's export (`make areal-run` makes it); cpu_evidence.py runs the others itself;
-# report.py is no benchmark (`make bench-report`). The dev extra: the dense retriever's model (retrieval_recall.py)
-# and nbformat (search_prompts.py, tool_exploration.py read notebook sources).
+# vs_trl.py needs TRL's venv: `make bench-trl`; notebook_times.py and memory.py run every notebook
+# (`make notebook-times`, `make memory`); areal_run.py needs notebook 08's export (`make areal-run` makes it);
+# cpu_evidence.py runs the others itself; report.py is no benchmark (`make bench-report`). The dev extra: the dense
+# retriever's model (retrieval_recall.py) and nbformat (search_prompts.py, tool_exploration.py read notebook sources).
 bench: $(DEVSTAMP)
-	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/notebook_times.py|bench/areal_run.py|bench/cpu_evidence.py|bench/report.py) continue;; esac; \
+	for f in bench/[!_]*.py; do case $$f in bench/vs_trl.py|bench/notebook_times.py|bench/memory.py|bench/areal_run.py|bench/cpu_evidence.py|bench/report.py) continue;; esac; \
 	  echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 # Every notebook top to bottom, alone, full budget, timed on this CPU (about 20 min on a 2-core AVX-512 Xeon, about
@@ -183,6 +184,12 @@ NOTEBOOKS ?=
 notebook-times: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	PYTHONPATH=. $(BIN)/python bench/notebook_times.py $(NOTEBOOKS)
+
+# The peak memory of `make demo` and of every notebook, full budget (bench/results/memory.json): what the READMEs
+# say a machine needs free. NOTEBOOKS="05 06" measures some of them (and `make demo` too).
+memory: $(DEVSTAMP)
+	$(BIN)/python -m areal_lite.kit.notebook.prepare
+	PYTHONPATH=. $(BIN)/python bench/memory.py $(NOTEBOOKS)
 
 # bench/RESULTS.md is generated from bench/results/*.json and bench/results/history/*.json (bench/report.py, standard
 # library only, so no venv needed); tests/test_bench_report.py fails when the committed file is not what this writes.

@@ -43,6 +43,7 @@ TITLES = {  # the order of RESULTS.md's sections; a results file not named here 
     "eval_cost_avx2_proxy": "A held-out evaluation against a step's generation, AVX2 proxy (`bench/eval_cost.py`)",
     "server_start": "An embedded server's start, lean load against transformers (`bench/server_start.py`)",
     "notebook_times": "Each notebook's wall time, alone, full budget (`bench/notebook_times.py`)",
+    "memory": "Peak memory of `make demo` and of each notebook, full budget (`bench/memory.py`)",
     "gpu": "The GPU check: GPU tests and notebooks on CUDA (`tools/gpu_check.py`)",
     "soak": "Load, faults and a crash against the real servers (`make soak`: `tools/soak.py`)",
     "areal_run": "AReaL's own trainer on notebook 08's export, then resumed (`bench/areal_run.py`)",
@@ -397,6 +398,27 @@ def row_notebook_times(f: dict) -> list:
     return [str(len(f["minutes"])), f"{sum(f['minutes'].values()):.1f}"]
 
 
+# memory -----------------------------------------------------------------------------------------------------------
+
+
+def summarise_memory(d: dict) -> dict:
+    return {"peak_gib": {name: r["peak_gib"] for name, r in d["runs"].items()},
+            "at_peak_gib": {name: r["at_peak_gib"] for name, r in d["runs"].items()}}  # fmt: skip
+
+
+def latest_memory(f: dict) -> list:
+    """Each run's peak (PSS of everything it started, plus its weight versions in /dev/shm) and what held it."""
+    rows = []
+    for name, peak in f["peak_gib"].items():
+        parts = sorted(f["at_peak_gib"][name].items(), key=lambda kv: -kv[1])
+        rows.append([name, f"{peak:.2f}", "; ".join(f"{who} {gib:.2f}" for who, gib in parts)])
+    return table(["run", "peak, GiB", "at the peak, GiB"], rows)
+
+
+def row_memory(f: dict) -> list:
+    return [f"{max(f['peak_gib'].values()):.2f} ({max(f['peak_gib'], key=f['peak_gib'].get)})"]
+
+
 # tool_exploration -------------------------------------------------------------------------------------------------
 
 
@@ -585,6 +607,7 @@ KINDS = {
         row_server_start,
     ),
     "notebook_times": (summarise_notebook_times, latest_notebook_times, ["notebooks", "minutes"], row_notebook_times),
+    "memory": (summarise_memory, latest_memory, ["largest peak, GiB"], row_memory),
     "async_vs_sync": (None, None, ["model", "async / sync", "ideal"], row_async_vs_sync),
     "search_prompts": (summarise_search_prompts, latest_search_prompts, ["sampled F1 by prompt"], row_search_prompts),
     "tool_exploration": (

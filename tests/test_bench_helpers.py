@@ -356,6 +356,42 @@ def test_report_lists_notebook_times_in_minutes():
     assert report.row_notebook_times(figures) == ["2", "1.2"]
 
 
+@linux_only
+def test_peak_memory_counts_what_a_child_holds_and_the_kits_shm_files(tmp_path, monkeypatch):
+    """A child that holds 200 MiB of its own memory shows in the peak as "other" (the role of a process no pattern
+    names), with the files of the kit's /dev/shm folders beside it; the peak is what was held, not a sum over time."""
+    memory = load_bench("memory")
+    shm = tmp_path / "areal-lite-test" / "weights"
+    shm.mkdir(parents=True)
+    (shm / "model.safetensors").write_bytes(b"\1" * (8 << 20))
+    monkeypatch.setattr(memory, "SHM_FOLDERS", str(tmp_path / "areal-lite-*"))
+    code = "import sys; b = bytearray(200 << 20); print('held', flush=True); sys.stdin.read()"
+    before = memory.PeakMemory().sample().get("other", 0)  # this worker's idle children from earlier tests, if any
+    with memory.PeakMemory(interval=0.05) as peak:
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "held\n"
+        seen = peak.samples
+        while peak.samples < seen + 2:  # two samples taken while the child holds its memory
+            peak._stop.wait(0.05)
+        child.communicate("")
+    mib = 1 << 20
+    assert 200 * mib <= peak.at_peak["other"] - before < 260 * mib
+    assert peak.at_peak["weight versions in /dev/shm"] == 8 * mib
+    assert peak.peak == sum(peak.at_peak.values())
+    assert memory.role(["python", "-m", "areal_lite.kit.server", "--port", "1"]) == "inference server"
+    assert memory.role([sys.executable, "-m", "ipykernel_launcher", "-f", "k.json"]) == "notebook kernel"
+
+
+def test_report_lists_each_runs_peak_memory_and_what_held_it():
+    report = load_bench("report")
+    record = {"runs": {"demo": {"peak_gib": 5.59, "at_peak_gib": {"demo": 3.26, "inference server": 1.47}},
+                       "04_training": {"peak_gib": 6.07, "at_peak_gib": {"notebook kernel": 3.46}}}}  # fmt: skip
+    figures = report.summarise_memory(record)
+    text = "\n".join(report.latest_memory(figures))
+    assert "| demo | 5.59 | demo 3.26; inference server 1.47 |" in text and "| 04_training | 6.07 |" in text
+    assert report.row_memory(figures) == ["6.07 (04_training)"]
+
+
 def test_a_notebook_is_timed_in_a_scratch_tree_with_its_sibling_notebooks(tmp_path):
     """As 04 runs 03's cells and 08 reads 05's, a timed notebook finds the notebooks beside it and ../../configs,
     and writes its runs into the scratch tree, not beside the original."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import math
 import os
 import re
 
@@ -299,6 +300,33 @@ def test_readmes_test_time_is_the_recorded_ci_run():
     if avx2 := _record_if_any("ci_time_avx2"):  # and an AVX2-only CPU's, if timed
         assert avx2["returncode"] == 0 and avx2["vector_isa"] == "AVX2" and not avx2["forced_isa"]
         assert f"and {avx2['seconds'] / 60:.0f} min on the 2-core AVX2-only {avx2['cpu_model']}" in readme
+
+
+def _gib_up(x: float) -> str:
+    """A peak as the READMEs quote it: GiB rounded up to one decimal (a learner needs at least that much)."""
+    return f"{math.ceil(round(x * 10, 6)) / 10:.1f}"
+
+
+def test_the_memory_the_readmes_ask_for_is_the_recorded_peak():
+    """README.md and the workshop guide say how much free memory the kit needs: `make demo`'s peak and the largest
+    notebook's, as bench/memory.py recorded them (rounded up), not typed by hand; every notebook was measured."""
+    runs = _record("memory")["runs"]
+    notebooks = {name: r["peak_gib"] for name, r in runs.items() if name != "demo"}
+    expected = {
+        os.path.basename(p)[: -len(".ipynb")] for p in glob.glob(os.path.join(ROOT, "notebooks", "en", "*.ipynb"))
+    }
+    assert set(notebooks) == expected, "bench/results/memory.json must measure every notebook (`make memory`)"
+    largest = max(notebooks, key=notebooks.get)
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    quoted = (
+        f"`make demo` peaks at {_gib_up(runs['demo']['peak_gib'])} GiB and the largest notebook, {largest[:2]}, at "
+    )
+    quoted += f"{_gib_up(notebooks[largest])} GiB"
+    assert quoted in readme, f"README.md should say {quoted!r} (bench/results/memory.json)"
+    guide = " ".join(open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read().split())
+    low = min(notebooks, key=notebooks.get)
+    quoted = f"from {_gib_up(notebooks[low])} GiB ({low[:2]}) to {_gib_up(notebooks[largest])} GiB ({largest[:2]})"
+    assert quoted in guide, f"notebooks/README.md should say {quoted!r} (bench/results/memory.json)"
 
 
 def test_reliability_quotes_the_recorded_soak():

@@ -148,3 +148,13 @@ def test_make_refuses_a_mac_that_torch_has_no_wheel_for():
     for ok in [("Darwin", "arm64", "14.0"), ("Darwin", "arm64", "26.1"), ("Darwin", "arm64", ""), ("Linux", "x86_64")]:
         assert check.platform_problem(*ok) is None, ok
     assert check.platform_problem("Linux", "aarch64") is None
+
+
+def test_make_on_windows_points_to_wsl():
+    """Native Windows (a Python from python.org, or Git Bash's and MSYS2's) is refused with the way that works, WSL 2:
+    the servers need POSIX process groups and signals. WSL 2 reports Linux and passes."""
+    check = _tool("check_python")
+    for system in ["Windows", "MSYS_NT-10.0-22631", "MINGW64_NT-10.0-22631", "CYGWIN_NT-10.0-22631"]:
+        why = check.platform_problem(system, "AMD64")
+        assert "WSL 2" in why and "wsl --install" in why and "/mnt/c" in why, system
+    assert check.platform_problem("Linux", "x86_64") is None  # what WSL 2's Python reports

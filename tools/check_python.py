@@ -3,7 +3,8 @@
 
 transformers (from 5.23) and AReaL 1.0.4 (`make lab`, `make test`, notebook 08) need 3.11 or newer, and AReaL takes
 nothing newer than 3.12. torch 2.13.0 is on PyPI for Linux and, on macOS, for Apple Silicon from macOS 14: Intel Macs
-have no torch after 2.2, and macOS 13 none after 2.11. Checked first, so the learner reads what to do rather than a
+have no torch after 2.2, and macOS 13 none after 2.11. On Windows the kit itself needs Linux (process groups, signals,
+/dev/shm), which WSL 2 is. Checked first, so the learner reads what to do rather than a
 resolver conflict after the venv and uv are installed. Written for any Python 3 (it runs under the interpreter it
 judges).
 """
@@ -27,6 +28,12 @@ def problem(version, python="python3"):
 def platform_problem(system, machine, mac_release=""):
     """Why torch 2.13.0 has no wheel for this OS and CPU (`platform.system()`, `.machine()`, `.mac_ver()[0]`); None
     where it has one."""
+    if system == "Windows" or system.startswith(("CYGWIN", "MSYS", "MINGW")):
+        return (
+            "areal-lite runs on Linux or macOS, not on Windows itself (its servers use process groups, POSIX signals "
+            "and /dev/shm). Use WSL 2, a Linux inside Windows: run `wsl --install` in PowerShell, open Ubuntu, and "
+            "clone and run make there, in the Linux home folder (~), not under /mnt/c, which is much slower."
+        )
     if system != "Darwin":
         return None
     elsewhere = "run areal-lite on Linux instead (a VM or a container, or Colab's CPU runtime: notebooks/README.md)"
