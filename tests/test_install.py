@@ -158,3 +158,41 @@ def test_make_on_windows_points_to_wsl():
         why = check.platform_problem(system, "AMD64")
         assert "WSL 2" in why and "wsl --install" in why and "/mnt/c" in why, system
     assert check.platform_problem("Linux", "x86_64") is None  # what WSL 2's Python reports
+
+
+def test_a_wheelhouse_lists_the_venvs_pins_and_the_build_backend():
+    """`make wheelhouse` fetches what .venv holds, pinned, without the kit itself (editable) or a local path, and adds
+    the build backend the editable install needs where the venv lacks it."""
+    wheelhouse = _tool("wheelhouse")
+    freeze = "\n".join(
+        [
+            "areal==1.0.4",
+            "-e file:///work/areal-lite",
+            "mylib @ file:///tmp/mylib",
+            "torch==2.13.0+cpu",
+            "setuptools==84.2.1",
+            "",
+        ]
+    )
+    assert wheelhouse.requirements(freeze, ["setuptools>=77", "wheel"]) == [
+        "areal==1.0.4",
+        "torch==2.13.0+cpu",
+        "setuptools==84.2.1",
+        "wheel",
+    ]
+    assert "Python 3." in wheelhouse.platform_line()
+
+
+def test_make_with_a_wheelhouse_installs_from_it_alone():
+    """`make install WHEELHOUSE=DIR` passes every install (pip's bootstrap of uv, each uv call) the folder and no
+    index, and asks no index where torch's CPU build is; without it, pip's own settings apply as before."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    cmd = ["make", "-n", "-C", root, "install", "VENV=/nonexistent/venv"]
+    offline = subprocess.run(cmd + ["WHEELHOUSE=/srv/wheels"], capture_output=True, text=True, check=True).stdout
+    installs = [line for line in offline.splitlines() if " install " in line]
+    assert len(installs) == 3 and all("--no-index --find-links /srv/wheels" in line for line in installs), installs
+    assert "download.pytorch.org" not in offline and "uv_args.py" not in offline
+    online = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "--no-index" not in online
