@@ -17,9 +17,11 @@ import pytest
 
 from areal_lite.kit.server.procs import (
     _LIVE,
+    OOM_SCORE_ADJ,
     ServerLaunchError,
     ServerProcess,
     ServerTimeoutError,
+    exit_cause,
     find_free_port,
     find_free_ports,
     spawn,
@@ -129,6 +131,62 @@ def test_stop_reaches_the_childs_own_children(tmp_path):
     assert alive(grandchild)
     srv.stop()
     assert wait_until(lambda: not alive(grandchild), 60)
+
+
+def file_server(tmp_path) -> ServerProcess:
+    """A ready `http.server` child, as a ServerProcess."""
+    port = find_free_port()
+    log = str(tmp_path / "http.log")
+    cmd = [PY, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(tmp_path), str(port)]
+    return ServerProcess(spawn(cmd, log), "127.0.0.1", port, log, label="file server", health_path="/").wait_ready(30)
+
+
+def test_a_ready_server_that_dies_unasked_says_why_at_once(tmp_path, capsys):
+    """Killed as the OOM killer kills (SIGKILL), a ready server reports it on stderr by itself, with the cause, what
+    to do and its log's tail: a notebook shows it in the running cell, before the next request fails."""
+    srv = file_server(tmp_path)
+    os.kill(srv.pid, signal.SIGKILL)
+    said = []
+    assert wait_until(lambda: said.append(capsys.readouterr().err) or "areal-lite:" in "".join(said))
+    msg = "".join(said)
+    assert f"the file server at {srv.address} (pid {srv.pid}, log {srv.log_path})" in msg
+    assert "was killed by SIGKILL (signal 9)" in msg and "out-of-memory killer" in msg and "Out of memory" in msg
+    assert "last log lines" in msg and "Serving HTTP on 127.0.0.1" in msg
+    srv.stop()
+
+
+def test_a_server_stopped_or_failing_to_start_gets_no_second_report(tmp_path, capsys):
+    """stop() (and a crash before ready, which wait_ready raises) print nothing: only an unasked death is news."""
+    srv = file_server(tmp_path)
+    watcher = next(t for t in threading.enumerate() if t.name == f"areal-lite-watch-{srv.pid}")
+    srv.stop()
+    watcher.join(timeout=10)
+    early = start(tmp_path, "import sys; sys.exit(3)")
+    with pytest.raises(ServerLaunchError):
+        early.wait_ready(timeout=30)
+    watcher = next((t for t in threading.enumerate() if t.name == f"areal-lite-watch-{early.pid}"), None)
+    if watcher is not None:
+        watcher.join(timeout=10)  # it saw the exit and ended without a word
+    assert not watcher or not watcher.is_alive()
+    assert "areal-lite:" not in capsys.readouterr().err
+    early.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="oom_score_adj is Linux's")
+def test_out_of_memory_the_kernel_takes_a_server_before_its_parent(tmp_path):
+    srv = start(tmp_path, "import time; time.sleep(60)")
+    with open(f"/proc/{srv.pid}/oom_score_adj") as f:
+        assert int(f.read()) == OOM_SCORE_ADJ > 0
+    with open("/proc/self/oom_score_adj") as f:
+        assert int(f.read()) < OOM_SCORE_ADJ  # the parent keeps its own
+    srv.stop()
+
+
+def test_exit_causes_read_as_a_person_would_say_them():
+    assert exit_cause(3) == "exited with code 3"
+    assert exit_cause(-signal.SIGTERM) == "was killed by SIGTERM (signal 15)"
+    assert exit_cause(-signal.SIGKILL).startswith("was killed by SIGKILL (signal 9). On Linux that is most often")
+    assert exit_cause(-200) == "was killed by an unknown signal (signal 200)"
 
 
 def test_collected_handle_stops_its_child_and_runs_on_stop_once(tmp_path):

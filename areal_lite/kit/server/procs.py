@@ -1,6 +1,5 @@
-"""Child server processes: free ports, starting a child that dies with its parent, and a handle to wait for it,
-read its log and stop it. The inference servers (`launch.ServerHandle`) and the RAG server (`rag.RAGServerHandle`)
-are both built on this module.
+"""Child server processes: starting a child that dies with its parent, and a handle to wait for it, read its log
+and stop it. The inference servers (`launch.ServerHandle`) and the RAG server (`rag.RAGServerHandle`) use it.
 
     port = find_free_port()
     proc = spawn([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], "/tmp/files.log")
@@ -8,21 +7,23 @@ are both built on this module.
         srv.wait_ready(timeout=30)       # polls GET http://127.0.0.1:PORT/; on failure the error quotes the log
 
 Design decisions
-- A plain child from an argv list (never a shell string), its output appended to one log whose tail errors quote.
 - No orphans, in layers (a notebook kernel can crash at any time): (1) on Linux the child gets SIGTERM when its
   parent dies, SIGKILL included (`_Spawner` says why it forks on one thread); (2) `atexit`; (3) a weakref finalizer
   on the handle; (4) `exit_with_parent(pid)`, the child's own poll, where prctl does not exist.
 - Each child leads its own process group: `stop()` reaches the child's children (SGLang's schedulers), and a Ctrl-C
   or notebook interrupt sent to the parent's group does not kill the server.
 - `wait_ready()` raises `ServerLaunchError` (with the log's tail) if the child exits; a timeout also stops it.
-- Our own servers serve on a `listening_socket()`, never on a port chosen and released (`find_free_port`, for
-  servers that bind it themselves: SGLang, vLLM).
+  Once ready, a server that dies unasked says so on stderr at once, with the cause and its log's tail (`_watch`).
+- Out of memory, Linux's OOM killer takes a server before its parent (`OOM_SCORE_ADJ`): a notebook's kernel, which
+  holds the learner's work, survives and says what happened.
+- Our servers serve on a `listening_socket()`, never on a port chosen and released (`find_free_port`: SGLang, vLLM).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import os
 import queue
@@ -88,8 +89,14 @@ def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 # starting children that die with their parent
 
 
+# Linux's OOM killer picks the process with the highest oom_score (its share of memory, in thousandths, plus this):
+# +500 makes it take a server before the kernel or script that started it, unless that one holds half the memory.
+OOM_SCORE_ADJ = 500
+
+
 def _parent_death_preexec() -> Optional[Callable[[], None]]:
-    """preexec_fn for Popen: SIGTERM this child when the forking thread/process dies (Linux only)."""
+    """preexec_fn for Popen: SIGTERM this child when the forking thread/process dies, and make it the OOM killer's
+    first choice (`OOM_SCORE_ADJ`) (Linux only)."""
     prctl = prctl_function()  # resolved here, in the parent: no dlopen after fork
     if prctl is None:
         return None
@@ -99,6 +106,14 @@ def _parent_death_preexec() -> Optional[Callable[[], None]]:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died between fork and prctl
             os.kill(os.getpid(), signal.SIGTERM)
+        try:  # raw system calls: nothing after fork may take a lock another thread held
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            try:
+                os.write(fd, str(OOM_SCORE_ADJ).encode())
+            finally:
+                os.close(fd)
+        except OSError:  # no /proc, or a sandbox that forbids it: the child runs as it would have
+            pass
 
     return preexec
 
@@ -236,9 +251,16 @@ def _terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 def _finalize(
-    proc: subprocess.Popen, log_file: Any, on_stop: Optional[Callable[[int], None]], timeout: float = 5.0
+    proc: subprocess.Popen,
+    log_file: Any,
+    on_stop: Optional[Callable[[int], None]],
+    timeout: float = 5.0,
+    stopping: Optional[threading.Event] = None,
 ) -> None:
-    """Stop the child and run the owner's `on_stop(pid)`. Takes no handle, so a finalizer can call it."""
+    """Stop the child and run the owner's `on_stop(pid)`. Takes no handle, so a finalizer can call it. `stopping`
+    tells the handle's `_watch` that this exit was asked for."""
+    if stopping is not None:
+        stopping.set()
     _terminate(proc, timeout=timeout)
     if on_stop is not None:
         on_stop(proc.pid)
@@ -247,6 +269,15 @@ def _finalize(
             log_file.close()
         except Exception:
             pass
+
+
+def _tail(path: str, n: int) -> str:
+    """The last `n` lines of the log at `path`."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(collections.deque(f, maxlen=n))
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
 
 
 _LIVE: "weakref.WeakValueDictionary[int, ServerProcess]" = weakref.WeakValueDictionary()
@@ -259,6 +290,40 @@ def _stop_all() -> None:
             handle.stop(timeout=5.0)
         except Exception:
             pass
+
+
+def exit_cause(returncode: int) -> str:
+    """How a child ended, from Popen's `returncode`, for a person: "exited with code 1", "was killed by SIGKILL
+    (signal 9)", and for SIGKILL what most often sends it."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "an unknown signal"
+    cause = f"was killed by {name} (signal {-returncode})"
+    if -returncode == signal.SIGKILL:
+        cause += (
+            ". On Linux that is most often the out-of-memory killer: the machine ran out of memory (`dmesg | grep -i "
+            "oom` shows it). Close other notebooks and programs, then run the cells again from the one that starts "
+            "the server; notebooks/README.md (Out of memory) gives each notebook's peak"
+        )
+    return cause
+
+
+def _watch(proc: subprocess.Popen, where: str, ready: threading.Event, stopping: threading.Event,
+           tail: Callable[[], str], interval: float = 1.0) -> None:  # fmt: skip
+    """Until the server is stopped: once it has been ready, report at once on stderr if it dies unasked (a crash, the
+    OOM killer), with the cause and the log's tail. A notebook shows stderr in the running cell, so the learner sees
+    why the next request fails. Holds no reference to the handle, which must stay collectable."""
+    while not stopping.wait(interval):
+        code = proc.poll()
+        if code is None:
+            continue
+        if ready.is_set() and not stopping.is_set() and code != 0:  # a crash before ready: wait_ready reports it
+            print(f"areal-lite: {where} {exit_cause(code)}.\n--- last log lines ---\n{tail()}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -286,8 +351,13 @@ class ServerProcess:
         self.health_path = health_path
         self._on_stop = on_stop
         self._log_file = log_file
-        self._finalizer = weakref.finalize(self, _finalize, proc, log_file, on_stop)
+        self._ready, self._stopping = threading.Event(), threading.Event()
+        self._finalizer = weakref.finalize(self, _finalize, proc, log_file, on_stop, 5.0, self._stopping)
         _LIVE[proc.pid] = self
+        where = f"the {label} at {host}:{port} (pid {proc.pid}, log {log_path})"
+        tail = functools.partial(_tail, log_path, 15)
+        threading.Thread(target=_watch, args=(proc, where, self._ready, self._stopping, tail),
+                         name=f"areal-lite-watch-{proc.pid}", daemon=True).start()  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -306,11 +376,7 @@ class ServerProcess:
 
     def tail(self, n: int = 30) -> str:
         """The last `n` lines of the server's log."""
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return "".join(collections.deque(f, maxlen=n))
-        except OSError as e:
-            return f"(cannot read {self.log_path}: {e})"
+        return _tail(self.log_path, n)
 
     def _failure(self, why: str, error: type = ServerLaunchError) -> ServerLaunchError:
         return error(
@@ -329,6 +395,7 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=2.0) as r:
                     if r.status == 200:
+                        self._ready.set()
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass  # not listening yet, or 503 while loading
@@ -343,7 +410,7 @@ class ServerProcess:
         if self._finalizer.detach() is not None:  # first call only; later calls (and GC) do nothing
             if _LIVE.get(self.pid) is self:
                 del _LIVE[self.pid]
-            _finalize(self.proc, self._log_file, self._on_stop, timeout)
+            _finalize(self.proc, self._log_file, self._on_stop, timeout, self._stopping)
 
     def __enter__(self: _H) -> _H:
         return self
