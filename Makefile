@@ -34,7 +34,7 @@ SGL_LIGHT := $(shell grep -v '^\#' requirements/sglang-parser.txt)
 # The real AReaL release the conformance tests run against (requirements/areal.txt says why --no-deps).
 AREAL_PIN := areal==1.0.4
 
-.PHONY: help venv install install-dev prepare demo lint test notebook-times memory wheelhouse test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
+.PHONY: help venv install install-dev prepare demo lint test notebook-times memory wheelhouse check-machine test-zh test-fast test-repeat soak test-gpu gpu-stage gpu-dry-run vllm test-vllm vllm-notebooks trl bench-trl test-trl-env areal-run areal-judge seed-cells lab bench bench-report exercises clean
 
 help:
 	@echo "make demo      - create .venv, install, prepare model and data, run the CPU GRPO demo"
@@ -52,6 +52,7 @@ help:
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
 	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make memory    - peak memory of make demo and of every notebook, full budget (~30 min; NOTEBOOKS=\"05 06\")"
+	@echo "make check-machine - will this machine run the kit? Python, system, cores, free memory, disk (no venv needed)"
 	@echo "make wheelhouse - every wheel make lab installs, in wheelhouse/, for machines with no internet (make lab WHEELHOUSE=wheelhouse)"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
@@ -200,6 +201,10 @@ notebook-times: $(DEVSTAMP)
 memory: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	PYTHONPATH=. $(BIN)/python bench/memory.py $(NOTEBOOKS)
+
+# Python, system, cores, free memory against the recorded peaks, disk, /dev/shm: a second, before any install.
+check-machine:
+	@$(PY) tools/check_machine.py
 
 # A workshop without internet: every wheel `make lab` installs, for this kind of machine (tools/wheelhouse.py).
 wheelhouse: $(DEVSTAMP)

@@ -196,3 +196,38 @@ def test_make_with_a_wheelhouse_installs_from_it_alone():
     assert "download.pytorch.org" not in offline and "uv_args.py" not in offline
     online = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "--no-index" not in online
+
+
+def test_check_machine_says_what_a_machine_falls_short_of():
+    """`make check-machine`'s lines against the recorded peaks: enough memory, too little for some runs (named, with
+    what to do), one core, a small disk and a container's small /dev/shm."""
+    check = _tool("check_machine")
+    gib = 1 << 30
+    peaks = {"demo": 5.59, "01_setup": 2.16, "11_environment": 6.97, "12_judge": 6.47}
+    assert (
+        check.memory_line(16 * gib, peaks) == "memory: 16.0 GiB free: ok (the largest peak, 11_environment, is 7.0 GiB)"
+    )
+    short = check.memory_line(6 * gib, peaks)
+    assert short.startswith("memory: 6.0 GiB free: too little for 11, 12 (up to 7.0 GiB); close other programs")
+    assert "make demo" in check.memory_line(5 * gib, peaks) and "Colab" in short
+    assert "cannot tell" in check.memory_line(None, peaks)
+    assert check.cores_line(2).endswith("ok") and "slower" in check.cores_line(1)
+    assert check.disk_line(int(50e9)).endswith(
+        f"(about {check.DISK_GB} GB needed)"
+    ) and "too little" in check.disk_line(int(1e9))
+    assert "written to disk" in check.shm_line(64 << 20) and check.shm_line(8 * gib).endswith("ok")
+    assert f"about {check.DISK_GB} GB in all" in " ".join(open(os.path.join(TOOLS, "..", "README.md")).read().split())
+    assert set(check.recorded_peaks()) >= {"demo", "01_setup"}  # the committed record
+
+
+def test_check_machine_runs_without_the_venv():
+    """It runs on the interpreter `make` starts from (standard library only) and, on a machine the kit supports,
+    exits 0 with one line per check."""
+    import shutil
+    import subprocess
+
+    python = shutil.which("python3")
+    run = subprocess.run([python, os.path.join(TOOLS, "check_machine.py")], capture_output=True, text=True)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [line.split(":")[0] for line in lines][:5] == ["python", "system", "cores", "memory", "disk"]

@@ -84,3 +84,31 @@ def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, monkeypatch):
     assert machine.usable_cores() == 2
     monkeypatch.setattr(machine, "cgroup_cpu_limit", lambda: None)
     assert machine.usable_cores() == 64
+
+
+def test_a_cgroup_memory_limit_is_the_room_left_under_it(tmp_path):
+    """A container's `--memory` or a JupyterHub pod's limit, less what the group uses, in v2 (the tightest of the group
+    and the groups above it) and v1; no limit ("max", v1's 2^63 rounded to a page) and no /proc: None."""
+    from areal_lite.utils import machine
+
+    def room(proc: str, files: dict):
+        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text + "\n")
+        (root / "self-cgroup").write_text(proc)
+        return machine.cgroup_memory_room(str(root / "self-cgroup"), str(root))
+
+    gib = 1 << 30
+    assert room("0::/\n", {"memory.max": str(8 * gib), "memory.current": str(3 * gib)}) == 5 * gib
+    assert room("0::/\n", {"memory.max": "max", "memory.current": str(gib)}) is None
+    nested = {"hub/pod1/memory.max": str(4 * gib), "hub/pod1/memory.current": str(gib),
+              "hub/pod1/c1/memory.max": "max", "hub/pod1/c1/memory.current": str(gib)}  # fmt: skip
+    assert room("0::/hub/pod1/c1\n", nested) == 3 * gib
+    v1 = {"memory/docker/abc/memory.limit_in_bytes": str(2 * gib), "memory/docker/abc/memory.usage_in_bytes": str(gib)}
+    assert room("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n", v1) == gib
+    unlimited = {"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1"}
+    assert room("3:memory:/\n", unlimited) is None
+    full = {"memory.max": str(gib), "memory.current": str(2 * gib)}  # over its limit, reclaiming: no room
+    assert room("0::/\n", full) == 0
+    assert machine.cgroup_memory_room(str(tmp_path / "absent"), str(tmp_path)) is None

@@ -16,10 +16,11 @@ import os
 import platform
 import subprocess
 import sys
-from typing import Optional
+from typing import List, Optional, Tuple
 
 __all__ = [
     "cgroup_cpu_limit",
+    "cgroup_memory_room",
     "cpu_id",
     "cpu_model",
     "cpuinfo",
@@ -101,32 +102,53 @@ def usable_cores() -> int:
     return max(1, min(cores, limit)) if limit else cores
 
 
+def _cgroup_folders(controller: str, proc_cgroup: str, root: str) -> List[Tuple[int, str]]:
+    """(cgroup version, folder) of every folder holding `controller`'s files for this process: in v2 its group and
+    every group above it (each may set a limit); in v1 the controller's mount, under its own name ("cpu,cpuacct") or
+    the controller's, at the group and at the root. [] where there is no /proc (not Linux)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return []
+    found: List[Tuple[int, str]] = []
+    for _, controllers, path in lines:
+        if controllers == "":
+            parts = [p for p in path.split("/") if p]
+            found += [(2, os.path.join(root, *parts[:depth])) for depth in range(len(parts), -1, -1)]
+        elif controller in controllers.split(","):
+            mounts = {os.path.join(root, m, g) for m in (controllers, controller) for g in (path.strip("/"), "")}
+            found += [(1, folder) for folder in sorted(mounts)]
+    return found
+
+
 def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
     """The CPUs this process's cgroup quota gives it, rounded up (a container's `--cpus`, a Kubernetes pod's CPU limit,
     as on a JupyterHub), or None without a quota. The affinity still shows every core of the host there, and threads
     sized to it would take turns under the quota. cgroup v2: `cpu.max` ("200000 100000"; "max" is none) of the
     process's group and the groups above it; v1: `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1 is none)."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
-        return None  # not Linux
     limits = []
-    for _, controllers, path in lines:
-        if controllers == "":  # v2: the group's own limit and every ancestor's
-            parts = [p for p in path.split("/") if p]
-            for depth in range(len(parts), -1, -1):
-                quota, _, period = _read(os.path.join(root, *parts[:depth], "cpu.max")).partition(" ")
-                if quota.isdigit() and period.isdigit() and int(period) > 0:  # "max": no quota
-                    limits.append(int(quota) / int(period))
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's mount, under its own name or cpu,cpuacct
-            for folder in {
-                os.path.join(root, mount, group) for mount in (controllers, "cpu") for group in (path.strip("/"), "")
-            }:
-                quota, period = _read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us")
-                if quota.isdigit() and period.isdigit() and int(period) > 0:  # "-1": no quota
-                    limits.append(int(quota) / int(period))
+    for version, folder in _cgroup_folders("cpu", proc_cgroup, root):
+        if version == 2:
+            quota, _, period = _read(os.path.join(folder, "cpu.max")).partition(" ")
+        else:
+            quota, period = _read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us")
+        if quota.isdigit() and period.isdigit() and int(period) > 0:  # "max" and "-1": no quota
+            limits.append(int(quota) / int(period))
     return math.ceil(min(limits)) if limits else None
+
+
+def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes this process's cgroup may still take (its memory limit less what the group uses: a container's
+    `--memory`, a JupyterHub pod's limit), or None without a limit; the host's free memory does not show it. v2:
+    `memory.max` and `memory.current`; v1: `memory.limit_in_bytes` and `memory.usage_in_bytes`."""
+    rooms = []
+    for version, folder in _cgroup_folders("memory", proc_cgroup, root):
+        names = ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        limit, used = (_read(os.path.join(folder, name)) for name in names)
+        if limit.isdigit() and used.isdigit() and int(limit) < 1 << 60:  # "max", and v1's page-rounded 2^63: none
+            rooms.append(max(0, int(limit) - int(used)))
+    return min(rooms) if rooms else None
 
 
 def _read(path: str) -> str:
