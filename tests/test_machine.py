@@ -57,18 +57,24 @@ def test_the_cpu_model_on_arm_linux(monkeypatch):
     assert machine.cpu_model() == "aarch64"  # no lscpu: what platform knows
 
 
+def cgroup_tree(tmp_path, proc: str, files: dict) -> tuple:
+    """A fresh cgroup file tree under `tmp_path`: `files` ({path: text}) and /proc/self/cgroup's `proc`; returns the
+    (proc_cgroup, root) paths the cgroup readers take."""
+    root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    (root / "self-cgroup").write_text(proc)
+    return str(root / "self-cgroup"), str(root)
+
+
 def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, monkeypatch):
     """A container's `--cpus` or a Kubernetes CPU limit (a JupyterHub's pods) leaves every host core in the affinity:
     the usable cores are the quota's, rounded up, in cgroup v2 (the group or any group above it) and v1 alike."""
     from areal_lite.utils import machine
 
     def limit(proc: str, files: dict):
-        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
-        for name, text in files.items():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            (root / name).write_text(text + "\n")
-        (root / "self-cgroup").write_text(proc)
-        return machine.cgroup_cpu_limit(str(root / "self-cgroup"), str(root))
+        return machine.cgroup_cpu_limit(*cgroup_tree(tmp_path, proc, files))
 
     assert limit("0::/\n", {"cpu.max": "200000 100000"}) == 2  # a container's own namespace
     assert limit("0::/\n", {"cpu.max": "max 100000"}) is None
@@ -92,12 +98,7 @@ def test_a_cgroup_memory_limit_is_the_room_left_under_it(tmp_path):
     from areal_lite.utils import machine
 
     def room(proc: str, files: dict):
-        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
-        for name, text in files.items():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            (root / name).write_text(text + "\n")
-        (root / "self-cgroup").write_text(proc)
-        return machine.cgroup_memory_room(str(root / "self-cgroup"), str(root))
+        return machine.cgroup_memory_room(*cgroup_tree(tmp_path, proc, files))
 
     gib = 1 << 30
     assert room("0::/\n", {"memory.max": str(8 * gib), "memory.current": str(3 * gib)}) == 5 * gib
