@@ -53,7 +53,7 @@ help:
 	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make memory    - peak memory of make demo and of every notebook, full budget (~30 min; NOTEBOOKS=\"05 06\")"
 	@echo "make check-machine - will this machine run the kit? Python, system, cores, free memory, disk (no venv needed)"
-	@echo "make wheelhouse - every wheel make lab installs, in wheelhouse/, for machines with no internet (make lab WHEELHOUSE=wheelhouse)"
+	@echo "make wheelhouse - every wheel make lab installs, in wheelhouse/, for machines with no internet (make prepare lab WHEELHOUSE=wheelhouse)"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
 	@echo "make gpu-stage - the GPU check for an offline GPU machine, staged in parts (.gpu-stage/; docs/gpu.md)"

@@ -1,7 +1,7 @@
 """Every wheel `make lab` installs, in one folder, so that a workshop's machines install with no internet.
 
-    make wheelhouse                    # online, once per kind of machine: wheelhouse/ (about 0.9 GB, Linux x86-64)
-    make lab WHEELHOUSE=wheelhouse     # on each learner's machine, offline, in a copy of the clone with that folder
+    make wheelhouse                          # online, once per kind of machine: wheelhouse/ (0.9 GB, Linux x86-64)
+    make prepare lab WHEELHOUSE=wheelhouse   # on each learner's machine, offline, in a copy of the clone with it
 
 Why: a room of laptops downloading a gigabyte each from PyPI at the same time is the slowest, least reliable part of a
 workshop. The models and data already come inside Python packages, so the wheels are all a machine needs.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 import tomllib
@@ -31,7 +32,7 @@ def requirements(freeze: str, build_requires: list[str]) -> list[str]:
     pins = [line.strip() for line in freeze.splitlines() if line.strip() and not line.startswith(("-e", "#"))]
     pins = [p for p in pins if " @ " not in p]  # a direct reference (a local path) is nothing an index has
     pinned = {p.split("==")[0].lower() for p in pins}
-    extra = [r for r in build_requires if r.split(">")[0].split("=")[0].split("<")[0].strip().lower() not in pinned]
+    extra = [r for r in build_requires if re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() not in pinned]
     return pins + extra
 
 
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> int:
     wheels = [n for n in os.listdir(folder) if n.endswith(".whl")]
     size = sum(os.path.getsize(os.path.join(folder, n)) for n in wheels) / 1e9
     print(f"{folder}: {len(wheels)} wheels, {size:.1f} GB, for {platform_line()}. On a machine of that kind, in a "
-          f"copy of this clone with {folder}/ in it: make lab WHEELHOUSE={folder}")  # fmt: skip
+          f"copy of this clone with {folder}/ in it: make prepare lab WHEELHOUSE={folder}")  # fmt: skip
     return 0
 
 

@@ -6,7 +6,8 @@ kit prints (`make demo`, each notebook's first cell, every bench's results file)
 vector ISA is torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: the kernels it really runs),
 refined by `utils.device.cpu_native_bf16` where the CPU also computes bfloat16 in hardware. The cores are those this
 process may use (`usable_cores`): its affinity, capped by a container's CPU quota, which the affinity does not show and
-which the trainer's and the server's thread counts must fit.
+which the trainer's and the server's thread counts must fit. A container's memory limit, which the host's free memory
+does not show either, is `cgroup_memory_room` (`make check-machine` reads it).
 """
 
 from __future__ import annotations
