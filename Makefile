@@ -52,7 +52,7 @@ help:
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
 	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
 	@echo "make memory    - peak memory of make demo and of every notebook, full budget (~30 min; NOTEBOOKS=\"05 06\")"
-	@echo "make check-machine - will this machine run the kit? Python, system, cores, free memory, disk (no venv needed)"
+	@echo "make check-machine - will this machine run the kit? Python, system, CPU, cores, free memory, disk (no venv needed)"
 	@echo "make wheelhouse - every wheel make lab installs, in wheelhouse/, for machines with no internet (make prepare lab WHEELHOUSE=wheelhouse)"
 	@echo "make exercises - regenerate notebooks/exercises from the solution notebooks"
 	@echo "make test-gpu  - GPU validation: SGLang + Qwen2.5 + CUDA trainer (needs a CUDA machine)"
@@ -202,7 +202,8 @@ memory: $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	PYTHONPATH=. $(BIN)/python bench/memory.py $(NOTEBOOKS)
 
-# Python, system, cores, free memory against the recorded peaks, disk, /dev/shm: a second, before any install.
+# Python, system, CPU (which time figure to plan with), cores, free memory against the recorded peaks, disk, /dev/shm:
+# a second, before any install.
 check-machine:
 	@$(PY) tools/check_machine.py
 

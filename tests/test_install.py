@@ -212,6 +212,9 @@ def test_check_machine_says_what_a_machine_falls_short_of():
     assert "make demo" in check.memory_line(5 * gib, peaks) and "Colab" in short
     assert "cannot tell" in check.memory_line(None, peaks)
     assert check.cores_line(2).endswith("ok") and "slower" in check.cores_line(1)
+    assert "first time figure" in check.cpu_line("AMD EPYC", "fpu avx2 avx512f avx512bw", "x86_64")
+    assert "second (slower)" in check.cpu_line("AMD EPYC 7B13", "fpu sse4_2 avx2 fma", "x86_64")
+    assert "bench/notebook_times.py 04 --json runs/" in check.cpu_line("Apple M2", "", "arm64")
     assert check.disk_line(int(50e9)).endswith(
         f"(about {check.DISK_GB} GB needed)"
     ) and "too little" in check.disk_line(int(1e9))
@@ -230,4 +233,4 @@ def test_check_machine_runs_without_the_venv():
     run = subprocess.run([python, os.path.join(TOOLS, "check_machine.py")], capture_output=True, text=True)
     lines = run.stdout.splitlines()
     assert run.returncode == 0, run.stdout + run.stderr
-    assert [line.split(":")[0] for line in lines][:5] == ["python", "system", "cores", "memory", "disk"]
+    assert [line.split(":")[0] for line in lines][:6] == ["python", "system", "cpu", "cores", "memory", "disk"]

@@ -1,4 +1,4 @@
-"""Will this machine run the kit? One look before a workshop: Python, system, cores, free memory, disk and /dev/shm.
+"""Will this machine run the kit? One look before a workshop: Python, system, CPU, cores, memory, disk and /dev/shm.
 
     make check-machine        (python3 tools/check_machine.py; needs no venv, runs in a second)
 
@@ -90,6 +90,18 @@ def memory_line(free: int | None, peaks: dict) -> str:
     )
 
 
+def cpu_line(model: str, flags: str, arch: str) -> str:
+    """The CPU and which of the READMEs' two time figures to plan with: the first was measured on an AVX-512 CPU, the
+    second on an AVX2-only one (`flags`: /proc/cpuinfo's)."""
+    have = set(flags.split())
+    if "avx512f" in have:
+        return f"cpu: {model}, AVX-512: plan with the first time figure of the notebook tables"
+    if "avx2" in have:
+        return f"cpu: {model}, AVX2 only: plan with the second (slower) time figure of the notebook tables"
+    return (f"cpu: {model} ({arch}): no time figure was measured on this kind of CPU; after `make test`, time a "
+            "notebook: PYTHONPATH=. .venv/bin/python bench/notebook_times.py 04 --json runs/times.json")  # fmt: skip
+
+
 def cores_line(cores: int) -> str:
     if cores >= 2:
         return f"cores: {cores} usable: ok"
@@ -123,6 +135,7 @@ def main() -> int:
     version = "{}.{}.{}".format(*sys.version_info[:3])
     print(f"python: {version} ({sys.executable}): ok" if not why else f"python/system: {why}")
     print(f"system: {platform.system()} {platform.machine()}")
+    print(cpu_line(machine.cpu_model(), machine.cpuinfo().get("flags", ""), platform.machine()))
     print(cores_line(machine.usable_cores()))
     print(memory_line(free_memory(), recorded_peaks()))
     print(disk_line(shutil.disk_usage(ROOT).free))
