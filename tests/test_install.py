@@ -221,6 +221,12 @@ def test_check_machine_says_what_a_machine_falls_short_of():
     assert "written to disk" in check.shm_line(64 << 20) and check.shm_line(8 * gib).endswith("ok")
     assert f"about {check.DISK_GB} GB in all" in " ".join(open(os.path.join(TOOLS, "..", "README.md")).read().split())
     assert set(check.recorded_peaks()) >= {"demo", "01_setup"}  # the committed record
+    ps = "\n".join(["  1  9040 /sbin/init", "4242 1048576 /venv/bin/python -m ipykernel_launcher -f k.json",
+                    "4243 1572864 /venv/bin/python -m areal_lite.kit.server --model-path m --port 1"])  # fmt: skip
+    found = check.kit_processes(ps)
+    assert [(role, pid) for role, pid, _ in found] == [("notebook kernel", 4242), ("inference server", 4243)]
+    assert "2.5 GiB" in check.running_line(found) and "Shut Down Kernel" in check.running_line(found)
+    assert check.running_line([]).endswith("ok")
 
 
 def test_check_machine_runs_without_the_venv():
@@ -233,4 +239,5 @@ def test_check_machine_runs_without_the_venv():
     run = subprocess.run([python, os.path.join(TOOLS, "check_machine.py")], capture_output=True, text=True)
     lines = run.stdout.splitlines()
     assert run.returncode == 0, run.stdout + run.stderr
-    assert [line.split(":")[0] for line in lines][:6] == ["python", "system", "cpu", "cores", "memory", "disk"]
+    labels = [line.split(":")[0] for line in lines]
+    assert labels[:7] == ["python", "system", "cpu", "cores", "running", "memory", "disk"]

@@ -1,4 +1,5 @@
 """Will this machine run the kit? One look before a workshop: Python, system, CPU, cores, memory, disk and /dev/shm.
+Also the kit's servers and Jupyter kernels already running, whose memory and cores a new notebook would share.
 
     make check-machine        (python3 tools/check_machine.py; needs no venv, runs in a second)
 
@@ -126,6 +127,32 @@ def shm_line(total: int | None) -> str:
     return f"/dev/shm: {total / GIB:.1f} GiB: ok"
 
 
+# What the kit runs, by a command line's mark: its servers and the Jupyter kernels that start them.
+KIT_PROCESSES = (("inference server", "areal_lite.kit.server"), ("retrieval server", "areal_lite.kit.rag"),
+                 ("notebook kernel", "ipykernel"))  # fmt: skip
+
+
+def kit_processes(ps_output: str) -> list:
+    """[(role, pid, resident bytes)] of the kit's servers and Jupyter kernels in `ps -axo pid=,rss=,args=`'s output."""
+    found = []
+    for line in ps_output.splitlines():
+        pid, rss, args = (line.split(None, 2) + ["", "", ""])[:3]
+        role = next((name for name, mark in KIT_PROCESSES if mark in args), None)
+        if role and pid.isdigit() and rss.isdigit() and int(pid) != os.getpid():
+            found.append((role, int(pid), int(rss) * 1024))
+    return found
+
+
+def running_line(found: list) -> str:
+    """Whether kit processes already run: two notebooks at once take each other's memory and cores."""
+    if not found:
+        return "running: no kit server or notebook kernel: ok"
+    held = sum(size for _, _, size in found) / GIB
+    names = ", ".join(f"{role} {pid}" for role, pid, _ in found)
+    return (f"running: {names} ({held:.1f} GiB): the free memory below is what they leave; shut down the kernels "
+            "you are done with (JupyterLab: Kernel, Shut Down Kernel), which stops their servers")  # fmt: skip
+
+
 def main() -> int:
     from check_python import platform_problem, problem  # tools/ is this script's folder, on sys.path when it runs
 
@@ -137,6 +164,11 @@ def main() -> int:
     print(f"system: {platform.system()} {platform.machine()}")
     print(cpu_line(machine.cpu_model(), machine.cpuinfo().get("flags", ""), platform.machine()))
     print(cores_line(machine.usable_cores()))
+    try:
+        ps = subprocess.run(["ps", "-axo", "pid=,rss=,args="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        ps = ""
+    print(running_line(kit_processes(ps)))
     print(memory_line(free_memory(), recorded_peaks()))
     print(disk_line(shutil.disk_usage(ROOT).free))
     if sys.platform.startswith("linux"):
