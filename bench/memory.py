@@ -129,8 +129,8 @@ def measure(run, label: str) -> dict:
     parts = {k: round(v / gib, 2) for k, v in peak.at_peak.items() if v}
     record = {"peak_gib": round(peak.peak / gib, 2), "wall_s": round(time.perf_counter() - tik, 1),
               "samples": peak.samples, "at_peak_gib": parts}  # fmt: skip
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(record["at_peak_gib"].items(), key=lambda kv: -kv[1]))
-    print(f"{label}: peak {record['peak_gib']:.2f} GiB ({parts}) in {record['wall_s']:.0f} s", flush=True)
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    print(f"{label}: peak {record['peak_gib']:.2f} GiB ({shown}) in {record['wall_s']:.0f} s", flush=True)
     return record
 
 

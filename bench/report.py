@@ -407,7 +407,8 @@ def summarise_memory(d: dict) -> dict:
 
 
 def latest_memory(f: dict) -> list:
-    """Each run's peak (PSS of everything it started, plus its weight versions in /dev/shm) and what held it."""
+    """Each run's peak (the private memory of everything it started, its mapped files once, its weight versions in
+    /dev/shm) and what held it."""
     rows = []
     for name, peak in f["peak_gib"].items():
         parts = sorted(f["at_peak_gib"][name].items(), key=lambda kv: -kv[1])

@@ -326,6 +326,7 @@ def test_the_memory_the_readmes_ask_for_is_the_recorded_peak():
     guide = " ".join(open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read().split())
     low = min(notebooks, key=notebooks.get)
     quoted = f"from {_gib_up(notebooks[low])} GiB ({low[:2]}) to {_gib_up(notebooks[largest])} GiB ({largest[:2]})"
+    quoted += f" of memory, and `make demo` {_gib_up(runs['demo']['peak_gib'])} GiB"
     assert quoted in guide, f"notebooks/README.md should say {quoted!r} (bench/results/memory.json)"
 
 
