@@ -106,7 +106,9 @@ install-dev: $(DEVSTAMP)
 prepare: $(STAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 
+# check_machine.py --before-run: one line, only if memory, cores or a kit already running fall short of the run.
 demo: prepare
+	@$(PY) tools/check_machine.py --before-run --runs demo
 	$(BIN)/python -m areal_lite.kit.trainer.demo
 
 # Two workers: a notebook keeps about one core busy (its server and trainer mostly take turns), so two at once use a
@@ -177,6 +179,7 @@ soak: $(DEVSTAMP)
 	rc=$$?; echo "make soak: $$(( $$(date +%s) - start )) s in all (exit $$rc)"; exit $$rc
 
 lab: $(DEVSTAMP)
+	@$(PY) tools/check_machine.py --before-run
 	$(BIN)/jupyter lab notebooks/
 
 # vs_trl.py needs TRL's venv: `make bench-trl`; notebook_times.py and memory.py run every notebook

@@ -241,3 +241,20 @@ def test_check_machine_runs_without_the_venv():
     assert run.returncode == 0, run.stdout + run.stderr
     labels = [line.split(":")[0] for line in lines]
     assert labels[:7] == ["python", "system", "cpu", "cores", "running", "memory", "disk"]
+
+
+def test_make_demo_and_lab_hear_from_check_machine_only_when_something_is_short(monkeypatch, capsys):
+    """`--before-run` (what `make demo` and `make lab` run first) prints nothing when memory, cores and the running kit
+    are fine, and one prefixed line for what is short, for the runs asked about (`--runs demo`)."""
+    monkeypatch.syspath_prepend(TOOLS)  # as when it runs as a script
+    check = _tool("check_machine")
+    monkeypatch.setattr(check, "free_memory", lambda: 64 << 30)
+    assert check.main(["--before-run"]) == 0 and capsys.readouterr().out == ""
+    monkeypatch.setattr(check, "free_memory", lambda: 3 << 30)
+    check.main(["--before-run", "--runs", "demo"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("check-machine: memory: 3.0 GiB free: too little for make demo (up to")
+    assert "04" not in out[0]  # only the demo was asked about
+    check.main(["--before-run"])
+    every = capsys.readouterr().out
+    assert "too little for 04, " in every and "01" not in every  # notebook 01 peaks under 3 GiB

@@ -1,5 +1,6 @@
 """Will this machine run the kit? One look before a workshop: Python, system, CPU, cores, memory, disk and /dev/shm.
 Also the kit's servers and Jupyter kernels already running, whose memory and cores a new notebook would share.
+`make demo` and `make lab` run it with `--before-run` first: silent unless memory, cores or a running kit fall short.
 
     make check-machine        (python3 tools/check_machine.py; needs no venv, runs in a second)
 
@@ -13,6 +14,7 @@ Standard library only, like `check_python.py`, whose checks it repeats.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -153,9 +155,31 @@ def running_line(found: list) -> str:
             "you are done with (JupyterLab: Kernel, Shut Down Kernel), which stops their servers")  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--before-run",
+        action="store_true",
+        help="only what could stop a run now (cores, the kit already running, memory), and only if short",
+    )
+    ap.add_argument("--runs", default="", help="with the memory check: these runs only, comma-separated (demo,04)")
+    args = ap.parse_args(argv)
     from check_python import platform_problem, problem  # tools/ is this script's folder, on sys.path when it runs
 
+    peaks = recorded_peaks()
+    if args.runs:
+        wanted = args.runs.split(",")
+        peaks = {name: peak for name, peak in peaks.items() if any(name.startswith(w) for w in wanted)}
+    try:
+        ps = subprocess.run(["ps", "-axo", "pid=,rss=,args="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        ps = ""
+    now = [cores_line(machine.usable_cores()), running_line(kit_processes(ps)), memory_line(free_memory(), peaks)]
+    if args.before_run:  # printed by `make demo` and `make lab` before they start: silent when all is well
+        for line in now:
+            if ": ok" not in line:
+                print(f"check-machine: {line}")
+        return 0
     why = problem(sys.version_info, sys.executable) or platform_problem(
         platform.system(), platform.machine(), platform.mac_ver()[0]
     )
@@ -163,13 +187,7 @@ def main() -> int:
     print(f"python: {version} ({sys.executable}): ok" if not why else f"python/system: {why}")
     print(f"system: {platform.system()} {platform.machine()}")
     print(cpu_line(machine.cpu_model(), machine.cpuinfo().get("flags", ""), platform.machine()))
-    print(cores_line(machine.usable_cores()))
-    try:
-        ps = subprocess.run(["ps", "-axo", "pid=,rss=,args="], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        ps = ""
-    print(running_line(kit_processes(ps)))
-    print(memory_line(free_memory(), recorded_peaks()))
+    print(*now, sep="\n")
     print(disk_line(shutil.disk_usage(ROOT).free))
     if sys.platform.startswith("linux"):
         print(shm_line(shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None))
