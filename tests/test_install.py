@@ -248,6 +248,9 @@ def test_make_demo_and_lab_hear_from_check_machine_only_when_something_is_short(
     are fine, and one prefixed line for what is short, for the runs asked about (`--runs demo`)."""
     monkeypatch.syspath_prepend(TOOLS)  # as when it runs as a script
     check = _tool("check_machine")
+    # this machine as a learner's: nothing of the kit running (the suite's own servers are), two cores
+    monkeypatch.setattr(check, "kit_processes", lambda ps: [])
+    monkeypatch.setattr(check.machine, "usable_cores", lambda: 2)
     monkeypatch.setattr(check, "free_memory", lambda: 64 << 30)
     assert check.main(["--before-run"]) == 0 and capsys.readouterr().out == ""
     monkeypatch.setattr(check, "free_memory", lambda: 3 << 30)
@@ -258,3 +261,7 @@ def test_make_demo_and_lab_hear_from_check_machine_only_when_something_is_short(
     check.main(["--before-run"])
     every = capsys.readouterr().out
     assert "too little for 04, " in every and "01" not in every  # notebook 01 peaks under 3 GiB
+    monkeypatch.setattr(check, "free_memory", lambda: 64 << 30)
+    monkeypatch.setattr(check, "kit_processes", lambda ps: [("notebook kernel", 4242, 1 << 30)])
+    check.main(["--before-run"])
+    assert capsys.readouterr().out.startswith("check-machine: running: notebook kernel 4242 (1.0 GiB)")
