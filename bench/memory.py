@@ -36,12 +36,10 @@ for path in (ROOT, os.path.join(ROOT, "tools")):
         sys.path.insert(0, path)
 
 from _machine import describe, write_results  # noqa: E402  (bench/ is on sys.path when a bench script runs)
+from check_machine import kit_role  # noqa: E402  (tools/, put on sys.path above)
 
 DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "memory.json")
 SHM_FOLDERS = "/dev/shm/areal-lite-*"
-# What a process is, by its command line (the first that matches); the rest are "other" (reward workers, pools).
-ROLES = (("inference server", "areal_lite.kit.server"), ("retrieval server", "areal_lite.kit.rag"),
-         ("notebook kernel", "ipykernel"), ("demo", "areal_lite.kit.trainer.demo"))  # fmt: skip
 
 
 def status_bytes(pid: int) -> dict:
@@ -73,8 +71,8 @@ def shm_bytes(pattern: str | None = None) -> int:
 
 
 def role(cmdline: list) -> str:
-    text = " ".join(cmdline)
-    return next((name for name, mark in ROLES if mark in text), "other")
+    """What a process is, by its command line (`check_machine.kit_role`); the rest are "other" (reward workers)."""
+    return kit_role(" ".join(cmdline)) or "other"
 
 
 class PeakMemory:

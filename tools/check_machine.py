@@ -129,17 +129,23 @@ def shm_line(total: int | None) -> str:
     return f"/dev/shm: {total / GIB:.1f} GiB: ok"
 
 
-# What the kit runs, by a command line's mark: its servers and the Jupyter kernels that start them.
+# What the kit runs, by a command line's mark: its servers, the Jupyter kernels that start them, `make demo`
+# (bench/memory.py names the processes it measures by the same list).
 KIT_PROCESSES = (("inference server", "areal_lite.kit.server"), ("retrieval server", "areal_lite.kit.rag"),
-                 ("notebook kernel", "ipykernel"))  # fmt: skip
+                 ("notebook kernel", "ipykernel"), ("demo", "areal_lite.kit.trainer.demo"))  # fmt: skip
+
+
+def kit_role(args: str) -> str | None:
+    """Which of `KIT_PROCESSES` the command line `args` is, or None."""
+    return next((name for name, mark in KIT_PROCESSES if mark in args), None)
 
 
 def kit_processes(ps_output: str) -> list:
-    """[(role, pid, resident bytes)] of the kit's servers and Jupyter kernels in `ps -axo pid=,rss=,args=`'s output."""
+    """[(role, pid, resident bytes)] of the kit's processes (`kit_role`) in `ps -axo pid=,rss=,args=`'s output."""
     found = []
     for line in ps_output.splitlines():
         pid, rss, args = (line.split(None, 2) + ["", "", ""])[:3]
-        role = next((name for name, mark in KIT_PROCESSES if mark in args), None)
+        role = kit_role(args)
         if role and pid.isdigit() and rss.isdigit() and int(pid) != os.getpid():
             found.append((role, int(pid), int(rss) * 1024))
     return found
