@@ -394,15 +394,14 @@ def test_the_kit_reads_exactly_the_environment_variables_it_lists():
     """config_loader.ENVIRONMENT against every AREAL_LITE_* name in the code, tools, benches, tests and docs."""
     from areal_lite.api.config_loader import ENVIRONMENT
 
-    used = set()
+    paths = [os.path.join(ROOT, name) for name in ("Makefile", "README.md")]
     for folder in ("areal_lite", "tools", "bench", "tests", "notebooks/src", "docs", ".ci"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
-            for name in files:
-                if name.endswith((".py", ".md", ".sh", ".cfg", ".yaml", "run")):
-                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                        used |= set(re.findall(r"AREAL_LITE_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
-    for name in ("Makefile", "README.md"):
-        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            exts = (".py", ".md", ".sh", ".cfg", ".yaml", "run")
+            paths += [os.path.join(dirpath, name) for name in files if name.endswith(exts)]
+    used = set()
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
             used |= set(re.findall(r"AREAL_LITE_[A-Z][A-Z0-9_]*[A-Z0-9]", f.read()))
     used.discard("AREAL_LITE_OVERIDES")  # the misspelling the test above sets
     assert used == set(ENVIRONMENT)

@@ -4,9 +4,8 @@
 transformers (from 5.23) and AReaL 1.0.4 (`make lab`, `make test`, notebook 08) need 3.11 or newer, and AReaL takes
 nothing newer than 3.12. torch 2.13.0 is on PyPI for Linux and, on macOS, for Apple Silicon from macOS 14: Intel Macs
 have no torch after 2.2, and macOS 13 none after 2.11. On Windows the kit itself needs Linux (process groups, signals,
-/dev/shm), which WSL 2 is. Checked first, so the learner reads what to do rather than a
-resolver conflict after the venv and uv are installed. Written for any Python 3 (it runs under the interpreter it
-judges).
+/dev/shm), which WSL 2 is. Checked first, so the learner reads what to do rather than a resolver conflict after the
+venv and uv are installed. Written for any Python 3 (it runs under the interpreter it judges).
 """
 
 import platform
