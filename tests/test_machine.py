@@ -1,5 +1,5 @@
 """`utils.machine`: the CPU line every run prints (model, usable cores, vector ISA), on Linux, a Mac and in a
-container with a CPU quota."""
+container with a CPU quota; and the room a container's memory limit leaves."""
 
 from __future__ import annotations
 
