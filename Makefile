@@ -69,9 +69,11 @@ help:
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
 	@echo "make clean     - remove runs/, .pytest_cache and build leftovers (.venv stays)"
 
+# 3.11 or 3.12, on a machine torch 2.13.0 is built for. Where make's default python3 is not one, check_python takes
+# python3.12 or python3.11 from PATH or uv; a PY the learner set is used as it is, or refused with what to do.
 $(BIN)/python:
-	@$(PY) tools/check_python.py $(PY)  # 3.11 or 3.12, on a machine torch 2.13.0 is built for, else what to do
-	$(PY) -m venv $(VENV)
+	@py=$$($(PY) tools/check_python.py --pick $(if $(filter file,$(origin PY)),,--given) $(PY)) && \
+	  echo "$$py -m venv $(VENV)" && "$$py" -m venv $(VENV)
 
 $(UV): $(BIN)/python
 	$(PIP) install -q $(OFFLINE) "uv==0.13.9"

@@ -132,9 +132,84 @@ def test_make_refuses_a_python_it_cannot_install_on_and_says_what_to_do():
     assert check.problem((3, 11)) is None and check.problem((3, 12, 1)) is None
     for version in [(3, 10), (3, 13), (3, 9)]:
         why = check.problem(version, "python3")
-        assert "3.11 or 3.12" in why and f"python3 is {version[0]}.{version[1]}" in why and "PY=python3.12" in why
+        assert "3.11 or 3.12" in why and f"python3 is {version[0]}.{version[1]}" in why
+        assert "uv python install 3.12" in why and "PY=/path/to/python3.12" in why
     run = subprocess.run([sys.executable, os.path.join(TOOLS, "check_python.py")], capture_output=True, text=True)
     assert (run.returncode, run.stderr) == (0, "")  # this suite's own interpreter is one make accepts
+
+
+def _too_new(check):
+    """The suite's interpreter described as a Python 3.13 (the default python3 of newer systems)."""
+    return dict(check.describe(), version=[3, 13, 0], executable="/usr/bin/python3.13")
+
+
+def _folder_of(tmp_path, name, links):
+    """A PATH folder holding `links` (name -> target: a symlink, or None for a pyenv-like shim that exits 127)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    for link, target in links.items():
+        if target:
+            os.symlink(target, folder / link)
+        else:
+            (folder / link).write_text("#!/bin/sh\necho 'pyenv: command not found' >&2\nexit 127\n")
+            (folder / link).chmod(0o755)
+    return str(folder)
+
+
+def test_make_takes_python3_12_or_3_11_from_path_when_python3_is_too_new(tmp_path):
+    """make's default python3 being 3.13: the first of python3.12, python3.11 on PATH that runs (a pyenv shim for a
+    version not selected exits 127 and is passed over) makes .venv; a PY the learner set is refused as before, and
+    with nothing on PATH the message says where make looked."""
+    import sys
+
+    check = _tool("check_python")
+    real = os.path.realpath(sys.executable)
+    path = _folder_of(tmp_path, "bin", {"python3.12": None, "python3.11": real})
+    executable, note = check.pick("python3", given=False, env={"PATH": path}, this=_too_new(check))
+    assert executable == os.path.join(path, "python3.11"), note
+    assert note.startswith(f"python3 is 3.13: .venv is made with {executable} (Python 3.")
+    executable, why = check.pick("python3", given=True, env={"PATH": path}, this=_too_new(check))
+    assert executable is None and "python3 is 3.13" in why and "looked" not in why
+    empty = _folder_of(tmp_path, "empty", {})
+    executable, why = check.pick("python3", given=False, env={"PATH": empty}, this=_too_new(check))
+    assert executable is None and why.endswith("(make looked for python3.12 and python3.11 on PATH: none will do.)")
+    assert check.pick("python3", given=True, env={"PATH": empty})[0] == check.describe()["executable"]  # it will do
+
+
+def test_make_takes_a_python_uv_knows(tmp_path):
+    """A Python that `uv python install 3.12` put outside PATH: `uv python find` names it (here one on PATH under
+    another name, which uv searches and make's own look does not), never a venv and never a download."""
+    import sys
+
+    check = _tool("check_python")
+    uv = os.path.join(os.path.dirname(sys.executable), "uv")  # make installs uv into .venv
+    assert os.path.exists(uv), "make install puts uv in the venv"
+    path = _folder_of(tmp_path, "bin", {"python": os.path.realpath(sys.executable), "uv": uv})
+    env = {"PATH": path, "HOME": str(tmp_path), "UV_PYTHON_INSTALL_DIR": str(tmp_path / "managed")}
+    executable, note = check.pick("python3", given=False, env=env, this=_too_new(check))
+    assert executable == os.path.join(path, "python") and ".venv is made with" in note
+
+
+def test_make_refuses_a_python_without_its_venv_module():
+    """Debian and Ubuntu ship `venv` apart (python3.12-venv): `-m venv` would leave a .venv without pip that the next
+    make takes as made, so such a Python is refused first, with the package to install."""
+    check = _tool("check_python")
+    info = dict(check.describe(), version=[3, 12, 3], executable="/usr/bin/python3.12", venv=False)
+    why = check.unusable(info, "python3")
+    assert "no venv module" in why and "sudo apt install python3.12-venv" in why
+    assert check.unusable(dict(info, venv=True), "python3") is None
+
+
+def test_make_passes_check_python_whether_the_learner_set_py():
+    """`--given` (try nothing else) only where PY came from the command line or the environment."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    cmd = ["make", "-n", "-C", root, "/nonexistent/venv/bin/python", "VENV=/nonexistent/venv"]
+    default = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "check_python.py --pick  python3)" in default
+    given = subprocess.run(cmd + ["PY=python3.12"], capture_output=True, text=True, check=True).stdout
+    assert "check_python.py --pick --given python3.12)" in given
 
 
 def test_make_refuses_a_mac_that_torch_has_no_wheel_for():

@@ -170,7 +170,7 @@ def main(argv: list | None = None) -> int:
     )
     ap.add_argument("--runs", default="", help="with the memory check: these runs only, comma-separated (demo,04)")
     args = ap.parse_args(argv)
-    from check_python import platform_problem, problem  # tools/ is this script's folder, on sys.path when it runs
+    from check_python import pick  # tools/ is this script's folder, on sys.path when it runs
 
     peaks = recorded_peaks()
     if args.runs:
@@ -186,11 +186,10 @@ def main(argv: list | None = None) -> int:
             if ": ok" not in line:
                 print(f"check-machine: {line}")
         return 0
-    why = problem(sys.version_info, sys.executable) or platform_problem(
-        platform.system(), platform.machine(), platform.mac_ver()[0]
-    )
     version = "{}.{}.{}".format(*sys.version_info[:3])
-    print(f"python: {version} ({sys.executable}): ok" if not why else f"python/system: {why}")
+    executable, note = pick(sys.executable, given=False)
+    why = None if executable else note
+    print(f"python: {note or f'{version} ({sys.executable})'}: ok" if executable else f"python/system: {why}")
     print(f"system: {platform.system()} {platform.machine()}")
     print(cpu_line(machine.cpu_model(), machine.cpuinfo().get("flags", ""), platform.machine()))
     print(*now, sep="\n")
