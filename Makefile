@@ -67,7 +67,7 @@ help:
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~20 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
-	@echo "make clean     - remove runs/, .pytest_cache and build leftovers (.venv stays)"
+	@echo "make clean     - remove runs/ (the notebooks' too), .pytest_cache and build leftovers (.venv stays)"
 
 # 3.11 or 3.12, on a machine torch 2.13.0 is built for. Where make's default python3 is not one, check_python takes
 # python3.12 or python3.11 from PATH or uv; a PY the learner set is used as it is, or refused with what to do.
@@ -301,4 +301,4 @@ seed-cells: $(DEVSTAMP)
 	$(BIN)/python tools/seed_cells.py --seeds $(SEEDS) --fix-defects --json runs/seed-cells-fixed.json
 
 clean:
-	rm -rf runs .pytest_cache build *.egg-info
+	rm -rf runs notebooks/*/runs notebooks/exercises/*/runs .pytest_cache build *.egg-info
