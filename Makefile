@@ -50,7 +50,7 @@ help:
 	@echo "make lab       - open JupyterLab on notebooks/"
 	@echo "make bench     - run the benchmarks in bench/"
 	@echo "make bench-report - regenerate bench/RESULTS.md from bench/results/ (every bench's latest and earlier runs)"
-	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~20 min on an AVX-512 Xeon; NOTEBOOKS=\"05 06\")"
+	@echo "make notebook-times - every notebook alone, full budget, timed on this CPU (~16 min on a 2-core AVX-512 CPU, ~32 AVX2-only; NOTEBOOKS=\"05 06\")"
 	@echo "make memory    - peak memory of make demo and of every notebook, full budget (~30 min; NOTEBOOKS=\"05 06\")"
 	@echo "make check-machine - will this machine run the kit? Python, system, CPU, cores, free memory, disk (no venv needed)"
 	@echo "make wheelhouse - every wheel make lab installs, in wheelhouse/, for machines with no internet (make prepare lab WHEELHOUSE=wheelhouse)"
@@ -65,7 +65,7 @@ help:
 	@echo "make seed-cells  - the seed notebooks' own cells under the kit, as written and with their defects fixed (~10 min)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
-	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~20 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
+	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~25 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
 	@echo "make clean     - remove runs/ (the notebooks' too), .pytest_cache and build leftovers (.venv stays)"
 
