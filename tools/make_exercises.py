@@ -42,7 +42,7 @@ TODO_TEXT = {"en": "TODO", "zh": "TODO（练习）"}
 # The solved notebook's header names its exercise copy; in the copy that line points back to the solved notebook,
 # whose outputs (the reference run) are what the text describes.
 EXERCISE_LINE = {
-    "en": re.compile(r"> \*\*Exercise\*\*: a version with [^`]* is in `notebooks/exercises/en/(?P<nb>[\w.]+)`\."),
+    "en": re.compile(r"> \*\*Exercise\*\*: a version [^`]* is in `notebooks/exercises/en/(?P<nb>[\w.]+)`\."),
     "zh": re.compile(r"> \*\*练习\*\*：[^`]*练习版在 `notebooks/exercises/zh/(?P<nb>[\w.]+)`。"),
 }
 SOLVED_LINE = {
@@ -50,6 +50,13 @@ SOLVED_LINE = {
     "[the solved notebook](../../en/{nb}); your own run's numbers will differ.",
     "zh": "> **练习版**：答案，以及正文所描述的参考运行的输出，都在[完整的 notebook](../../zh/{nb}) 中；"
     "你自己运行得到的数字会有所不同。",
+}
+# A copy with no exercise of its own (it trains what another exercise wrote) has no solutions to point to.
+TRAINS_LINE = {
+    "en": "> **Exercise version**: it trains your exercise copies' code; the reference run's outputs that the text "
+    "describes are in [the solved notebook](../../en/{nb}); your own run's numbers will differ.",
+    "zh": "> **练习版**：它训练的是你在练习版中写的代码；正文所描述的参考运行的输出在"
+    "[完整的 notebook](../../zh/{nb}) 中；你自己运行得到的数字会有所不同。",
 }
 
 
@@ -102,14 +109,15 @@ def one_level_deeper(source: str, kind: str) -> str:
 
 def make_exercise(nb: nbformat.NotebookNode, lang: str, has_exercise: bool = True) -> nbformat.NotebookNode:
     """Blank the solution regions; the `# CHECK` cell after each one gets a short instruction above it; the header's
-    line naming the exercise copy points back to the solved notebook instead (required where `has_exercise`)."""
+    line naming the exercise copy (required) points back to the solved notebook instead."""
     ex = copy.deepcopy(nb)
     ex.metadata.pop("areal_lite", None)  # no reference run: the exercise has no outputs
     cells, header = [], False
     for i, cell in enumerate(ex.cells):
         cell.source = one_level_deeper(cell.source, cell.cell_type)
         if cell.cell_type == "markdown" and EXERCISE_LINE[lang].search(cell.source):
-            cell.source = EXERCISE_LINE[lang].sub(lambda m: SOLVED_LINE[lang].format(nb=m.group("nb")), cell.source)
+            line = (SOLVED_LINE if has_exercise else TRAINS_LINE)[lang]
+            cell.source = EXERCISE_LINE[lang].sub(lambda m, line=line: line.format(nb=m.group("nb")), cell.source)
             header = True
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -124,7 +132,7 @@ def make_exercise(nb: nbformat.NotebookNode, lang: str, has_exercise: bool = Tru
         if cell.cell_type == "code" and _is_check(cell.source):
             cells.append(nbformat.v4.new_markdown_cell(CHECK_TEXT[lang]))
         cells.append(cell)
-    if has_exercise and not header:
+    if not header:
         raise ValueError("the notebook's header has no line naming its exercise copy (EXERCISE_LINE)")
     ex.cells = cells
     for j, c in enumerate(ex.cells):
