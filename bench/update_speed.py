@@ -1,52 +1,22 @@
 """One PPO update on a CPU: the row-by-row float32 update, the default (shared prompts), bf16 autocast, LoRA.
 
-    PYTHONPATH=. .venv/bin/python bench/update_speed.py [--model smollm2-135m-instruct] [--groups 4]
-        [--group-size 8] [--prompt 38] [--completion 16] [--repeats 3] [--threads 2] [--lora-rank 16]
-        [--no-lora] [--no-bf16] [--baseline-tree DIR] [--json bench/results/update_speed.json]
+    PYTHONPATH=. .venv/bin/python bench/update_speed.py [--groups 4] [--group-size 8] [--repeats 3] [--no-lora]
+        [--no-bf16] [--baseline-tree DIR] [--json bench/results/update_speed.json]   (`--help`: every option)
 
-The workload is one `FSDPPPOActor.ppo_update` (packed forward, backward, gradient clipping, AdamW step) of
-SmolLM2-135M-Instruct on one GRPO batch, the same every time: `--groups` random prompts of `--prompt` tokens, the
-first `--common-start` of them the same in every prompt (a chat template's system prompt), each with `--group-size`
-random completions of `--completion` policy tokens (the defaults are `make demo`'s batch: 4 prompts x 8 samples,
-38 prompt tokens of which 27 are the template's, up to 16 new tokens). Every row carries signal (no zero
-advantage), so no row is skipped. Rows:
-1. `float32, rows whole`: each row runs whole (`actor.share_prompts = False`): no prompt shared, the reference
-   the others are compared with;
-2. `float32, group prompts once`: each group's prompt runs once, but the prompts' common start once per prompt
-   (`packing.COMMON_START_MIN_SAVED` set out of reach);
-3. `float32 (default)`: the kit's float32 update (`actor.dtype=float32`, every CPU profile's): each prompt runs
-   once for its group, and the prompts' common start once for all (`packing.share_prompts`);
-4. `bf16 autocast`: `dtype="bfloat16"` with `AREAL_LITE_CPU_BF16=1`: float32 weights and AdamW state, forward
-   passes under `torch.autocast("cpu", torch.bfloat16)` but attention in float32 (`packing.packed_sdpa_attention`;
-   forced, so the row exists on any CPU);
-5. `LoRA`: `use_lora=True`, rank `--lora-rank` (alpha twice the rank) on every decoder linear layer, float32: only
-   the adapter gets gradients and AdamW state (the frozen base still runs forward and passes gradients back);
-6. `LoRA + bf16`: the same adapter under the bf16 autocast.
-With `--baseline-tree DIR` (a `git worktree` of an older commit), one more row comes first: that tree's own float32
-update on the same batch, in a child process (`bench/_update_worker.py`), each row then also compared with it
-(`git worktree add /tmp/old <commit>`, then `--baseline-tree /tmp/old`). The worker knows the package layout and the
-flat one (`bench/_update_worker.py`), so any earlier tree can be the baseline.
-Printed: the CPU's bf16 support (AVX-512 BF16 or AMX, `utils/device.cpu_native_bf16`), each row's median seconds
-per update with its spread (lowest-highest), how many times as fast as row 1 it is, its trainable parameters, and
-the largest difference between the bf16 and float32 log-probs of the policy tokens (before any update), and for the
-default and bf16 rows the fraction of the CPU's matmul limit they reach (the update's counted FLOPs over a large
-`torch.mm`'s GFLOP/s in their dtype, `bench/_limit.py`: how much faster that update could still get). The same
-figures go to `--json`, with the date, the commit measured (and whether the tree was dirty), the CPU model, cores and
-vector ISA.
+The workload is one `FSDPPPOActor.ppo_update` (packed forward, backward, clipping, AdamW step) of SmolLM2-135M on
+one fixed GRPO batch, by default `make demo`'s: 4 random prompts of 38 tokens (27 the template's, shared) x 8 random
+completions of 16 tokens, every row with signal. The rows (`build_rows`): rows run whole, each group's prompt once,
+the default (the common start once as well), bf16 autocast, LoRA, LoRA + bf16; `--baseline-tree` adds an older
+tree's update (`bench/_update_worker.py`). Printed and written to `--json`: seconds per update (median, spread),
+the speed-up over rows run whole, trainable parameters, the bf16/float32 log-prob difference, and for the default
+and bf16 rows the fraction of the matmul limit (`bench/_limit.py`). docs/benchmarks.md says more.
 
 Design decisions
-- The rows take turns `--repeats` times after one warm-up update each (the first AdamW step allocates its state,
-  and first calls pay one-time kernel set-up), and medians are compared: a shared machine drifts.
-- Rows 1 and 2 are one actor, switched between the two layouts, so they differ in nothing else.
-- bf16 is forced rather than left to the actor's detector, because the question is what it costs here. Without
-  AVX-512 BF16 or AMX, bf16 matmuls are emulated (converted to float32 and back), so expect those rows to be slow:
-  that is why the actor trains in float32 on such a CPU unless told otherwise (`--no-bf16` skips them).
-- AdamW's learning rate is 1e-7: every step runs the whole update while the weights barely move, so the repeats
-  time the same work (the speed of a matmul does not depend on the values anyway).
-
-Figures: `bench/RESULTS.md`, generated by `bench/report.py` (`make bench-report`), has this bench's runs: the latest
-from `bench/results/update_speed.json` (the run whole), the earlier ones from `bench/results/history/update_speed.json`
-(`python bench/report.py --archive update_speed --note "..."` before a new run replaces the file).
+- The rows take turns `--repeats` times after one warm-up update each (the first AdamW step allocates its state),
+  and medians are compared: a shared machine drifts. Rows 1 and 2 are one actor switched between two layouts.
+- bf16 is forced (`AREAL_LITE_CPU_BF16=1`), not left to the actor's detector: the question is what it costs here.
+  Without AVX-512 BF16 or AMX it is emulated and slow, which is why the actor trains in float32 on such a CPU.
+- AdamW's learning rate is 1e-7: every step runs the whole update while the weights barely move.
 """
 
 from __future__ import annotations
@@ -192,7 +162,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_rows(args: argparse.Namespace, path: str) -> tuple[dict[str, FSDPPPOActor], list[tuple[str, str, str]]]:
-    """The actors the rows need (by key, "float32" always) and the rows: (row name, actor key, shared prompts)."""
+    """The actors the rows need (by key, "float32" always) and the rows: (row name, actor key, shared prompts).
+
+    `no`: each row runs whole (`actor.share_prompts = False`), the reference; `prompts`: each group's prompt once, the
+    common start once per prompt (`packing.COMMON_START_MIN_SAVED` out of reach); `all`: the kit's default, the
+    common start once for all. bf16 rows: float32 weights and AdamW state, forward under `torch.autocast` with
+    attention in float32 (`packing.packed_sdpa_attention`). LoRA rows: rank `--lora-rank`, alpha twice the rank, on
+    every decoder linear layer (the frozen base still runs forward and passes gradients back)."""
     actors = {"float32": build_actor(path, "float32", args.threads)}
     # (row name, actor, shared prompts): the first row is the update as it was before prompts were shared
     rows = [(BEFORE, "float32", "no"), ("float32, group prompts once", "float32", "prompts")]

@@ -1,65 +1,23 @@
 """The kit against TRL's `GRPOTrainer` on the demo's task: train time per run, the ratio, and both accuracy gains.
 
     make bench-trl                                           # make trl first (TRL's own venv), then this, 3 x 16
-    PYTHONPATH=. .venv/bin/python bench/vs_trl.py [--repeats 3] [--steps 16] [--threads 2]
-        [--trl-python .venv-trl/bin/python] [--bf16] [--out bench/results/vs_trl.json] [--keep]
+    PYTHONPATH=. .venv/bin/python bench/vs_trl.py [--repeats 3] [--steps 16] [--threads 2] [--bf16]
+        [--trl-python .venv-trl/bin/python] [--out bench/results/vs_trl.json]   (`--help`: every option)
 
-The workload is `make demo` (`configs/arith_grpo_demo.yaml`): SmolLM2-135M-Instruct learns "What is x + y?" by GRPO,
-`--steps` steps of 4 prompts x 8 samples, 16 new tokens at temperature 0.8, group-normalised advantages, no KL,
-AdamW at a constant 1e-5 with gradient clipping 1.0, float32 (`--bf16`: both sides train under bf16 autocast, the
-kit where its precision plan measures it faster, and generate in bf16, TRL with its training model under autocast,
-the kit's server with `embedded.dtype=auto`, bf16 weights where this CPU measures them faster and batch-exact, both
-sides' held-out evaluations on that server; `bench/results/vs_trl_bf16.json`), `--threads` torch threads. It runs twice
-per repeat, alternating, `--repeats` times (kit, TRL, kit, TRL, ...), each run a fresh child process:
-1. the kit: `python -m areal_lite.kit.trainer.demo total_train_steps=N actor.threads=T embedded.threads=T` (a fresh
-   trial folder in a temp fileroot), the embedded server and the trainer taking turns on the cores (synchronous GRPO);
-2. TRL: `bench/_trl_grpo.py` in TRL's venv (`make trl`: trl 1.16.0 on the kit's torch 2.13.0+cpu), one process
-   that generates with transformers' `generate` and trains: `loss_type="dapo"` (token mean over the batch, as the
-   kit), `beta=0`, `scale_rewards="group"`, 32 completions per optimizer step from one generation (no reuse, no
-   accumulation), `shuffle_dataset=False`, the kit's AdamW settings (fused, as the kit's), `max_grad_norm` 1.0.
-Printed: each run's train time (the sum of its steps' wall times, held-out evaluation left out), their medians
-and spread (lowest-highest), TRL's time over the kit's per repeat and its median, each side's phases, greedy
-accuracy on the 25 held-out problems before -> after, and the user+system CPU seconds of each run's process tree.
-Everything goes to `--out` (with the commit, the CPU model, cores and vector ISA, torch threads and package versions).
+The workload is `make demo` (`configs/arith_grpo_demo.yaml`). Runs alternate, kit then TRL, `--repeats` times, each
+a fresh child process: the kit's `kit.trainer.demo` (its embedded server and trainer taking turns on the cores), and
+`bench/_trl_grpo.py` in TRL's venv (transformers' `generate`, then TRL's update: `loss_type="dapo"`, `beta=0`,
+`scale_rewards="group"`, 32 completions per optimizer step, the kit's AdamW). docs/trl.md says what is held equal,
+what differs by design, and how time and CPU are counted.
 
 Design decisions
-- Same data, same prompts, same reward, one evaluator. This script exports the kit's first `--steps` training
-  batches in its dataloader order (the config's seed) as chat messages with the kit's prompt token ids, the
-  answers and the kit's reward as `module:function`; TRL's side checks that the ids it builds from the messages
-  equal the kit's and that step k generated from batch k, and the kit's run must log the same data fingerprint
-  per step (both abort otherwise). TRL scores with the kit's own reward function (imported from the checkout;
-  it needs only aiohttp and math-verify), and TRL's trained model is scored by the kit's evaluator
-  (`kit.trainer.train.evaluate`, the embedded server, greedy) in a child process of this script, as is the base model
-  (TRL's "before"): both sides' accuracies come from one code path.
-- Hyperparameters are read from the kit's config and mapped onto `trl.GRPOConfig` (fields checked in TRL 1.16.0's
-  source); a config this mapping cannot express (another schedule, a KL term, several minibatches, LoRA, ...) is
-  refused rather than compared unequal.
-- Train time = the sum of per-step wall times: the kit's `time/step` minus the final evaluation it contains; TRL's
-  `on_step_begin` -> `on_step_end`. Set-up (server start, model load) is outside both; `trainer.train()`'s whole
-  wall time and each process's wall time are recorded too. Each side's phases add up to its train time.
-  TRL: generate (transformers' generate), reward, rollout_other (tokenising, decoding, padding, advantages) and
-  update (the rest of the step: forward, backward, clipping, AdamW). The kit: generate (the rollouts, rewards
-  included), logp, update, weight_sync and other.
-- CPU seconds are `getrusage(RUSAGE_CHILDREN)` deltas around each run's process, so they include the processes it
-  started and reaped (the kit's server and reward workers). They cover the whole process, not only the steps: the
-  kit's include its server's start and its two held-out evaluations, TRL's its model load and save (its
-  evaluation runs in a separate process, counted apart).
-- What is not the same: the kit samples on its embedded server (its own sampler, continuous batching) and syncs
-  weights through /dev/shm each step, TRL samples with `model.generate` on the training model (one padded batch);
-  random streams differ, so the sampled completions differ even at step 0. The kit's decoupled loss weighs each
-  token by exp(trainer log-prob - server log-prob) (about 1 when both hold the same weights); TRL has no such
-  term (num_iterations=1: its ratio is exactly 1). Advantage epsilon: 1e-5 in the kit, 1e-4 in TRL.
-- Memory: the kit's trainer and server keep freed memory for reuse (`utils.device.keep_freed_memory`, glibc's
-  mallopt: no mmap per large block, no heap trim); TRL runs as installed, with glibc's defaults. `--trl-keep-freed`
-  gives TRL's process the same settings (GLIBC_TUNABLES), to see what they are worth to TRL.
-- Both sides are seeded (the kit: the config's `seed` for its server's sampler and its trainer; TRL: `seed` in
-  GRPOConfig, the same value), and a repeat replays the same samples: each side's rewards, losses and accuracies
-  are the same from repeat to repeat (`reward_by_step` in the results shows it). The repeats measure the spread
-  of the time, not of what is learnt.
-- Figures: `bench/RESULTS.md`, generated by `bench/report.py` (`make bench-report`), has every run of this bench:
-  the latest from `bench/results/vs_trl.json` (the run whole), the earlier ones, a row each (commit, CPU, both
-  sides' train time, the ratio), from `bench/results/history/vs_trl.json` (`python bench/report.py --archive vs_trl
-  --note "..."` before a new run replaces the file).
+- Same data, reward and evaluator: the kit's batches go to TRL as messages with the kit's prompt ids, which TRL's side
+  checks, and both sides abort when a step's data fingerprint differs; TRL scores with the kit's reward function, and
+  both trained models (and the base model) are scored by the kit's greedy evaluator in a child process.
+- Hyperparameters are read from the kit's config and mapped onto `trl.GRPOConfig`; a config the mapping cannot
+  express (a KL term, another schedule, several minibatches, LoRA) is refused rather than compared unequal.
+- Train time is the sum of the steps' wall times, evaluation and set-up left out; both sides are seeded, so a repeat
+  replays the same samples and the repeats measure the spread of the time, not of what is learnt.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ The OpenAI Agents SDK is covered in `test_chat.py`; this file is the second fram
 `stream_usage`, `parallel_tool_calls` true and false, `content: null` beside `tool_calls`).
 
 Design decisions
-- Real servers, real framework: a `ChatServer` on 127.0.0.1 serving over HTTP, LangChain's own client and tool
-  objects. The engine behind the server is `test_chat.ScriptedEngine`, as for the Agents SDK there: a random tiny
-  model cannot be made to write a `<tool_call>`, and a scripted one makes every id known.
+- Real servers, real framework: a `ChatServer` on 127.0.0.1 over HTTP, LangChain's own client and tool objects. The
+  engine behind it is `test_chat.ScriptedEngine`: a random tiny model cannot be made to write a `<tool_call>`.
 - "Recorded token-exactly" is checked against the reference: the same conversation sent with the `openai` SDK
   (the client the endpoint's own tests trust) on another session of the same server must export the same training
   row, id for id, logprob for logprob; and the generated part of that row must be exactly what the engine wrote.
@@ -15,8 +14,8 @@ Design decisions
   while LangChain runs, LangSmith tracing is switched off by environment, and tiktoken (which LangChain uses only to
   count tokens, never on the invoke/stream path) gets an empty cache folder, so touching it would need the network
   and fail the test.
-- Each test runs its whole conversation in one event loop: LangChain caches its default async HTTP client per base
-  URL, and a client bound to a closed loop fails on reuse. Every test starts its own server, so no URL is shared.
+- One event loop and one server per test: LangChain caches its async HTTP client per base URL, and a client bound to
+  a closed loop fails on reuse.
 - The request bodies are read where the endpoint parses them (a spy that calls the real parser), so the tests
   prove that LangChain really sent the field under test, not only that the answer looked right.
 """

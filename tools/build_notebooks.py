@@ -1,26 +1,23 @@
 """Build the English and Chinese notebooks from one bilingual source per notebook.
 
-Why a source format: the two languages must share their code cells exactly (same code, same order). Writing each
-notebook once, with every markdown cell in both languages next to each other, makes that true by construction; a test
-still checks the built notebooks.
+Why a source format: the two languages must share their code cells exactly. Writing each notebook once, every
+markdown cell in both languages side by side, makes that true by construction (a test still checks it).
 
 Source: `notebooks/src/NN_name.nb.md`. Cells start with a line `%% KIND [options]`:
 - `%% md` then `%% zh`  — a markdown cell in English, followed by the same cell in Chinese (both required).
-- `%% code`             — a code cell. Its output from the reference run is committed (readers see results before
-  running anything) but never compared: timings and sampled text differ from run to run.
-- `%% code check`       — a code cell whose output is deterministic: nbval compares it after the sanitizer.
-  (`# NBVAL_CHECK_OUTPUT` is added as the first line, the marker nbval's lax mode looks for.)
-- `%% code headline`    — a code cell whose output is what the notebook is about (a curve, a before/after number, a
-  trajectory view): a test fails if the committed notebook has no output there, and if the cell plots, no image.
+- `%% code`             — a code cell: its reference-run output is committed, never compared (timings vary).
+- `%% code check`       — a code cell whose output is deterministic: nbval compares it after the sanitizer
+  (`# NBVAL_CHECK_OUTPUT`, the marker nbval's lax mode looks for, is added as its first line).
+- `%% code headline`    — a cell whose output is what the notebook is about: a test fails if it has no output
+  (and no image where it plots).
 Inside code, `# BEGIN SOLUTION hint: ...` / `# END SOLUTION` mark what the exercise versions replace by a TODO.
 
 Committed outputs are only ever written by `--execute`, never by hand. The executed notebook records a fingerprint
 of its code cells (`metadata.areal_lite.code_sha256`); rebuilding without `--execute` keeps the outputs only while
 the fingerprint still matches, and a test fails when it does not (the outputs could not have come from this code).
 
-Usage: python tools/build_notebooks.py [--execute] [NAME ...]
-  --execute runs each English notebook (nbclient, a fresh kernel in its folder) and commits its outputs to both
-  languages (the code cells are identical, so the Chinese notebook gets the English run's outputs).
+Usage: .venv/bin/python tools/build_notebooks.py [--execute] [NAME ...]; `--execute` runs each English notebook (a
+fresh kernel in its folder) and gives its outputs to both languages, whose code cells are identical.
 """
 
 from __future__ import annotations

@@ -1,50 +1,23 @@
 """`make soak`'s load + fault + crash cycle against the real servers, and what it counted.
 
 Usage: python tools/soak.py [--seed 0] [--rounds 3] [--burst 96] [--chat-clients 24] [--keep] [--json FILE]
-(~3 min on 2 cores; `make soak` records its counts in bench/results/soak.json, which docs/reliability.md quotes)
+(`make soak` records its counts in bench/results/soak.json, with its seconds; docs/reliability.md says what runs)
 
-Exit code 1 when a request was lost, a 5xx came back, a process outlived its parent, /dev/shm kept bytes, or any
-count below did not add up. Everything runs on 127.0.0.1, on free ports, started through the kit's public functions
-as the tests start them:
-
-1. Load and faults, against the embedded inference server (`python -m areal_lite.kit.server` on the tiny random
-   Qwen2, by `launch_server`), the RAG server (`launch_rag_server`, BM25 over four countries of the factbook) and the
-   OpenAI-compatible chat endpoint (`ChatServer` in this process, in front of the inference server through
-   `RemoteSGLangEngine`). Four bursts of concurrent requests, invalid bodies for all three servers in each (every
-   one must get a 4xx):
-   - mixed: /generate with varied sampling (n 1-4, stop strings, logprobs, 1-64 new tokens, batches of prompts,
-     text prompts), chat completions through the `openai` SDK (`AsyncOpenAI`, n, streaming, logprobs, two turns a
-     client), RAG /retrieve;
-   - aborts: requests aborted by rid, then abort-all, while the burst runs; then a second wave;
-   - pauses: pause/continue in each mode (abort, retract, in_place) while requests run, with more arriving while
-     paused (each must be held, then served);
-   - hang-ups: clients that close their connection mid-request.
-   After each burst the servers' own counters (the inference server's /server_info, the chat endpoint's `stats()`,
-   the RAG server's `served`) must add up to what the clients were answered, and nothing may be left running,
-   waiting or held.
-2. A crash: a real training run (`python -m areal_lite.kit.trainer.train`, the demo config shrunk to the tiny model) is
-   SIGKILLed, as the OOM killer would, once its reward pool, a checkpoint and a weight version in /dev/shm exist. Its
-   descendants (recorded before the kill) still alive a few seconds later are orphans. The same command with
-   `--resume` then runs to its end, after which its /dev/shm folder must hold 0 bytes (or be gone).
+Exit code 1 when a request was lost, a 5xx came back, a process outlived its parent, /dev/shm kept bytes, or a count
+did not add up. Everything runs on 127.0.0.1, on free ports, started through the kit's public functions: bursts of
+mixed requests, aborts, pauses and hang-ups against the embedded server, the RAG server and the chat endpoint, with
+invalid bodies in each (every one must get a 4xx); then a training run SIGKILLed, as the OOM killer would, and resumed.
 
 Design decisions
-- Counting is exact, not statistical. Every request has a known number of answer rows (prompts x n); every answer
-  is checked for shape (rows, tokens <= max_new_tokens, a logprob per token when asked, a finish reason); and the
-  server's finished + aborted rows and its generated tokens must move by exactly what the clients were answered. An
-  aborted request is answered (finish_reason abort), never lost.
-- "Lost" = sent - answered - hung up: a request that got no HTTP answer (timeout, connection error) without the
-  soak hanging up on it. The soak's own /server_info polls are observations, not counted.
-- Hang-ups are made countable: those requests (long ones, 2000 tokens, so none can finish first) are sent while the
-  server is paused in place, and the soak waits until the server holds all of their rows, so each reached the server
-  before its client hangs up. The server must then abort exactly their rows. Nobody reads their tokens, so that
-  burst checks generated tokens as a lower bound.
-- Chat completions go through the engine, which re-sends a request the server aborted (its interrupt/resume); so
-  they run only in the burst without aborts or pauses, where one choice is exactly one server row.
-- Bounded: a fixed seed picks every body; a burst is a few dozen requests of at most 64 tokens on the tiny model; the
-  training run is a few steps of 2 prompts x 2 samples x 4 tokens. One torch thread per process (2-core machines).
-- Self-contained: no code shared with tests/ (the training config mirrors tests/test_faults.py's on purpose: the
-  same shrunk demo config). Every process, temp folder and /dev/shm folder it made is removed at the end, also when
-  a check fails (`--keep` keeps the temp folder, with the servers' and the trainer's logs).
+- Counting is exact: every request has a known number of answer rows, every answer is checked for shape, and each
+  server's own counters must move by exactly what the clients were answered. "Lost" = sent - answered - hung up.
+- Hang-ups are made countable: they are sent while the server is paused in place and hang up once the server holds
+  all their rows, so it must abort exactly those rows.
+- Chat completions run only in the burst without aborts or pauses: the engine re-sends a request the server
+  aborted, so only there is one choice exactly one server row.
+- Bounded and self-contained: a fixed seed picks every body; the tiny model, one torch thread per process; no code
+  shared with tests/; every process, temp folder and /dev/shm folder it made is removed at the end (`--keep` keeps
+  the temp folder with the logs).
 """
 
 from __future__ import annotations

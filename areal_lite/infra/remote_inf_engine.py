@@ -45,7 +45,7 @@ _RID_CACHE = 4096  # rids remembered for server affinity (oldest forgotten first
 _BACKOFF_START, _BACKOFF_MAX = 0.1, 5.0  # seconds between retries of a failed request
 _ABORT_GRACE = 2.0  # seconds a shutdown gives aborted requests to come back with their partial output
 # Seconds between looks for a weight folder the trainer is writing: a stat call, while every server waits paused
-# (pause_poll_interval, 50 ms, cost a synchronous run 25 ms a step on average: 0.4 s of the demo's 16 steps).
+# (AReaL's pause_poll_interval, 50 ms, adds half of it to a synchronous step on average: 0.4 s over the demo's 16).
 _FOLDER_POLL = 0.005
 
 

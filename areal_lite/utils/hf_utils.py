@@ -66,7 +66,7 @@ def count_tokens(tokenizer, text: str, add_special_tokens: bool = True) -> int:
 def token_lower_bound(tokenizer, text: str) -> int:
     """At most this many characters fit in one token; the text has at least len(text) // that many tokens."""
     longest = getattr(tokenizer, "_areal_lite_longest_token", None)
-    if longest is None:  # computed once per tokenizer: a pass over the vocabulary (~10 ms for 50k entries)
+    if longest is None:  # computed once per tokenizer: a pass over the whole vocabulary
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         tokenizer._areal_lite_longest_token = longest
     return len(text) // (4 * max(longest, 1))

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 MAX_JSON_DEPTH = 100  # a chat request with a nested JSON schema in a tool reaches ~20; /generate needs 3
-OFF_LOOP_BYTES = 64 * 1024  # ~1 ms of json.loads: larger bodies are parsed on a worker thread
+OFF_LOOP_BYTES = 64 * 1024  # larger bodies are parsed on a worker thread, so the event loop serves others meanwhile
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # brackets inside strings are text
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")

@@ -1,9 +1,9 @@
 """How much of the possible overlap asynchronous training achieved: notebook 07 and `bench/async_vs_sync.py`.
 
 Design decisions:
-- A comparison is made of runs, never of one run per mode. Step times on a shared machine move by 10-30 % from run
-  to run, so each mode runs several times (interleaved: sync, async, sync, ...; a slow spell of the machine then hits
-  both) and every number is reported with its spread (lowest and highest run).
+- A comparison is made of runs, never of one run per mode. Step times on a shared machine move from run to run
+  (`bench/async_vs_sync.py` records by how much), so each mode runs several times (interleaved: sync, async, sync, ...;
+  a slow spell of the machine then hits both) and every number is reported with its spread (lowest and highest run).
 - The ideal comes from the synchronous runs' own phases: g = generation, t = training (recompute + update + weight
   sync) per step, ideal = (g + t) / max(g, t). Achieved = sync step / async step, paired run by run.
 - Equal work is the caller's job: fixed-length generations (`min_new_tokens = max_new_tokens`), the same prompts in

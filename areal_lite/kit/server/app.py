@@ -60,7 +60,7 @@ from areal_lite.utils.jsonhttp import (
 log = logging.getLogger("areal_lite.kit.server")  # one logger for the server
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a batch of long prompts as JSON token ids is large; aiohttp's default is 1 MiB
-OFF_LOOP_CHARS = 4096  # ~2 ms of tokenization: longer text prompts are tokenized on a worker thread
+OFF_LOOP_CHARS = 4096  # longer text prompts are tokenized on a worker thread, so the event loop serves others
 OFF_LOOP_TOKENS = 4096  # generated tokens of one request above which its answer is rendered on a worker thread
 
 

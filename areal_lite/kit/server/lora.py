@@ -140,7 +140,7 @@ class LoraAdapters:
         for pname, (scale, b, a) in deltas.items():
             # W = W_base + scale * B @ A, written in place by one addmm. The fast path's weights are column blocks
             # of transposed matrices: working on the transpose (`p.t()`, row-major) keeps every write a row write
-            # and spares a [out, in] temporary per matrix (SmolLM2, r16, all-linear: 0.14 s a merge, before 0.45).
+            # and spares a [out, in] temporary per matrix.
             p = params[pname]
             t = _rows(p)
             m1, m2 = (a.t(), b.t()) if t is not p else (b, a)  # transposed: W^T = W_base^T + A^T B^T

@@ -68,7 +68,7 @@ _STAT_KEYS = (
     "template_mismatches",
 )
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a long agent conversation with tool results is large; aiohttp's default is 1 MiB
-OFF_LOOP_CHARS = 4096  # ~2 ms of rendering and tokenization: longer conversations are prompted on a worker thread
+OFF_LOOP_CHARS = 4096  # longer conversations are rendered and tokenized on a worker thread: the loop serves others
 _FINISH = {"stop": "stop", "length": "length", "abort": "length", "tool_calls": "tool_calls"}
 
 
