@@ -821,6 +821,13 @@ RIGHT_AGENT = {
                 "closing = self.end_of_turn[1 if out[-1:] == self.end_of_turn[:1] else 0 :]",
             )
         ],
+        # the engine's own word for an answer cut off by the token budget, where the solution looks at the last token
+        "tells a cut-off answer by its stop_reason": [
+            (
+                "closing = self.end_of_turn[1:] if out and out[-1] == self.end_of_turn[0] else self.end_of_turn",
+                'closing = self.end_of_turn if resp.stop_reason == "length" else self.end_of_turn[1:]',
+            )
+        ],
         "grows the lists in place": [
             (
                 "logprobs, versions = logprobs + [0.0] * len(glue), versions + [-1] * len(glue)",
@@ -833,6 +840,13 @@ RIGHT_AGENT = {
         ],
     },
     2: {  # MyGroupedWorkflow: any way of running the G episodes at once
+        # a dict's key order is the learner's: the check pairs a group's rows by content, read in one fixed order
+        "the tensors in another key order": [
+            (
+                "return concat_padded_tensors(list(episodes))",
+                "return dict(reversed(list(concat_padded_tensors(list(episodes)).items())))",
+            )
+        ],
         "tasks created first, then awaited in turn": [
             (
                 "episodes = await asyncio.gather(*(self.workflow.arun_episode(engine, data)"
@@ -919,6 +933,7 @@ class ScriptedReplies:
             output_tokens=out,
             output_logprobs=[-0.5] * len(out),
             output_versions=[0] * len(out),
+            stop_reason="length",  # as the engine reports an answer the token budget cut off
         )
 
 
