@@ -186,17 +186,19 @@ def main(argv: list | None = None) -> int:
             if ": ok" not in line:
                 print(f"check-machine: {line}")
         return 0
-    version = "{}.{}.{}".format(*sys.version_info[:3])
-    executable, note = pick(sys.executable, given=False)
-    why = None if executable else note
-    print(f"python: {note or f'{version} ({sys.executable})'}: ok" if executable else f"python/system: {why}")
+    executable, note = pick(sys.executable, given=False)  # note: the other Python make takes, or why none will do
+    if executable is None:
+        print(f"python/system: {note}")
+    else:
+        version = "{}.{}.{}".format(*sys.version_info[:3])
+        print(f"python: {note or f'{version} ({sys.executable})'}: ok")
     print(f"system: {platform.system()} {platform.machine()}")
     print(cpu_line(machine.cpu_model(), machine.cpuinfo().get("flags", ""), platform.machine()))
     print(*now, sep="\n")
     print(disk_line(shutil.disk_usage(ROOT).free))
     if sys.platform.startswith("linux"):
         print(shm_line(shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None))
-    return 1 if why else 0
+    return 1 if executable is None else 0
 
 
 if __name__ == "__main__":
