@@ -28,7 +28,7 @@ def _rel(path: str) -> str:
 
 
 USER_DOCS = sorted(
-    [os.path.join(ROOT, "README.md")]
+    [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CONTRIBUTING.md")]
     + glob.glob(os.path.join(ROOT, "docs", "*.md"))
     + glob.glob(os.path.join(ROOT, "notebooks", "*.md"))
     + glob.glob(os.path.join(ROOT, "notebooks", "src", "*.nb.md"))

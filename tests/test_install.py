@@ -4,6 +4,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -316,6 +317,21 @@ def test_check_machine_runs_without_the_venv():
     assert run.returncode == 0, run.stdout + run.stderr
     labels = [line.split(":")[0] for line in lines]
     assert labels[:7] == ["python", "system", "cpu", "cores", "running", "memory", "disk"]
+
+
+def test_check_machine_into_a_reader_that_left_ends_quietly():
+    """`make check-machine | head -1`: its lines meet a pipe nobody reads (closed before it starts, so every write
+    fails), and it ends with status 0 and nothing on stderr, not a BrokenPipeError traceback."""
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        run = subprocess.run([sys.executable, os.path.join(TOOLS, "check_machine.py")], stdout=write_end,
+                             stderr=subprocess.PIPE, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (run.returncode, run.stderr) == (0, b"")
 
 
 def test_make_demo_and_lab_hear_from_check_machine_only_when_something_is_short(monkeypatch, capsys):

@@ -202,4 +202,10 @@ def main(argv: list | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+        sys.stdout.flush()  # inside the try: a reader that left early (`| head`) is met here or in a print
+    except BrokenPipeError:  # Python's documented way to end quietly: stdout to devnull, so exit's flush is silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
+    sys.exit(status)
