@@ -6,7 +6,7 @@ on one machine; another machine's rounding can send the same seed down another p
 over many seeds. Run this after changing the task, the trainer or the server's sampling, and update the figures in
 the test module's docstring.
 
-Usage: python tools/learning_margin.py [--seeds 1-60] [--steps 16] [--lr 6e-2]   (~10 s a seed on one core)
+Usage: python tools/learning_margin.py [--seeds 1-60] [--steps 16] [--lr 6e-2]   (a short training run a seed)
 """
 
 from __future__ import annotations

