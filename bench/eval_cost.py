@@ -1,7 +1,7 @@
 """What a held-out evaluation costs against one training step's generation, in seconds and in work.
 
     PYTHONPATH=. .venv/bin/python bench/eval_cost.py [--config configs/arith_grpo_demo.yaml] [--threads 2]
-        [--repeats 5] [--json bench/results/eval_cost.json]
+        [--repeats 11] [--json bench/results/eval_cost.json]
 
 The workload is `make demo`'s: on one embedded server (`--threads`, default the config's), the kit's greedy
 evaluation (`kit.trainer.train.evaluation_batch`, what `evaluate` runs: a fresh engine client, the
@@ -68,7 +68,7 @@ def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "arith_grpo_demo.yaml"))
     ap.add_argument("--threads", type=int, default=0, help="server threads (0: the config's embedded.threads)")
-    ap.add_argument("--repeats", type=int, default=5, help="turns of the two workloads (medians are compared)")
+    ap.add_argument("--repeats", type=int, default=11, help="turns of the two workloads (medians are compared)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "eval_cost.json"), help="'' for none")
     args = ap.parse_args(argv)
 
