@@ -581,10 +581,12 @@ def train_cmd(model: str, fileroot: str, experiment: str, steps: int) -> List[st
 
 
 def crash_ready(proc: subprocess.Popen, run_dir: str, shm_dir: str) -> bool:
-    """The trainer has a reward pool (a forkserver with workers), a checkpoint and a weight version in /dev/shm."""
+    """The trainer has a reward pool (a forkserver with workers), a checkpoint and a weight version in /dev/shm. Any
+    checkpoint: the trainer keeps only the last few (`saver.keep_last`), so a step's may be gone before a poll."""
     if proc.poll() is not None:
         raise RuntimeError(f"the training run exited with {proc.returncode} before it could be killed")
-    if not os.path.isfile(os.path.join(run_dir, "checkpoints", "step_000001", "trainer_state.pt")):
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if not (os.path.isdir(ckpts) and any(d.startswith("step_") for d in os.listdir(ckpts))):
         return False
     if not any("weight_update_v" in n for _, dirs, files in os.walk(shm_dir) for n in dirs + files):
         return False
