@@ -62,7 +62,7 @@ help:
 	@echo "make test-vllm - the vLLM backend against the real server (marker vllm; runs make vllm first)"
 	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 08's export, 2 steps + a resumed one (~5 min)"
 	@echo "make areal-judge - AReaL 1.0.4's own unit tests for the mirrored modules, run against AReaL and the kit (~3 min)"
-	@echo "make seed-cells  - the seed notebooks' own cells under the kit, as written and with their defects fixed (~10 min)"
+	@echo "make seed-cells  - the seed notebooks' own cells under the kit, as written and with their defects fixed (~13 min on 2 cores)"
 	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~30 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~25 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
