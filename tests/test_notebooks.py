@@ -267,6 +267,25 @@ def _executed(tool, nb):
     return nb
 
 
+def test_rebuilding_unchanged_code_writes_the_reference_run_again(tmp_path):
+    """A prose edit rebuilds without --execute: the file keeps the reference run as it was, execution counts included
+    (a code cell that printed nothing keeps its count), so the rebuild's diff is the prose alone."""
+    tool = _build_tool()
+    path = tmp_path / "n.ipynb"
+    ran = _tiny_notebook(tool, ["a = 1", "print(a)"])
+    ran.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]  # "a = 1" printed nothing
+    ran.metadata["areal_lite"] = {"code_sha256": tool.code_fingerprint(ran)}
+    tool.finalize(ran, executed=True)
+    nbformat.write(ran, path)
+
+    rebuilt = _tiny_notebook(tool, ["a = 1", "print(a)"])
+    assert tool._keep_outputs(str(path), rebuilt)
+    tool.finalize(rebuilt, executed=True)
+    assert nbformat.writes(rebuilt) == nbformat.writes(nbformat.read(path, as_version=4))
+    assert [c.execution_count for c in rebuilt.cells if c.cell_type == "code"] == [1, 2]
+    assert not tool._keep_outputs(str(path), _tiny_notebook(tool, ["a = 2", "print(a)"]))
+
+
 def test_rebuild_keeps_outputs_only_while_the_code_is_unchanged(tmp_path):
     tool = _build_tool()
     path = tmp_path / "n.ipynb"

@@ -284,16 +284,17 @@ def build(name_filter: list[str], run: bool) -> list[str]:
                         if c_zh.cell_type == "code":
                             c_zh.outputs = c_en.outputs
                     nb.metadata["areal_lite"] = executed_en.metadata["areal_lite"]
-            elif os.path.exists(out):
-                _keep_outputs(out, nb)
-            finalize(nb, executed=run)
+            kept = not run and os.path.exists(out) and _keep_outputs(out, nb)
+            finalize(nb, executed=run or kept)
             nbformat.write(nb, out)
             written.append(out)
     return written
 
 
-def _keep_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
-    """Rebuilding without --execute keeps the reference run's outputs while the code is what produced them.
+def _keep_outputs(old_path: str, nb: nbformat.NotebookNode) -> bool:
+    """Rebuilding without --execute keeps the reference run's outputs while the code is what produced them; returns
+    whether it kept the run whole (then the rebuild is finalized as executed: a cell that printed nothing keeps its
+    execution count, so a prose edit changes nothing else in the file).
 
     Once the code changed, only outputs of unchanged check cells stay (nbval compares those against a fresh run);
     the fingerprint goes, and tests/test_notebooks.py asks for `--execute`.
@@ -305,11 +306,12 @@ def _keep_outputs(old_path: str, nb: nbformat.NotebookNode) -> None:
         for cell, old_cell in zip((c for c in nb.cells if c.cell_type == "code"), old_code):
             cell.outputs = old_cell.outputs
         nb.metadata["areal_lite"] = meta
-        return
+        return True
     by_source = {c.source: c.outputs for c in old.cells if c.cell_type == "code" and c.source.startswith(CHECK_MARK)}
     for cell in nb.cells:
         if cell.cell_type == "code" and cell.source in by_source:
             cell.outputs = by_source[cell.source]
+    return False
 
 
 def main(argv=None) -> int:
