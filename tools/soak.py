@@ -55,6 +55,7 @@ from areal_lite.dataset.factbook import build_factbook_corpus  # noqa: E402
 from areal_lite.experimental.openai.proxy.server import ChatServer  # noqa: E402
 from areal_lite.kit.rag import launch_rag_server  # noqa: E402
 from areal_lite.kit.server.launch import launch_server  # noqa: E402
+from areal_lite.kit.trainer.rundir import latest_checkpoint  # noqa: E402
 from areal_lite.utils.model_store import build_tiny_model, load_tokenizer  # noqa: E402
 
 # Where `default_weight_update_dir` puts a run's weight versions (the same rule: $USER, else the uid).
@@ -595,8 +596,9 @@ def crash_ready(proc: subprocess.Popen, run_dir: str, shm_dir: str) -> bool:
 
 
 def last_checkpoint(run_dir: str) -> int:
-    names = os.listdir(os.path.join(run_dir, "checkpoints"))
-    return max(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
+    """The step `--resume` restores, by the kit's own rule (`latest_checkpoint`); read once the trainer is dead, since
+    that lookup also recovers a step folder a crash left renamed aside."""
+    return int(os.path.basename(latest_checkpoint(os.path.join(run_dir, "checkpoints")))[len("step_") :])
 
 
 def crash_and_resume(model: str, work: str, tally: Tally) -> Tuple[int, int]:
