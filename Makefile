@@ -63,7 +63,7 @@ help:
 	@echo "make areal-run - opt-in: AReaL 1.0.4's own trainer on notebook 08's export, 2 steps + a resumed one (~5 min)"
 	@echo "make areal-judge - AReaL 1.0.4's own unit tests for the mirrored modules, run against AReaL and the kit (~3 min)"
 	@echo "make seed-cells  - the seed notebooks' own cells under the kit, as written and with their defects fixed (~13 min on 2 cores)"
-	@echo "make vllm-notebooks - every notebook but 10 (LoRA) top to bottom with backend=vllm (~30 min)"
+	@echo "make vllm-notebooks - every notebook top to bottom with backend=vllm (~40 min)"
 	@echo "make trl       - opt-in: TRL's own venv (.venv-trl: trl 1.16.0 on torch 2.13.0+cpu)"
 	@echo "make bench-trl - the demo's 16 steps, the kit vs TRL's GRPOTrainer, 3 repeats (~25 min on a 2-core AVX-512 CPU, ~35 AVX2-only; runs make trl)"
 	@echo "make test-trl-env - notebook 11's environment class under TRL's GRPOTrainer, 2 steps (~1 min; runs make trl)"
@@ -249,14 +249,12 @@ test-vllm: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
 	$(BIN)/python -m pytest tests/test_vllm.py -m vllm -v -p no:cacheprovider --durations=10
 
-# Every notebook top to bottom on vLLM (~30 min on 2 cores): executed copies in runs/vllm-notebooks/; stops at the
+# Every notebook top to bottom on vLLM (~40 min on 2 cores): executed copies in runs/vllm-notebooks/; stops at the
 # first cell that raises. Outputs are not compared: sampled numbers differ by engine (08's comparison differs by design).
-# Notebook 10 trains LoRA adapters, which the kit does not sync to vLLM (a config error by design: docs/vllm.md), so it
-# is left out, and the target says so; without that it would stop there, before 11 and 12 ran.
-VLLM_NOTEBOOKS = $(filter-out notebooks/en/10_lora.ipynb,$(sort $(wildcard notebooks/en/[01]*.ipynb)))
+# VLLM_NOTEBOOKS=notebooks/en/10_lora.ipynb runs one.
+VLLM_NOTEBOOKS = $(sort $(wildcard notebooks/en/[01]*.ipynb))
 vllm-notebooks: $(VLLM_VENV)/.installed $(DEVSTAMP)
 	$(BIN)/python -m areal_lite.kit.notebook.prepare
-	@echo "vllm-notebooks: notebook 10 left out (LoRA adapters are not synced to vLLM: docs/vllm.md)"
 	AREAL_LITE_OVERRIDES="backend=vllm" OMP_NUM_THREADS=1 MPLBACKEND=Agg $(BIN)/jupyter nbconvert --to notebook \
 	  --execute --ExecutePreprocessor.timeout=1800 --output-dir runs/vllm-notebooks $(VLLM_NOTEBOOKS)
 

@@ -286,8 +286,15 @@ def test_areals_lora_fields_load(tmp_path, tiny_model_path, capsys):
     assert "has no effect" not in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"actor.use_lora=True and rollout.use_lora=False disagree"):
         load_expr_config(["--config", str(path), "rollout.use_lora=false"], TrainConfig, verbose=False)
-    with pytest.raises(ConfigError, match="backend vllm"):
+    with pytest.raises(ConfigError, match="backend vllm needs vllm.enable_lora=true"):
         load_expr_config(["--config", str(path), "backend=vllm"], TrainConfig, verbose=False)
+    on_vllm = ["--config", str(path), "backend=vllm", "vllm.enable_lora=true"]
+    config, _ = load_expr_config(on_vllm, TrainConfig, verbose=False)
+    assert config.vllm.max_lora_rank == 16  # AReaL's default, room for rank 8
+    with pytest.raises(ConfigError, match=r"vllm.max_lora_rank=12: vLLM accepts only 1, 8, 16, 32"):
+        load_expr_config(on_vllm + ["vllm.max_lora_rank=12"], TrainConfig, verbose=False)
+    with pytest.raises(ConfigError, match=r"vllm.max_lora_rank=1 is below actor.lora_rank=8: vLLM would refuse"):
+        load_expr_config(on_vllm + ["vllm.max_lora_rank=1"], TrainConfig, verbose=False)
     with pytest.raises(ConfigError, match="sglang.enable_lora=true"):
         load_expr_config(["--config", str(path), "backend=sglang"], TrainConfig, verbose=False)
     on_sglang = ["--config", str(path), "backend=sglang", "sglang.enable_lora=true"]

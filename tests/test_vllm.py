@@ -9,7 +9,8 @@ where vLLM's own weight reload is wrong. What is checked, each against something
   forward pass of the new model, prefix cache included), and updating back restores the first outputs exactly;
 - pause (abort) mid-generation, then resume: the request finishes seamlessly with both versions recorded;
   destroy() aborts in-flight requests by the ids the client knows (they come back with partial output);
-- notebook 07 end to end with `AREAL_LITE_OVERRIDES="backend=vllm"` (servers launched by the notebook's `train`).
+- notebook 07 end to end with `AREAL_LITE_OVERRIDES="backend=vllm"` (servers launched by the notebook's `train`);
+- a LoRA actor's adapter sync served by vLLM (`enable_lora`): the actor's own forward pass, version after version.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import glob
+import json
 import os
 import re
 import shutil
@@ -29,7 +31,7 @@ import psutil
 import pytest
 import torch
 
-from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, vLLMConfig
+from areal_lite.api.cli_args import VLLM_LORA_RANKS, GenerationHyperparameters, InferenceEngineConfig, vLLMConfig
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.engine.vllm_client import VLLMClient
@@ -321,3 +323,78 @@ def test_destroy_aborts_inflight_requests_by_their_ids(vllm_server, prompts):
     assert resp.stop_reason == "abort"
     assert 0 < resp.output_len < n
     assert time.monotonic() - t0 < 5.0
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+
+def test_the_lora_ranks_the_config_allows_are_vllms_own():
+    """`cli_args.VLLM_LORA_RANKS` (the config loader refuses other `vllm.max_lora_rank`s) against vLLM's type."""
+    code = "import typing; from vllm.config.lora import MaxLoRARanks; print(list(typing.get_args(MaxLoRARanks)))"
+    run = subprocess.run([_vllm_python(vLLMConfig()), "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert tuple(json.loads(run.stdout.strip().splitlines()[-1])) == VLLM_LORA_RANKS
+
+
+def _policy_logprobs(actor, prompt, output) -> torch.Tensor:
+    """The LoRA actor's own (peft) log-probs of `output` after `prompt`, teacher-forced."""
+    was = actor.model.training
+    actor.model.eval()
+    try:
+        return _forward_logprobs(actor.model, prompt, output)
+    finally:
+        actor.model.train(was)
+
+
+def test_the_trainers_lora_sync_is_what_vllm_serves(smollm_path, prompts, hf_model, tmp_path):
+    """A LoRA actor's own sync (`connect_engine`, `update_weights`) into vLLM launched with `enable_lora`: a request
+    naming the version gets the log-probs of the actor's own forward pass (not the base model's); the next version
+    replaces it, the version `lora_keep_versions` back is unloaded, and the base model is still served unchanged."""
+    from areal_lite.api.cli_args import PPOActorConfig
+    from areal_lite.engine.fsdp_engine import FSDPPPOActor
+
+    cfg = vLLMConfig(model=smollm_path, dtype="float32", threads=1, enable_lora=True, max_lora_rank=16)
+    handle = launch_server(cfg, backend="vllm")
+    engines, actor = [], None
+    try:
+        handle.wait_ready(timeout=600)
+        base = RemotevLLMEngine(_config()).initialize(addr=handle.address)
+        engines.append(base)
+        lora_cfg = InferenceEngineConfig(request_timeout=600.0, setup_timeout=300.0, use_lora=True)
+        engine = RemotevLLMEngine(lora_cfg).initialize(addr=handle.address)
+        engines.append(engine)
+        lora = dict(use_lora=True, lora_rank=16, lora_alpha=32)
+        actor = FSDPPPOActor(PPOActorConfig(path=smollm_path, dtype="float32", device="cpu", threads=1, **lora))
+        actor.initialize(None)
+        w = str(tmp_path / "w")
+        meta = WeightUpdateMeta.from_disk(path=w, use_lora=True, lora_name="pol", lora_keep_versions=1)
+        actor.connect_engine(engine, meta)
+        g, chosen = _greedy(16, ignore_eos=True, lora_name="pol"), prompts[:2]
+        before = [_generate(base, p, _greedy(16, ignore_eos=True)).output_tokens for p in chosen]
+        for version in (1, 2):
+            gen = torch.Generator().manual_seed(version)
+            with torch.no_grad():  # peft starts B at 0, a no-op adapter: a random one changes what is generated
+                for name, p in actor.model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            actor.update_weights(meta)
+            actor.set_version(version)
+            engine.set_version(version)
+            for prompt in chosen:
+                out = _generate(engine, prompt, g)
+                assert out.output_versions == [version] * out.output_len
+                served = torch.tensor(out.output_logprobs)
+                diff = (served - _policy_logprobs(actor, prompt, out.output_tokens)).abs().max().item()
+                assert diff < 1e-3, f"vLLM serves another adapter than version {version}'s ({diff:.3g})"
+                moved = (served - _forward_logprobs(hf_model, prompt, out.output_tokens)).abs().max().item()
+                assert moved > 1e-2, f"version {version}'s adapter changed nothing ({moved:.3g})"
+        with urllib.request.urlopen(f"http://{handle.address}/v1/models", timeout=30) as r:
+            served = {m["id"] for m in json.load(r)["data"]}
+        assert "pol-v2" in served and "pol-v1" not in served  # lora_keep_versions=1: version 1 unloaded
+        assert [_generate(base, p, _greedy(16, ignore_eos=True)).output_tokens for p in chosen] == before
+    finally:
+        for e in engines:
+            e.destroy()
+        if actor is not None:
+            actor.destroy()
+        handle.stop()

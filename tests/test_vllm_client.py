@@ -5,8 +5,10 @@ server under `make test-vllm`).
 The stand-in answers the endpoints the client uses with the shapes vLLM 0.32 answers (read from its source and
 checked against the real server by tests/test_vllm.py): `/v1/models` owned by "vllm", `/v1/completions` with
 `token_ids` and `logprobs.token_logprobs`, `/pause?mode=abort` returning running requests with `finish_reason:
-"abort"` and their partial tokens, `/abort_requests` that only knows `cmpl-<id>-0`, `/collective_rpc`, and a
-`/reset_prefix_cache` that refuses once.
+"abort"` and their partial tokens, `/abort_requests` that only knows `cmpl-<id>-0`, `/collective_rpc`, a
+`/reset_prefix_cache` that refuses once, and LoRA adapters loaded and unloaded by name (`/v1/load_lora_adapter`
+answers plain text; an unknown adapter, or a folder without one, is a 404, as in vLLM), which a completion names in
+`model`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class FakeVLLM:
         self.held = threading.Event()  # set when a request is in `waiting` (tests hold one at a time)
         self.sent = collections.Counter()  # internal id -> completions calls
         self.reset_refusals = 1
+        self.adapters: dict = {}  # LoRA adapter name -> folder
         self.loop = asyncio.new_event_loop()
         # The socket is bound here, on a port the OS picks, and served as is: no window between picking a free port
         # and binding it in which another process could take it.
@@ -55,6 +58,8 @@ class FakeVLLM:
         app.router.add_get("/health", lambda r: web.Response())
         app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m", "owned_by": "vllm"}]}))
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora)
         for path in ("/pause", "/resume", "/abort_requests", "/collective_rpc", "/reset_prefix_cache"):
             app.router.add_post(path, self.control)
         self.runner = web.AppRunner(app)
@@ -82,6 +87,8 @@ class FakeVLLM:
     async def completions(self, request):
         body = await request.json()
         self.calls.append(("/v1/completions", body))
+        if body.get("model", "m") not in ("m", *self.adapters):
+            return _not_found(f"The model `{body['model']}` does not exist.")
         internal = f"cmpl-{body['request_id']}-0"
         self.sent[internal] += 1
         start, n = len(body["prompt"]), body["max_tokens"]
@@ -114,6 +121,25 @@ class FakeVLLM:
             self.reset_refusals -= 1
             return web.json_response({"success": ok})
         return web.json_response({"status": "ok"})
+
+    async def load_lora(self, request):
+        body = await request.json()
+        self.calls.append((request.path, body))
+        if not os.path.isfile(os.path.join(body["lora_path"], "adapter_config.json")):
+            return _not_found(f"Loading lora {body['lora_name']} failed: No adapter found for {body['lora_path']}")
+        self.adapters[body["lora_name"]] = body["lora_path"]
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def unload_lora(self, request):
+        body = await request.json()
+        self.calls.append((request.path, body))
+        if self.adapters.pop(body["lora_name"], None) is None:
+            return _not_found(f"The lora adapter '{body['lora_name']}' cannot be found.")
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+
+def _not_found(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "NotFoundError", "code": 404}}, status=404)
 
 
 @pytest.fixture
@@ -321,3 +347,47 @@ def test_destroy_aborts_by_vllms_internal_id(fake):
 def test_vllm_engine_refuses_a_server_that_is_not_vllm(embedded_server):
     with pytest.raises(EngineError, match="not a vLLM server"):
         RemotevLLMEngine(_config()).initialize(addr=embedded_server.address)
+
+
+def test_lora_adapters_load_by_version_and_requests_name_them(fake, tmp_path):
+    """AReaL's LoRA over vLLM: each version's adapter folder is loaded as `<lora_name>-v<k>`, the version
+    `lora_keep_versions` back is unloaded, and a request asks for the current version by name in `model`; a folder
+    vLLM finds no adapter in is an error that carries vLLM's message."""
+    eng = RemotevLLMEngine(_config(use_lora=True)).initialize(addr=fake.address)
+    try:
+        meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), use_lora=True, lora_name="ad", lora_keep_versions=2)
+        for version in range(1, 5):  # the engine is at version 0: an update loads the next
+            os.makedirs(meta.dir_for(version))
+            open(os.path.join(meta.dir_for(version), "adapter_config.json"), "w").close()
+            assert eng.update_weights(meta).result(10) == version
+            eng.set_version(version)
+        assert fake.adapters == {"ad-v3": meta.dir_for(3), "ad-v4": meta.dir_for(4)}
+        # from version 2 on, the version two back: v0 was never loaded here (a 404, passed over: best effort)
+        unloaded = [b["lora_name"] for p, b in fake.calls if p == "/v1/unload_lora_adapter"]
+        assert unloaded == ["ad-v0", "ad-v1", "ad-v2"]
+        resp = asyncio.run(eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_gconfig(2, lora_name="ad"))))
+        assert resp.output_tokens == [3, 4] and resp.output_versions == [4, 4]
+        assert [b for p, b in fake.calls if p == "/v1/completions"][-1]["model"] == "ad-v4"
+
+        os.makedirs(meta.dir_for(5))  # no adapter in it
+        with pytest.raises(EngineError, match="No adapter found"):
+            eng.update_weights(meta).result(10)
+    finally:
+        eng.destroy()
+
+
+def test_vllm_lora_command_and_environment():
+    cfg = vLLMConfig(model="m", python="/opt/v/bin/python", enable_lora=True, max_lora_rank=32,
+                     lora_modules=["ad-v0=/a/v0"])  # fmt: skip
+    cmd = launch._vllm_cmd(cfg, "127.0.0.1", 1234, "/models/m", seed=7, on_cpu=True)
+    at = cmd.index("--enable-lora")
+    assert cmd[at : at + 7] == ["--enable-lora", "--max-lora-rank", "32", "--max-loras", "8", "--lora-modules",
+                                "ad-v0=/a/v0"]  # fmt: skip
+    env = {}
+    launch._vllm_env(env, cfg, "/no/such/folder", on_cpu=True, tp_size=1, base_gpu_id=0)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    plain = vLLMConfig(model="m", python="/opt/v/bin/python")
+    assert "--enable-lora" not in launch._vllm_cmd(plain, "127.0.0.1", 1234, "/models/m", seed=7, on_cpu=True)
+    env = {}
+    launch._vllm_env(env, plain, "/no/such/folder", on_cpu=True, tp_size=1, base_gpu_id=0)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env

@@ -446,7 +446,6 @@ class SchedulerConfig:
 IGNORED, REFUSED = "ignored", "refused"
 _NO_SCHEDULER = "the kit has no scheduler or controller: it runs in this process and one server"
 _NO_ENGINE = "the kit trains with its own single-process engine (no Megatron/Archon/FSDP sharding)"
-_NO_VLLM_LORA = "the kit's LoRA adapters go to the embedded server or SGLang; vLLM's are not wired yet"
 _NO_SERVICE = "the kit has no inference-service gateway or agent service"
 _TRACKERS = "the kit logs to stats.jsonl (and TensorBoard/W&B); no other tracker"
 
@@ -581,14 +580,6 @@ AREAL_ONLY_FIELDS: Dict[str, Tuple[str, str]] = {
     "vLLMConfig.disable_sliding_window": (IGNORED, "the kit leaves sliding windows to vLLM's default"),
     "vLLMConfig.distributed_executor_backend": (IGNORED, "the kit starts one vLLM process"),
     "vLLMConfig.worker_extension_cls": (IGNORED, "the kit loads its own worker extension"),
-    **_same(
-        _NO_VLLM_LORA,
-        IGNORED,
-        "vLLMConfig.enable_lora",
-        "vLLMConfig.max_lora_rank",
-        "vLLMConfig.max_loras",
-        "vLLMConfig.lora_modules",
-    ),  # fmt: skip
 }
 
 # AReaL fields the kit acts on beyond its own (the ones it always had are not listed): `Class.field` -> how.
@@ -614,6 +605,10 @@ AREAL_HONOURED: Dict[str, str] = {
     "StatsLoggerConfig.tensorboard": "TensorBoard is on when tensorboard.path is set",
     "SGLangConfig.*": "a field left at AReaL's default is not passed; any other value is passed as its flag",
     "vLLMConfig.*": "the fields the kit's launcher maps, plus any other set to a non-default value, as flags",
+    "vLLMConfig.enable_lora": "passed as --enable-lora; a LoRA run on vLLM needs it (the config loader says so)",
+    "vLLMConfig.max_lora_rank": "passed with enable_lora; at least actor.lora_rank, one of the ranks vLLM accepts",
+    "vLLMConfig.max_loras": "passed with enable_lora",
+    "vLLMConfig.lora_modules": "passed with enable_lora, as --lora-modules (name=path each)",
 }
 
 

@@ -456,6 +456,8 @@ class vLLMConfig:
         report_areal_only(self)
 
 
+# The ranks vLLM 0.32 can reserve adapter memory for (its `MaxLoRARanks`; tests/test_vllm.py reads vLLM's own).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM flags the launcher passes only when set to something other than the default (AReaL's fields the kit's
 # launch never needed); `areal_lite.kit.server.launch` reads this list.
 VLLM_FLAGS_WHEN_SET = ("skip_tokenizer_init", "block_size", "cpu_offload_gb", "no_enable_chunked_prefill",
@@ -1066,9 +1068,10 @@ def reconcile_temperature(actor: Any, gconfig: Any) -> None:
 
 def reconcile_lora(config: Any) -> None:
     """LoRA is one switch on two sides: the actor trains an adapter (`actor.use_lora`) and the rollout client asks
-    the servers for it (`rollout.use_lora`). They must agree, and the server must be one the kit syncs adapters to:
-    the embedded server, or SGLang launched with `sglang.enable_lora=true` (same routes; not yet run by us on a GPU),
-    whose `sglang.max_lora_rank`, when unset, becomes `actor.lora_rank`.
+    the servers for it (`rollout.use_lora`). They must agree, and the server must be launched to accept adapters, as
+    AReaL asks: the embedded server always does; SGLang with `sglang.enable_lora=true` (same routes; not yet run by
+    us on a GPU), whose `sglang.max_lora_rank`, when unset, becomes `actor.lora_rank`; vLLM with
+    `vllm.enable_lora=true` and a `vllm.max_lora_rank` no smaller than `actor.lora_rank`.
     """
     actor, rollout = getattr(config, "actor", None), getattr(config, "rollout", None)
     if actor is None or rollout is None:
@@ -1081,27 +1084,29 @@ def reconcile_lora(config: Any) -> None:
     if not actor.use_lora:
         return
     backend = server_backend(config) if hasattr(config, "backend") else "auto"
-    if backend == "vllm":
-        raise ConfigError(
-            "actor.use_lora=true with backend vllm: the kit does not sync LoRA adapters to vLLM yet; "
-            "use backend=embedded (CPU) or sglang"
-        )
-    sglang = getattr(config, "sglang", None)
-    if backend != "sglang" or sglang is None:
+    server = getattr(config, backend, None) if backend in ("sglang", "vllm") else None
+    if server is None:
         return
-    if not sglang.enable_lora:
+    if not server.enable_lora:
+        route = "/load_lora_adapter" if backend == "sglang" else "/v1/load_lora_adapter"
         raise ConfigError(
-            "actor.use_lora=true with backend sglang needs sglang.enable_lora=true so the server accepts "
-            "/load_lora_adapter"
+            f"actor.use_lora=true with backend {backend} needs {backend}.enable_lora=true so the server accepts {route}"
         )
-    # SGLang sizes its adapter memory at start: from the adapters in lora_paths, else from max_lora_rank (AReaL
-    # preloads its first adapter; the kit syncs version 0 after start, so it gives the rank).
-    if sglang.max_lora_rank is None:
-        sglang.max_lora_rank = actor.lora_rank
-    elif sglang.max_lora_rank < actor.lora_rank:
+    # The server sizes its adapter memory at start: SGLang from the adapters in lora_paths, else from max_lora_rank
+    # (AReaL preloads its first adapter; the kit syncs version 0 after start, so it gives the rank); vLLM from
+    # max_lora_rank, whose default is AReaL's (16).
+    if backend == "sglang" and server.max_lora_rank is None:
+        server.max_lora_rank = actor.lora_rank
+    elif backend == "vllm" and server.max_lora_rank not in VLLM_LORA_RANKS:
         raise ConfigError(
-            f"sglang.max_lora_rank={sglang.max_lora_rank} is below actor.lora_rank={actor.lora_rank}: SGLang would "
-            "refuse the adapter; raise it or leave it unset (it then follows actor.lora_rank)"
+            f"vllm.max_lora_rank={server.max_lora_rank}: vLLM accepts only {', '.join(map(str, VLLM_LORA_RANKS))}; "
+            f"take the smallest of them that is at least actor.lora_rank={actor.lora_rank}"
+        )
+    elif server.max_lora_rank < actor.lora_rank:
+        raise ConfigError(
+            f"{backend}.max_lora_rank={server.max_lora_rank} is below actor.lora_rank={actor.lora_rank}: "
+            f"{'SGLang' if backend == 'sglang' else 'vLLM'} would refuse the adapter; raise it"
+            + (" or leave it unset (it then follows actor.lora_rank)" if backend == "sglang" else "")
         )
 
 

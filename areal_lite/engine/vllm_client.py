@@ -2,9 +2,8 @@
 
 `RemotevLLMEngine` uses it, and so does `RemoteSGLangEngine` when its servers turn out to be vLLM (`is_vllm`), so a
 notebook runs unchanged with `AREAL_LITE_OVERRIDES="backend=vllm"`. Retries, rid routing, interrupt and resume,
-versions and shutdown are `SGLangClient`'s; this class replaces only the calls that differ. The server is started
-by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1` and the kit's worker extension
-(`kit/server/vllm_ext`).
+versions and shutdown are `SGLangClient`'s; this class replaces only the calls that differ. `launch_server(...,
+backend="vllm")` starts the server with `VLLM_SERVER_DEV_MODE=1` and the kit's worker extension.
 
 | what | SGLang-compatible server | vLLM 0.32 |
 | --- | --- | --- |
@@ -12,12 +11,13 @@ by `launch_server(..., backend="vllm")` with `VLLM_SERVER_DEV_MODE=1` and the ki
 | pause (abort) / resume | `/pause_generation` (abort), `/continue_generation` | `/pause?mode=abort`, `/resume` |
 | abort one request | `/abort_request {"rid": rid}` | `/abort_requests {"request_ids": ["cmpl-<rid>-0"]}` |
 | disk weight update | `/update_weights_from_disk` | `/collective_rpc` (kit's extension), `/reset_prefix_cache` |
+| LoRA adapter | `/load_lora_adapter`; a request's `lora_path` | `/v1/load_lora_adapter`; a request's `model` |
 
 Design decisions
 - Logprobs after temperature, as SGLang and the trainer compute them (`VLLMClient`); token ids in and out, special
   tokens and matched stop strings kept (`completion_body`).
-- A weight update reloads every worker and resets the prefix cache, never mixing two versions (`load_from_disk`).
-- Disk updates of full weights only: NCCL and LoRA weight updates raise at once.
+- Updates from disk only (NCCL raises): full weights reload every worker and reset the prefix cache, never mixing
+  two versions (`load_from_disk`); a LoRA adapter loads beside them by versioned name (needs `vllm.enable_lora`).
 """
 
 from __future__ import annotations
@@ -97,14 +97,16 @@ class VLLMClient(SGLangClient):
     server's `--return-original-logprob`); the two agree at temperature 1 and for greedy decoding. One difference
     remains: with top-k or top-p vLLM's processed logprobs are renormalised over the kept tokens, SGLang's are not.
     Versions: vLLM's completions carry no weight version, so every token gets the engine's version when its chunk
-    was sent (exact, since weights only change while requests are paused or drained)."""
+    was sent (exact, since weights only change while requests are paused or drained).
+    LoRA: `load_lora` as `SGLangClient`'s, over vLLM's routes (a failed load is a 4xx there, not a 200 with
+    `success: false`); requests name the adapter in `model`, vLLM's field for it."""
+
+    LORA_LOAD, LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
     @classmethod
     def take_over(cls, other: SGLangClient) -> "VLLMClient":
         """A vLLM client with `other`'s servers and open session, for an engine that found out after connecting
         that its servers are vLLM (nothing has been sent through `other` but health checks)."""
-        if other.config.use_lora:  # would silently generate with the base weights and load nothing
-            raise EngineError("rollout.use_lora is not wired for vLLM servers yet: use the embedded server or SGLang")
         new = cls(other.config, other._current_version)
         new.addresses, new._session = list(other.addresses), other._session
         new.paused, new.closing = other.paused, other.closing
@@ -114,6 +116,8 @@ class VLLMClient(SGLangClient):
         self, addr: str, wire_rid: str, input_ids: List[int], g: Any, max_new_tokens: int, min_new_tokens: int
     ) -> tuple:
         body = completion_body(g, input_ids, max_new_tokens, min_new_tokens, wire_rid)
+        if self.config.use_lora:
+            body["model"] = self.lora_path(g)  # the adapter by name, as AReaL's vLLM backend asks for it
         return parse_completion(await self.request("POST", addr, "/v1/completions", body), addr)
 
     async def abort_all(self) -> None:
@@ -131,8 +135,6 @@ class VLLMClient(SGLangClient):
             await resp.read()
 
     def weight_update(self, meta: WeightUpdateMeta, version: int, timeout: float):
-        if meta.use_lora:
-            raise NotImplementedError("LoRA weight updates are not wired for vLLM servers yet")
         if meta.type != "disk":
             raise NotImplementedError(
                 f"the kit's vLLM client updates weights from disk only (WeightUpdateMeta.from_disk), not {meta.type!r}"

@@ -248,6 +248,8 @@ class SGLangClient:
     """Talks to the servers (see the module docstring). Not thread-safe: use it from the engine's loop only, except
     the `paused`/`closing` flags, which the engine sets from the caller's thread (plain attribute writes)."""
 
+    LORA_LOAD, LORA_UNLOAD = "/load_lora_adapter", "/unload_lora_adapter"  # SGLang's adapter routes (`load_lora`)
+
     def __init__(self, config: InferenceEngineConfig, current_version: Callable[[], int]):
         self.config = config
         self.addresses: List[str] = []
@@ -549,7 +551,7 @@ class SGLangClient:
         """Every server loads the adapter folder `path` as `<lora_name>-v<version>`; then, best effort, unloads the
         version `lora_keep_versions` back (the embedded server holds one adapter: it is gone already)."""
         body = {"lora_name": get_versioned_lora_name(meta.lora_name, version), "lora_path": path}
-        answers = await self.post_all("/load_lora_adapter", body)
+        answers = await self.post_all(self.LORA_LOAD, body)
         for addr, ans in zip(self.addresses, answers):
             if isinstance(ans, dict) and ans.get("success") is False:
                 msg = f"{addr} failed to load LoRA adapter {path}: {ans.get('error_message')}"
@@ -559,7 +561,7 @@ class SGLangClient:
             stale = {"lora_name": get_versioned_lora_name(meta.lora_name, version - keep)}
             for addr in self.addresses:
                 try:
-                    await self.request("POST", addr, "/unload_lora_adapter", stale)
+                    await self.request("POST", addr, self.LORA_UNLOAD, stale)
                 except EngineError as e:  # AReaL's best_effort: the adapter may be gone already
                     logger.debug("unloading %s on %s: %s", stale["lora_name"], addr, e)
 

@@ -186,6 +186,10 @@ def _vllm_cmd(cfg: vLLMConfig, host: str, port: int, model_path: str, seed: Opti
             cmd += [flag] if value is True else [flag, str(value)]
     if cfg.no_enable_prefix_caching:
         cmd.append("--no-enable-prefix-caching")
+    if cfg.enable_lora:  # adapters loaded at run time (`_vllm_env` allows it), asked for by name in each request
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
+        if cfg.lora_modules:
+            cmd += ["--lora-modules", *cfg.lora_modules]
     if on_cpu:
         cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.cpu_kv_cache_gb) << 30)]
     else:
@@ -196,10 +200,12 @@ def _vllm_cmd(cfg: vLLMConfig, host: str, port: int, model_path: str, seed: Opti
 
 
 def _vllm_env(env: dict, cfg: vLLMConfig, model_path: str, on_cpu: bool, tp_size: int, base_gpu_id: int) -> None:
-    """The vLLM server's environment, in place: `VLLM_SERVER_DEV_MODE=1` (the pause, abort and RPC endpoints), the
-    kit's worker extension on its PYTHONPATH (nothing else of the kit), and on CPU unpinned OpenMP threads (vLLM
-    would pin its own threads to cores a trainer shares)."""
+    """The vLLM server's environment, in place: `VLLM_SERVER_DEV_MODE=1` (the pause, abort and RPC endpoints), with
+    `enable_lora` the run-time adapter routes, the kit's worker extension on its PYTHONPATH (nothing else of the
+    kit), and on CPU unpinned OpenMP threads (vLLM would pin its own threads to cores a trainer shares)."""
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /abort_requests, /collective_rpc, /reset_prefix_cache
+    if cfg.enable_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter (AReaL's)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_VLLM_EXT_DIR, env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     if os.path.isdir(model_path):
