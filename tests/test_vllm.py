@@ -398,3 +398,16 @@ def test_the_trainers_lora_sync_is_what_vllm_serves(smollm_path, prompts, hf_mod
         if actor is not None:
             actor.destroy()
         handle.stop()
+
+
+def test_a_lora_sync_to_a_server_launched_without_adapters_says_how_to_start_one(vllm_server, tmp_path):
+    """vLLM started without `--enable-lora` has no adapter routes: the update fails with how to start it."""
+    cfg = InferenceEngineConfig(request_timeout=60.0, setup_timeout=300.0, use_lora=True)
+    engine = RemotevLLMEngine(cfg).initialize(addr=vllm_server.address)
+    try:
+        meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), use_lora=True, lora_name="pol")
+        os.makedirs(meta.dir_for(1))
+        with pytest.raises(EngineError, match="HTTP 404.*--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+            engine.update_weights(meta).result(timeout=120)
+    finally:
+        engine.destroy()

@@ -47,6 +47,7 @@ class FakeVLLM:
         self.sent = collections.Counter()  # internal id -> completions calls
         self.reset_refusals = 1
         self.adapters: dict = {}  # LoRA adapter name -> folder
+        self.lora_routes = True  # False: started without --enable-lora, whose adapter routes answer FastAPI's 404
         self.loop = asyncio.new_event_loop()
         # The socket is bound here, on a port the OS picks, and served as is: no window between picking a free port
         # and binding it in which another process could take it.
@@ -125,6 +126,8 @@ class FakeVLLM:
     async def load_lora(self, request):
         body = await request.json()
         self.calls.append((request.path, body))
+        if not self.lora_routes:
+            return web.json_response({"detail": "Not Found"}, status=404)
         if not os.path.isfile(os.path.join(body["lora_path"], "adapter_config.json")):
             return _not_found(f"Loading lora {body['lora_name']} failed: No adapter found for {body['lora_path']}")
         self.adapters[body["lora_name"]] = body["lora_path"]
@@ -352,7 +355,8 @@ def test_vllm_engine_refuses_a_server_that_is_not_vllm(embedded_server):
 def test_lora_adapters_load_by_version_and_requests_name_them(fake, tmp_path):
     """AReaL's LoRA over vLLM: each version's adapter folder is loaded as `<lora_name>-v<k>`, the version
     `lora_keep_versions` back is unloaded, and a request asks for the current version by name in `model`; a folder
-    vLLM finds no adapter in is an error that carries vLLM's message."""
+    vLLM finds no adapter in is an error that carries vLLM's message, a server without adapter routes one that says
+    how to start it."""
     eng = RemotevLLMEngine(_config(use_lora=True)).initialize(addr=fake.address)
     try:
         meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "w"), use_lora=True, lora_name="ad", lora_keep_versions=2)
@@ -370,7 +374,11 @@ def test_lora_adapters_load_by_version_and_requests_name_them(fake, tmp_path):
         assert [b for p, b in fake.calls if p == "/v1/completions"][-1]["model"] == "ad-v4"
 
         os.makedirs(meta.dir_for(5))  # no adapter in it
-        with pytest.raises(EngineError, match="No adapter found"):
+        with pytest.raises(EngineError, match="No adapter found") as refused:
+            eng.update_weights(meta).result(10)
+        assert "--enable-lora" not in str(refused.value)  # vLLM's own 404: the server has its adapter routes
+        fake.lora_routes = False  # a server started without them: the error says how to start one
+        with pytest.raises(EngineError, match="HTTP 404.*--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
             eng.update_weights(meta).result(10)
     finally:
         eng.destroy()

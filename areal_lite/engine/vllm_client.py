@@ -120,6 +120,18 @@ class VLLMClient(SGLangClient):
             body["model"] = self.lora_path(g)  # the adapter by name, as AReaL's vLLM backend asks for it
         return parse_completion(await self.request("POST", addr, "/v1/completions", body), addr)
 
+    async def load_lora(self, path: str, version: int, meta: WeightUpdateMeta) -> None:
+        try:
+            await super().load_lora(path, version, meta)
+        except EngineError as e:
+            if e.status != 404 or not str(e).endswith("): Not Found"):  # vLLM's own 404s name the adapter or path
+                raise
+            hint = (
+                "this vLLM server has no adapter routes: start it with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the kit's launcher does both for vllm.enable_lora=true)"
+            )
+            raise EngineError(f"{e}; {hint}", e.status, e.address) from None
+
     async def abort_all(self) -> None:
         await self.post_all("/pause?mode=abort", {})
 
