@@ -124,13 +124,14 @@ class VLLMClient(SGLangClient):
         try:
             await super().load_lora(path, version, meta)
         except EngineError as e:
-            if e.status != 404 or not str(e).endswith("): Not Found"):  # vLLM's own 404s name the adapter or path
+            # A bare "Not Found" is FastAPI's answer for a route the server lacks; vLLM's own 404s name the adapter.
+            if e.status != 404 or e.reason != "Not Found":
                 raise
             hint = (
                 "this vLLM server has no adapter routes: start it with --enable-lora and "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the kit's launcher does both for vllm.enable_lora=true)"
             )
-            raise EngineError(f"{e}; {hint}", e.status, e.address) from None
+            raise EngineError(f"{e}; {hint}", e.status, e.address, e.reason) from None
 
     async def abort_all(self) -> None:
         await self.post_all("/pause?mode=abort", {})

@@ -51,12 +51,15 @@ _FOLDER_POLL = 0.005
 
 class EngineError(RuntimeError):
     """A server refused or failed a request. `status` is the HTTP status of its last answer (None: no server
-    answered), `address` the server."""
+    answered), `address` the server, `reason` the error message of a 4xx answer's body as the server wrote it."""
 
-    def __init__(self, message: str, status: Optional[int] = None, address: Optional[str] = None):
+    def __init__(
+        self, message: str, status: Optional[int] = None, address: Optional[str] = None, reason: Optional[str] = None
+    ):
         super().__init__(message)
         self.status = status
         self.address = address
+        self.reason = reason
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -349,7 +352,7 @@ class SGLangClient:
                     return _decode_body(raw)
                 msg = _error_message(raw)
                 if status < 500:
-                    raise EngineError(f"{url} rejected the request (HTTP {status}): {msg}", status, addr)
+                    raise EngineError(f"{url} rejected the request (HTTP {status}): {msg}", status, addr, msg)
                 last, last_status = f"HTTP {status}: {msg}", status
             if attempt < retries:
                 await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
