@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import platform
 import random
 import threading
 import time
@@ -1637,3 +1638,31 @@ def test_fast_path_weights_leave_the_checkpoint_file_and_follow_updates(tiny_mod
             after = runner.prefill(prompt)[1]
             assert not torch.equal(before, after), name
             before = after
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (96, 40)])
+def test_a_refresh_repacks_in_place_exactly_as_a_fresh_packing(shape):
+    """`_Linear.refresh()` after a weight update rewrites the packed copy in place (x86-64, float32, sizes that
+    divide into oneDNN's blocks: SmolLM2's) or packs anew (other sizes): either way every output bit is that of a
+    fresh packing of the new weights, at every row count, and the packed copy is the same object when in place."""
+    from types import SimpleNamespace
+
+    from areal_lite.kit.server.fastpath import _Linear
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = shape
+    module = SimpleNamespace(weight=torch.randn(n, k, generator=gen), bias=None)
+    linear = _Linear([module], pack=True)
+    linear.refresh()
+    in_place = platform.machine() in ("x86_64", "AMD64") and n % 64 == 0 and k % 16 == 0
+    assert (linear._blocks is not None) == in_place
+    packed = linear.packed
+    with torch.inference_mode():
+        module.weight.copy_(torch.randn(n, k, generator=gen))  # a weight update: in place
+        linear.refresh()
+        assert (linear.packed is packed) == in_place
+        fresh = _Linear([SimpleNamespace(weight=module.weight.clone(), bias=None)], pack=True)
+        fresh.refresh()
+        x = torch.randn(40, k, generator=gen)
+        for rows in (1, 2, 17, 32, 40):
+            assert torch.equal(linear(x[:rows]), fresh(x[:rows])), rows

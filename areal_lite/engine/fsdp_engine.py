@@ -3,8 +3,8 @@
 Method names follow AReaL's `FSDPPPOActor` (`compute_logp`, `compute_advantages`, `ppo_update`, `train_batch`,
 `update_weights`, `save`, `load`, ...), so a notebook cell reads the same in both projects. This module only
 orchestrates; each part states its own design: `utils/functional.py` (the formulas), `fsdp_utils/packing.py` (packed
-micro-batches, shared prompts), `fsdp_utils/embedding_grad.py`, `fsdp_utils/weights.py` (weight versions, NCCL,
-checkpoints), `fsdp_utils/lora.py` (`use_lora`: only the adapter trains, syncs and is saved).
+micro-batches, shared prompts), `embedding_grad.py`, `weights.py` (weight versions, NCCL, checkpoints), `lora.py`
+(`use_lora`: only the adapter trains, syncs and is saved) and `cpu_linear.py` (the LM head's kernel on a CPU).
 
 Design decisions
 - One batch: a right-padded dict of [B, L] tensors, or AReaL's list of trajectories joined into one (normalisation
@@ -37,6 +37,7 @@ import torch
 from areal_lite.api.cli_args import NormConfig, OptimizerConfig, PPOActorConfig
 from areal_lite.api.engine_api import TrainEngine
 from areal_lite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal_lite.engine.fsdp_utils.cpu_linear import use_onednn_head
 from areal_lite.engine.fsdp_utils.lora import (
     adapter_state_dict,
     apply_lora,
@@ -498,6 +499,10 @@ class _TrainEngine(TrainEngine):
             for model in (self.model, self.ref_model):
                 if model is not None:
                     _fully_shard(model, self.device, self._world)
+        elif self.device.type == "cpu":  # the LM head's forward on oneDNN where measured faster (`cpu_linear`)
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    use_onednn_head(model)
 
         if cfg.optimizer is not None:  # AReaL's None: an engine that does not train (log-probs only)
             self.optimizer, self.lr_scheduler = _optimizer_and_schedule(self.model, cfg.optimizer, ft_spec)
