@@ -3,7 +3,7 @@
 Design decisions, and why
 - A float32 `nn.Linear` on a CPU runs MKL's sgemm. For the LM head's shape (a few hundred rows against the whole
   vocabulary) oneDNN's matmul, the server's kernel, ran 1.2-1.6x as fast on the CPUs measured (an AVX-512 EPYC, and
-  the same CPU on its AVX2 kernels): a few percent of a small model's update. `head_plan` measures it, once per
+  the same CPU on its AVX2 kernels): a few percent of a small model's update. `head_speedup` measures it, once per
   process, on one thread by CPU time (`device.speedup_on_one_thread`), and oneDNN takes it only at `MIN_SPEEDUP`
   or more: the choice changes the float rounding, and the margin keeps a CPU on the same side run after run, so a
   seeded run repeats itself.

@@ -605,7 +605,7 @@ class _Linear:
 
     def refresh(self) -> None:
         """Rebuild the packed copy after the weights changed: rewritten in place where its layout is known (the
-        first packing checks it), else packed again by oneDNN (`_blocked` says why)."""
+        first packing checks it: `_packed_blocks`), else packed again by oneDNN."""
         if self._blocks is not None:
             self._blocks.copy_(_blocked(self.weight))
             return
