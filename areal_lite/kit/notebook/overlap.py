@@ -9,7 +9,8 @@ Design decisions:
 - Equal work is the caller's job: fixed-length generations (`min_new_tokens = max_new_tokens`), the same prompts in
   the same order (same seed), the same number of steps. The first `skip` steps of every run are warm-up and left out.
 - The verdict is arithmetic, not hope: achieved may exceed the ideal only by the two spreads together. A larger
-  excess means the runs did not do the same work, and the report says so instead of printing a percentage above 100.
+  excess means the runs did not do the same work, or the machine's speed moved between them by more than the spreads
+  caught (a slow spell during the synchronous runs only), and the report says so, not a percentage above 100.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class OverlapReport:
         verdict = (
             "achieved <= ideal, within the noise: yes"
             if self.within_ideal
-            else "achieved exceeds the ideal beyond the noise: the two modes did not do the same work"
+            else "achieved exceeds the ideal beyond the noise: the two modes did not do the same work, or the "
+            "machine's speed changed between their runs (run them again)"
         )
         return [
             head,
