@@ -1666,3 +1666,27 @@ def test_a_refresh_repacks_in_place_exactly_as_a_fresh_packing(shape):
         x = torch.randn(40, k, generator=gen)
         for rows in (1, 2, 17, 32, 40):
             assert torch.equal(linear(x[:rows]), fresh(x[:rows])), rows
+
+
+def test_a_torch_without_the_packed_memory_ops_packs_anew(monkeypatch):
+    """Where torch lacks `mkldnn._nbytes`/`data_ptr`, a refresh asks oneDNN for a new packing, as it always did."""
+    from types import SimpleNamespace
+
+    from areal_lite.kit.server.fastpath import _Linear
+
+    def missing(*args):
+        raise AttributeError("no such op in this build")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_nbytes", missing)
+    gen = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(weight=torch.randn(960, 576, generator=gen), bias=None)
+    linear = _Linear([module], pack=True)
+    linear.refresh()
+    assert linear._blocks is None
+    with torch.inference_mode():
+        module.weight.copy_(torch.randn(960, 576, generator=gen))
+        linear.refresh()
+        fresh = _Linear([SimpleNamespace(weight=module.weight.clone(), bias=None)], pack=True)
+        fresh.refresh()
+        x = torch.randn(8, 576, generator=gen)
+        assert torch.equal(linear(x), fresh(x))

@@ -559,10 +559,13 @@ def _packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[torch
     n, k = weight.shape
     if weight.dtype != torch.float32 or n % PACK_OUT or k % PACK_IN:
         return None
-    nbytes = torch.ops.mkldnn._nbytes(packed)
+    try:  # a torch build without these ops packs anew each time, as before
+        nbytes, address = torch.ops.mkldnn._nbytes(packed), torch.ops.mkldnn.data_ptr(packed)
+    except (AttributeError, RuntimeError):
+        return None
     if nbytes != weight.numel() * weight.element_size():
         return None
-    memory = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    memory = (ctypes.c_char * nbytes).from_address(address)
     blocks = torch.frombuffer(memory, dtype=torch.float32).view(n // PACK_OUT, k // PACK_IN, PACK_IN, PACK_OUT)
     return blocks if torch.equal(blocks, _blocked(weight)) else None
 
