@@ -1640,21 +1640,27 @@ def test_fast_path_weights_leave_the_checkpoint_file_and_follow_updates(tiny_mod
             before = after
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (96, 40)])
-def test_a_refresh_repacks_in_place_exactly_as_a_fresh_packing(shape):
+@pytest.mark.parametrize("shape, ops", [((960, 576), True), ((576, 1536), True), ((96, 40), True), ((960, 576), False)])
+def test_a_refresh_repacks_in_place_exactly_as_a_fresh_packing(shape, ops, monkeypatch):
     """`_Linear.refresh()` after a weight update rewrites the packed copy in place (x86-64, float32, sizes that
-    divide into oneDNN's blocks: SmolLM2's) or packs anew (other sizes): either way every output bit is that of a
-    fresh packing of the new weights, at every row count, and the packed copy is the same object when in place."""
+    divide into oneDNN's blocks: SmolLM2's) or packs anew (other sizes, or a torch without `mkldnn._nbytes`/
+    `data_ptr`): either way every output bit is that of a fresh packing of the new weights, at every row count, and
+    the packed copy is the same object when in place."""
     from types import SimpleNamespace
 
     from areal_lite.kit.server.fastpath import _Linear
 
+    def missing(*args):
+        raise AttributeError("no such op in this build")
+
+    if not ops:
+        monkeypatch.setattr(torch.ops.mkldnn, "_nbytes", missing)
     gen = torch.Generator().manual_seed(0)
     n, k = shape
     module = SimpleNamespace(weight=torch.randn(n, k, generator=gen), bias=None)
     linear = _Linear([module], pack=True)
     linear.refresh()
-    in_place = platform.machine() in ("x86_64", "AMD64") and n % 64 == 0 and k % 16 == 0
+    in_place = ops and platform.machine() in ("x86_64", "AMD64") and n % 64 == 0 and k % 16 == 0
     assert (linear._blocks is not None) == in_place
     packed = linear.packed
     with torch.inference_mode():
@@ -1666,27 +1672,3 @@ def test_a_refresh_repacks_in_place_exactly_as_a_fresh_packing(shape):
         x = torch.randn(40, k, generator=gen)
         for rows in (1, 2, 17, 32, 40):
             assert torch.equal(linear(x[:rows]), fresh(x[:rows])), rows
-
-
-def test_a_torch_without_the_packed_memory_ops_packs_anew(monkeypatch):
-    """Where torch lacks `mkldnn._nbytes`/`data_ptr`, a refresh asks oneDNN for a new packing, as it always did."""
-    from types import SimpleNamespace
-
-    from areal_lite.kit.server.fastpath import _Linear
-
-    def missing(*args):
-        raise AttributeError("no such op in this build")
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_nbytes", missing)
-    gen = torch.Generator().manual_seed(0)
-    module = SimpleNamespace(weight=torch.randn(960, 576, generator=gen), bias=None)
-    linear = _Linear([module], pack=True)
-    linear.refresh()
-    assert linear._blocks is None
-    with torch.inference_mode():
-        module.weight.copy_(torch.randn(960, 576, generator=gen))
-        linear.refresh()
-        fresh = _Linear([SimpleNamespace(weight=module.weight.clone(), bias=None)], pack=True)
-        fresh.refresh()
-        x = torch.randn(8, 576, generator=gen)
-        assert torch.equal(linear(x), fresh(x))
