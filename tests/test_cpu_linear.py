@@ -49,6 +49,22 @@ def test_head_speedup_is_measured_once_per_shape():
     assert cpu_linear.head_speedup.cache_info().hits == 1
 
 
+def test_a_build_whose_onednn_cannot_run_the_product_keeps_mkl(monkeypatch):
+    def refuse(x, w):
+        raise RuntimeError("mkldnn_linear_pointwise: not supported on this build")
+
+    monkeypatch.setattr(cpu_linear, "_onednn", refuse)
+    cpu_linear.head_speedup.cache_clear()
+    try:
+        assert cpu_linear.head_speedup(1000, 48) == 0.0
+        model = torch.nn.Module()
+        model.head = torch.nn.Linear(48, 1000, bias=False)
+        model.get_output_embeddings = lambda: model.head
+        assert cpu_linear.use_onednn_head(model) == 0.0 and "forward" not in model.head.__dict__
+    finally:
+        cpu_linear.head_speedup.cache_clear()  # the refusal must not stay cached for the tests after this one
+
+
 def test_a_float32_actor_trains_the_same_with_either_head_kernel(tiny_model_path, monkeypatch):
     """Two float32 actors, the head forced onto each kernel, one SGD step on the same batch: the same loss and
     weights up to float32 rounding (the kernels round the head's product differently)."""

@@ -36,7 +36,8 @@ def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def head_speedup(n_out: int, n_in: int) -> float:
     """How many times as fast oneDNN runs an [n_out, n_in] head's forward as MKL, here (once per process and shape,
-    so that every actor of a process agrees); 0 without oneDNN."""
+    so that every actor of a process agrees); 0 without oneDNN, or where its build cannot run this product (a CPU
+    or build not measured here, such as an Arm one, then keeps MKL instead of failing at start-up)."""
     from areal_lite.utils.device import speedup_on_one_thread
 
     if not torch.backends.mkldnn.is_available():
@@ -44,7 +45,10 @@ def head_speedup(n_out: int, n_in: int) -> float:
     g = torch.Generator().manual_seed(0)  # its own generator: the caller's random stream is left as it was
     w = torch.randn(n_out, n_in, generator=g)
     x = torch.randn(ROWS, n_in, generator=g)
-    return speedup_on_one_thread(lambda: F.linear(x, w), lambda: _onednn(x, w))
+    try:
+        return speedup_on_one_thread(lambda: F.linear(x, w), lambda: _onednn(x, w))
+    except (RuntimeError, NotImplementedError):
+        return 0.0
 
 
 class _OneDNNForward(torch.autograd.Function):
