@@ -132,6 +132,9 @@ def summarise_vs_trl(d: dict) -> dict:
         out["kit_precision"] = next(r["precision"] for r in d["runs"] if r["system"] == "kit")
         # and the dtype its server sampled in (`embedded.dtype=auto`; absent from runs before it existed)
         out["kit_server_dtype"] = next((r.get("server_dtype") for r in d["runs"] if r["system"] == "kit"), None)
+    hosts = [r["host_mm_gflops"] for r in d["runs"] if "host_mm_gflops" in r]  # absent before it was measured
+    if hosts:
+        out["host_mm_gflops"] = [min(hosts), max(hosts)]
     for side in ("kit", "trl"):
         runs = sorted((r for r in d["runs"] if r["system"] == side), key=lambda r: r["train_s"])
         middle = runs[len(runs) // 2]  # the median repeat's phases
@@ -153,7 +156,11 @@ def latest_vs_trl(f: dict) -> list:
         precision = f'bf16 autocast both sides (TRL\'s `bf16=True`; the kit said: "{f["kit_precision"]}")'
         if f.get("kit_server_dtype"):
             precision += f"; the kit's server sampled in {f['kit_server_dtype']} (`embedded.dtype=auto`)"
-    lines = [f"{shape}, {f['threads']} threads each side, alternating; TRL {memory}; {precision}.", ""]
+    lines = [f"{shape}, {f['threads']} threads each side, alternating; TRL {memory}; {precision}."]
+    if f.get("host_mm_gflops"):
+        lines.append("The machine's speed while it ran, a large float32 `torch.mm` on {} threads measured before each "
+                     "run: {:.0f}-{:.0f} GFLOP/s.".format(f["threads"], *f["host_mm_gflops"]))  # fmt: skip
+    lines.append("")
     by_repeat = ", ".join(f"{r:.2f}" for r in f["ratios"])
 
     def phases(side: dict) -> str:

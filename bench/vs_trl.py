@@ -340,7 +340,9 @@ def print_report(result: dict) -> None:
                 f"{r['system']} #{r['repeat']}   {r['train_s']:8.1f} {r['train_s'] / steps:7.2f} {r['wall_s']:9.1f} "
                 f"{r['cpu_user_s'] + r['cpu_sys_s']:7.0f} {before:5.2f} -> {r['accuracy_after']:4.2f}  {phases}"
             )
-        print(f"         TRL / kit train time: {t['train_s'] / k['train_s']:.2f}x")
+        host = ", ".join(f"{r['host_mm_gflops']:.0f}" for r in (k, t) if "host_mm_gflops" in r)
+        host = f" (a large float32 torch.mm before each run: {host} GFLOP/s)" if host else ""
+        print(f"         TRL / kit train time: {t['train_s'] / k['train_s']:.2f}x{host}")
     print()
     for name, rs in (("kit", kit), ("TRL", trl)):
         gains = [r["accuracy_after"] - r["accuracy_before"] for r in rs]
@@ -407,15 +409,23 @@ def run_repeats(args, root: str, spec: dict, fingerprints: list[str]) -> tuple[d
     """The base model's held-out accuracy, then `--repeats` x (kit, TRL): (the base's evaluation, the runs)."""
     base = evaluate_model(args, root, spec["model_path"], "base")
     print(f"vs_trl: base model held-out accuracy {base['eval_accuracy']:.2f} (the kit's evaluator)")
+    from _limit import measure_peak_gflops
+
     runs = []
     for i in range(args.repeats):  # alternating, so drift in the machine's load hits both alike
-        runs.append(run_kit(args, root, i, fingerprints))
+        # The machine's matmul speed just before each run: a shared host's moves by tens of percent within an hour,
+        # and both sides' times (not always alike) with it; the record then shows what the machine was doing.
+        host = measure_peak_gflops(args.threads, seconds=1.0)
+        runs.append(dict(run_kit(args, root, i, fingerprints), host_mm_gflops=host))
         print(f"vs_trl: kit #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
-              f"{runs[-1]['accuracy_before']:.2f} -> {runs[-1]['accuracy_after']:.2f}")  # fmt: skip
-        runs.append(run_trl(args, root, i, spec))
+              f"{runs[-1]['accuracy_before']:.2f} -> {runs[-1]['accuracy_after']:.2f} (torch.mm before: {host:.0f} "
+              "GFLOP/s)")  # fmt: skip
+        host = measure_peak_gflops(args.threads, seconds=1.0)
+        runs.append(dict(run_trl(args, root, i, spec), host_mm_gflops=host))
         runs[-1]["accuracy_before"] = base["eval_accuracy"]
         print(f"vs_trl: TRL #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
-              f"{base['eval_accuracy']:.2f} -> {runs[-1]['accuracy_after']:.2f}")  # fmt: skip
+              f"{base['eval_accuracy']:.2f} -> {runs[-1]['accuracy_after']:.2f} (torch.mm before: {host:.0f} "
+              "GFLOP/s)")  # fmt: skip
     return base, runs
 
 

@@ -109,6 +109,18 @@ def test_latest_run_first_with_its_machine_then_earlier_runs_newest_first(result
     assert report.render(str(results)) == text  # nothing from the clock or the file system's order
 
 
+def test_the_machines_matmul_speed_during_the_runs_is_reported_where_recorded(results):
+    """vs_trl.py measures a large torch.mm before each run: the report gives their range, and says nothing of it for
+    a record from before it was measured (the fixture's)."""
+    assert "The machine's speed while it ran" not in report.render(str(results))
+    latest = vs_trl_run("f" * 40, "2026-12-04 10:00:00", [60.0, 62.0], [200.0, 210.0])
+    for run, gflops in zip(latest["runs"], (131.0, 140.4, 178.6, 150.0)):
+        run["host_mm_gflops"] = gflops
+    write(results / "vs_trl.json", latest)
+    text = report.render(str(results))
+    assert "a large float32 `torch.mm` on 2 threads measured before each run: 131-179 GFLOP/s." in text
+
+
 def test_an_avx2_proxy_run_says_so(results):
     """A run on an AVX-512 CPU told to use AVX2 kernels (bench/_machine.py's AVX2_PROXY_ENV) is not that CPU's own."""
     proxy = vs_trl_run("e" * 40, "2026-12-03 10:00:00", [80.0], [300.0])
