@@ -360,6 +360,15 @@ def test_trl_page_quotes_both_recorded_runs():
                   f"{kit['train_s_max']:.0f} s); held-out accuracy {base:.2f} -> {trl['accuracy_after_median']:.2f} "
                   f"for TRL, {base:.2f} -> {kit['accuracy_after_median']:.2f} for the kit")  # fmt: skip
         assert quoted in text, f"docs/trl.md should quote {bench}.json: {quoted!r}"
+    if "vs_trl_avx2" in records:  # the two CPUs' matmul speeds it compares are their update benches' own
+        peaks = [
+            _record(b)["rows"]["float32 (default)"]["limit"]["peak_gflops"]
+            for b in ("update_speed_avx2", "update_speed")
+        ]
+        quoted = "a large float32 `torch.mm` runs at {:.0f} GFLOP/s there against {:.0f} on the first CPU".format(
+            *peaks
+        )
+        assert quoted in " ".join(text.split()), f"docs/trl.md should say {quoted!r} (the update_speed records)"
 
 
 def test_areal_run_quotes_its_record():
