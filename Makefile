@@ -95,8 +95,9 @@ $(STAMP): $(UV) pyproject.toml
 	$(UV_PIP) --no-deps $(NODEPS)
 	touch $@
 
-# Everything in two calls, not on top of $(STAMP): each call re-resolves the whole set.
-$(DEVSTAMP): $(UV) pyproject.toml
+# Everything in two calls, not on top of $(STAMP): each call re-resolves the whole set (again when a requirements
+# file changes, so an existing .venv follows a pin added there).
+$(DEVSTAMP): $(UV) pyproject.toml requirements/areal.txt requirements/sglang-parser.txt
 	$(CPU_TORCH)
 	$(UV_PIP) "torch==2.13.0" -e ".[cpu,dev,agents]" $(SGL_LIGHT) -r requirements/areal.txt
 	$(UV_PIP) --no-deps $(NODEPS) sglang==0.5.23 $(AREAL_PIN)
