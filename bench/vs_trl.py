@@ -23,6 +23,7 @@ Design decisions
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -411,21 +412,20 @@ def run_repeats(args, root: str, spec: dict, fingerprints: list[str]) -> tuple[d
     print(f"vs_trl: base model held-out accuracy {base['eval_accuracy']:.2f} (the kit's evaluator)")
     from _limit import measure_peak_gflops
 
-    runs = []
-    for i in range(args.repeats):  # alternating, so drift in the machine's load hits both alike
+    def measured(name: str, i: int, run) -> dict:
         # The machine's matmul speed just before each run: a shared host's moves by tens of percent within an hour,
         # and both sides' times (not always alike) with it; the record then shows what the machine was doing.
         host = measure_peak_gflops(args.threads, seconds=1.0)
-        runs.append(dict(run_kit(args, root, i, fingerprints), host_mm_gflops=host))
-        print(f"vs_trl: kit #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
-              f"{runs[-1]['accuracy_before']:.2f} -> {runs[-1]['accuracy_after']:.2f} (torch.mm before: {host:.0f} "
-              "GFLOP/s)")  # fmt: skip
-        host = measure_peak_gflops(args.threads, seconds=1.0)
-        runs.append(dict(run_trl(args, root, i, spec), host_mm_gflops=host))
-        runs[-1]["accuracy_before"] = base["eval_accuracy"]
-        print(f"vs_trl: TRL #{i}: {runs[-1]['train_s']:.1f} s, accuracy "
-              f"{base['eval_accuracy']:.2f} -> {runs[-1]['accuracy_after']:.2f} (torch.mm before: {host:.0f} "
-              "GFLOP/s)")  # fmt: skip
+        result = dict(run(), host_mm_gflops=host)
+        result.setdefault("accuracy_before", base["eval_accuracy"])  # TRL's run starts from the base model
+        print(f"vs_trl: {name} #{i}: {result['train_s']:.1f} s, accuracy {result['accuracy_before']:.2f} -> "
+              f"{result['accuracy_after']:.2f} (torch.mm before: {host:.0f} GFLOP/s)")  # fmt: skip
+        return result
+
+    runs = []
+    for i in range(args.repeats):  # alternating, so drift in the machine's load hits both alike
+        runs.append(measured("kit", i, functools.partial(run_kit, args, root, i, fingerprints)))
+        runs.append(measured("TRL", i, functools.partial(run_trl, args, root, i, spec)))
     return base, runs
 
 
