@@ -24,9 +24,13 @@ import json
 import os
 import sys
 
-from _format import span
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the package's machine helpers (standard library at import)
+
+from _format import span  # noqa: E402
+
+from areal_lite.utils.machine import cpu_generation  # noqa: E402
+
 RESULTS = os.path.join(HERE, "results")
 OUT = os.path.join(HERE, "RESULTS.md")
 TITLES = {  # the order of RESULTS.md's sections; a results file not named here comes after them, by name
@@ -81,6 +85,12 @@ def when(date: str) -> str:
     return d.strftime("%Y-%m-%d %H:%M")
 
 
+def _generation(numbers: str) -> str:
+    """What goes before a record's CPU numbers: its generation and "; " ("Zen 3; ") where `cpu_generation` knows
+    them, else ""."""
+    return f"{name}; " if (name := cpu_generation(numbers)) else ""
+
+
 def machine(data: dict) -> dict:
     """Where and when a results file says it ran, whatever its script called the fields."""
     commit, dirty = data.get("commit") or "", bool(data.get("dirty"))
@@ -93,7 +103,7 @@ def machine(data: dict) -> dict:
         "date": when(data.get("date", "")),
         # with the CPU's numbers where recorded: a VM's model name alone can hide which generation it ran on
         "cpu_model": (data.get("cpu_model") or data.get("cpu") or "not recorded")
-        + (f" ({data['cpu_id']})" if data.get("cpu_id") else ""),
+        + (f" ({_generation(data['cpu_id'])}{data['cpu_id']})" if data.get("cpu_id") else ""),
         # an AVX2 proxy (bench/_machine.py) says so: its figures are not the AVX-512 CPU's own
         "vector_isa": (data.get("vector_isa") or "not recorded") + (" (AVX2 proxy)" if data.get("forced_isa") else ""),
         "cores": cores,
@@ -630,17 +640,20 @@ KINDS = {
     "areal_run": (summarise_areal_run, latest_areal_run, ["runs, s", "exit"], row_areal_run),
     "ci_time": (summarise_ci_time, latest_ci_time, ["minutes", "exit"], row_ci_time),
 }
-# bench/cpu_evidence.py's file suffixes (`--tag`), by vector ISA: the reference files (no suffix) are an AVX-512 CPU's
+# bench/cpu_evidence.py's file suffixes (`--tag`), by vector ISA: the reference files (no suffix) are an AVX-512 CPU's;
+# a second CPU of a class adds its own word ("_avx2_zen2")
 CPU_CLASSES = {"_avx2_proxy": "AVX2 proxy", "_avx2": "an AVX2-only CPU"}
 
 
 def title(name: str) -> str:
-    """A section's title: TITLES', or for bench/cpu_evidence.py's per-CPU files their bench's, with the CPU class."""
+    """A section's title: TITLES', or for bench/cpu_evidence.py's per-CPU files their bench's, with the CPU class
+    (and a second CPU's word: "an AVX2-only CPU, zen2")."""
     if name in TITLES:
         return TITLES[name]
     for suffix, cpu in CPU_CLASSES.items():
-        if name.endswith(suffix) and (base := name[: -len(suffix)]) in TITLES:
-            return f"{TITLES[base]}, {cpu}"
+        base, found, extra = name.rpartition(suffix)
+        if found and base in TITLES and (not extra or extra.startswith("_")):
+            return f"{TITLES[base]}, {cpu}" + (f", {extra[1:]}" if extra else "")
     return name
 
 

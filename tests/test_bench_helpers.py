@@ -48,7 +48,8 @@ def test_the_avx2_proxy_is_recorded_and_documented_as_one_switch_set(monkeypatch
 
 def test_a_results_file_names_the_cpus_numbers_beside_its_model(tmp_path):
     """A VM's model name can be only "Intel(R) Xeon(R) Processor": the record adds family, model, stepping and cache
-    (the first processor's block of /proc/cpuinfo), and RESULTS.md shows them beside the name."""
+    (the first processor's block of /proc/cpuinfo), and RESULTS.md shows them beside the name, with the generation
+    they name."""
     machine, report = load_bench("_machine"), load_bench("report")
     info = tmp_path / "cpuinfo"
     block = "processor\t: {}\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel(R) Xeon(R) Processor\n"
@@ -61,7 +62,10 @@ def test_a_results_file_names_the_cpus_numbers_beside_its_model(tmp_path):
     assert machine.cpu_id(str(tmp_path / "missing")) == ""
     assert set(machine.describe()) == {"cpu_model", "cores", "vector_isa", "cpu_id", "forced_isa"}
     rec = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_id": "family 6 model 207 stepping 2", "date": "2026-11-30"}
-    assert report.machine(rec)["cpu_model"] == "Intel(R) Xeon(R) Processor (family 6 model 207 stepping 2)"
+    named = "Intel(R) Xeon(R) Processor (Emerald Rapids; family 6 model 207 stepping 2)"
+    assert report.machine(rec)["cpu_model"] == named
+    rec["cpu_id"] = "family 6 model 999 stepping 2"  # a generation `cpu_generation` does not know: the numbers alone
+    assert report.machine(rec)["cpu_model"] == "Intel(R) Xeon(R) Processor (family 6 model 999 stepping 2)"
     assert report.machine({"cpu_model": "Apple M2", "date": "2026-11-30"})["cpu_model"] == "Apple M2"
 
 
@@ -551,6 +555,7 @@ def test_cpu_evidence_names_its_files_by_cpu_class(monkeypatch, capsys):
         assert ("--no-bf16" in update) is not native
     report = load_bench("report")
     assert report.title("demo_avx2") == report.TITLES["demo"] + ", an AVX2-only CPU"
+    assert report.title("vs_trl_avx2_zen2") == report.TITLES["vs_trl"] + ", an AVX2-only CPU, zen2"  # a second one
     assert report.title("ci_time_avx2").startswith("`.ci/run` on a clean clone") and report.title("odd") == "odd"
 
 

@@ -257,6 +257,13 @@ def _record_if_any(bench: str) -> dict | None:
     return _record(bench) if os.path.exists(os.path.join(ROOT, "bench", "results", f"{bench}.json")) else None
 
 
+def _avx2_cpus(bench: str) -> list:
+    """The results files' names of `bench` on AVX2-only CPUs ("vs_trl_avx2", "vs_trl_avx2_zen2"), not the proxy's."""
+    paths = glob.glob(os.path.join(ROOT, "bench", "results", f"{bench}_avx2*.json"))
+    names = sorted(os.path.basename(p)[: -len(".json")] for p in paths)
+    return [n for n in names if not n.endswith("_proxy")]
+
+
 def _page_text(page: str) -> str:
     """docs/PAGE with its line breaks and runs of spaces folded into single spaces (a quote may wrap anywhere)."""
     return " ".join(open(os.path.join(ROOT, "docs", page), encoding="utf-8").read().split())
@@ -345,12 +352,10 @@ def test_reliability_quotes_the_recorded_soak():
 
 
 def test_trl_page_quotes_both_recorded_runs():
-    """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's, and the
-    AVX2-only CPU's (vs_trl_avx2.json) where one was made."""
+    """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's, and each
+    AVX2-only CPU's (vs_trl_avx2.json, vs_trl_avx2_zen2.json: not the proxy's) where one was made."""
     text = _page_text("trl.md")
-    records = {bench: _record(bench) for bench in ("vs_trl", "vs_trl_bf16")}
-    if record := _record_if_any("vs_trl_avx2"):
-        records["vs_trl_avx2"] = record
+    records = {bench: _record(bench) for bench in ("vs_trl", "vs_trl_bf16", *_avx2_cpus("vs_trl"))}
     for bench, d in records.items():
         s, base = d["summary"], d["base_accuracy"]
         lo, hi = min(s["trl_over_kit_train_time"]), max(s["trl_over_kit_train_time"])
@@ -369,6 +374,34 @@ def test_trl_page_quotes_both_recorded_runs():
             *peaks
         )
         assert quoted in " ".join(text.split()), f"docs/trl.md should say {quoted!r} (the update_speed records)"
+
+
+def test_the_cpu_generations_the_docs_name_are_their_records():
+    """Where README.md, the workshop guide and docs/trl.md name a CPU's generation ("AMD EPYC (Zen 3)"), it is the one
+    the record they quote ran on (`cpu_generation` of the record's `cpu_id`): VMs of different generations share
+    one model name, and their speeds differ two- to threefold."""
+    from areal_lite.utils.machine import cpu_generation
+
+    def named(bench: str, isa: str) -> str:  # "AVX2-only AMD EPYC (Zen 3"
+        d = _record(bench)
+        assert (generation := cpu_generation(d["cpu_id"])), f"{bench}.json: no generation known for {d['cpu_id']!r}"
+        return f"{isa} {d['cpu_model']} ({generation}"
+
+    def text(*parts: str) -> str:
+        return " ".join(open(os.path.join(ROOT, *parts), encoding="utf-8").read().split())
+
+    readme, guide, trl = text("README.md"), text("notebooks", "README.md"), " ".join(_page_text("trl.md").split())
+    assert named("demo", "2-core AVX-512") + ")" in readme
+    assert named("demo_avx2", "2-core AVX2-only") + ")" in readme
+    times = _record("notebook_times")
+    if times["vector_isa"] == "AVX2" and not times.get("forced_isa"):  # the README's second notebook figure
+        assert named("notebook_times", "AVX2-only") + ") by `make notebook-times`" in readme
+        assert f"a 2-core {times['cpu_model']}, {cpu_generation(times['cpu_id'])}," in guide
+    for bench, isa in [("vs_trl", "AVX-512")] + [(b, "AVX2 only") for b in _avx2_cpus("vs_trl")]:
+        d = _record(bench)
+        family, model = d["cpu_id"].split()[1:4:2]
+        assert f"{d['cpu_model']} VM ({cpu_generation(d['cpu_id'])}, {isa}" in trl, bench
+        assert f"family {family} model {model}" in trl, bench
 
 
 def test_areal_run_quotes_its_record():
