@@ -390,7 +390,7 @@ def test_the_cpu_generations_the_docs_name_are_their_records():
     def text(*parts: str) -> str:
         return " ".join(open(os.path.join(ROOT, *parts), encoding="utf-8").read().split())
 
-    readme, guide, trl = text("README.md"), text("notebooks", "README.md"), " ".join(_page_text("trl.md").split())
+    readme, guide, trl = text("README.md"), text("notebooks", "README.md"), _page_text("trl.md")
     assert named("demo", "2-core AVX-512") + ")" in readme
     assert named("demo_avx2", "2-core AVX2-only") + ")" in readme
     times = _record("notebook_times")

@@ -14,11 +14,11 @@ def test_the_machine_line_names_model_cores_and_isa():
 
 def test_the_generation_is_read_off_the_cpus_numbers():
     """The CPUs the kit's records come from (VMs all named "AMD EPYC" or "Intel(R) Xeon(R) Processor") by their
-    `cpu_id`, each generation's first and last model included; numbers outside the table name none."""
+    `cpu_id`, some at the edges of a generation's range of models; numbers outside the table name none."""
     cases = {
         "family 23 model 49 stepping 0, cache 512 KB": "Zen 2",
         "family 23 model 127 stepping 0": "Zen 2",
-        "family 23 model 8 stepping 2": "",  # Zen+: no AVX2 speed of its own to compare, not in the table
+        "family 23 model 8 stepping 2": "",  # a Zen+: no record comes from one, so the table leaves it out
         "family 25 model 1 stepping 1, cache 512 KB": "Zen 3",
         "family 25 model 17 stepping 1, cache 1024 KB": "Zen 4",
         "family 25 model 33 stepping 0": "Zen 3",

@@ -1,5 +1,6 @@
 """What machine this is, in the words a reader compares laptops by: CPU model, cores and vector ISA (results files
-add the CPU's family, model and stepping numbers, `cpu_id`: a VM's model name may not tell its generation).
+add the CPU's family, model and stepping numbers, `cpu_id`, from which `cpu_generation` names its generation: a
+VM's model name may not tell it).
 
 Why: the same notebook runs at very different speeds on an AVX-512 CPU and an AVX2-only one, so every time the
 kit prints (`make demo`, each notebook's first cell, every bench's results file) says which CPU it came from. The
