@@ -376,6 +376,31 @@ def test_trl_page_quotes_both_recorded_runs():
         assert quoted in " ".join(text.split()), f"docs/trl.md should say {quoted!r} (the update_speed records)"
 
 
+def test_trl_page_quotes_the_kits_phases_of_its_median_repeat():
+    """docs/trl.md's phase times for the kit (generate, update, weight sync) are each float32 record's median repeat's
+    (the kit run of median train time); for an AVX2-only CPU after the first, also TRL's update and generation over
+    the kit's in that repeat, and the host's matmul speed before the kit's runs (`host_mm_gflops`)."""
+    import statistics
+
+    text = _page_text("trl.md")
+    for bench in ("vs_trl", *_avx2_cpus("vs_trl")):
+        d = _record(bench)
+        kits = [r for r in d["runs"] if r["system"] == "kit"]
+        middle = statistics.median_low(r["train_s"] for r in kits)
+        kit = next(r for r in kits if r["train_s"] == middle)
+        p = kit["phase_s"]
+        quoted = f"generate {p['generate']:.0f} s, update {p['update']:.0f} s, weight sync {p['weight_sync']:.0f} s"
+        assert f"(its median repeat): {quoted}" in text, f"docs/trl.md should quote {bench}.json's {quoted!r}"
+        if bench in ("vs_trl", "vs_trl_avx2"):
+            continue
+        trl = next(r["phase_s"] for r in d["runs"] if r["system"] == "trl" and r["repeat"] == kit["repeat"])
+        quoted = (f"TRL's update took {trl['update'] / p['update']:.1f} times the kit's, its generation "
+                  f"{trl['generate'] / p['generate']:.1f} times")  # fmt: skip
+        assert quoted in text, f"docs/trl.md should say {quoted!r} ({bench}.json)"
+        speeds = [r["host_mm_gflops"] for r in kits]
+        assert f"({min(speeds):.0f}-{max(speeds):.0f} GFLOP/s before the kit's runs)" in text, bench
+
+
 def test_the_cpu_generations_the_docs_name_are_their_records():
     """Where README.md, the workshop guide and docs/trl.md name a CPU's generation ("AMD EPYC (Zen 3)"), it is the one
     the record they quote ran on (`cpu_generation` of the record's `cpu_id`): VMs of different generations share
