@@ -25,7 +25,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the package's machine helpers (standard library at import)
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # the package's machine helpers (standard library at import)
+    sys.path.insert(0, ROOT)
 
 from _format import span  # noqa: E402
 
