@@ -719,6 +719,43 @@ def test_the_length_bound_never_exceeds_the_real_token_count(tok, text):
     assert token_lower_bound(tok, text) <= count_tokens(tok, text, add_special_tokens=False)
 
 
+class _CountingVocab:
+    """A tokenizer as `token_lower_bound` reads it, counting its walks over the vocabulary."""
+
+    def __init__(self, tok):
+        self.tok, self.walks = tok, 0
+
+    def get_vocab(self):
+        self.walks += 1
+        return self.tok.get_vocab()
+
+
+def test_servers_find_the_longest_token_before_the_first_long_request(tok, tiny_model_path):
+    """The walk over the vocabulary that `token_lower_bound` needs is made once, when the chat endpoint is built and
+    while the inference server loads: a 10 MB request never makes it beside the event loop."""
+    import argparse
+    import asyncio
+    from collections import Counter
+
+    from areal_lite.experimental.openai.proxy.server import ChatCompleter
+    from areal_lite.kit.server.cli import _load_unless_stopped
+    from areal_lite.utils.hf_utils import longest_token, token_lower_bound
+
+    counting = _CountingVocab(tok)
+    ChatCompleter(None, counting, None, Counter(), context_length=4096)
+    assert counting.walks == 1
+    assert longest_token(counting) == max(len(t) for t in tok.get_vocab())
+    assert token_lower_bound(counting, "x" * 10**6) == 10**6 // (4 * longest_token(tok))
+    assert counting.walks == 1
+
+    args = argparse.Namespace(model_path=tiny_model_path, device="cpu", dtype="float32", fast_path=True)
+    model, loaded_tok, _ = asyncio.run(_load_unless_stopped(args, asyncio.Event()))
+    vocab_walks = []
+    loaded_tok.get_vocab = lambda: vocab_walks.append(1) or {}  # a walk from here on would be recorded
+    assert longest_token(loaded_tok) == max(len(t) for t in tok.get_vocab())
+    assert vocab_walks == []
+
+
 def test_an_error_describes_a_bad_value_by_its_type_and_a_short_scalar_by_its_value_too():
     from areal_lite.utils.jsonhttp import describe
 

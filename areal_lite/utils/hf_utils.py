@@ -14,7 +14,8 @@
   the GIL released (`encode_batch`; `encode` keeps it).
 - `token_lower_bound`: a count a text's tokens cannot be below, from its length alone: no token covers more
   characters than the longest vocabulary entry, with a factor 4 of margin for normalizers that merge characters
-  (NFC). A 10 MB prompt is refused on that bound in microseconds instead of after seconds of tokenizing.
+  (NFC). A 10 MB prompt is refused on that bound in microseconds instead of after seconds of tokenizing; servers
+  find the longest entry (`longest_token`) while they load.
 - `token_bytes`: each token's own bytes (byte-level BPE), so a character split over tokens is joined back exactly.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "chat_prompt_ids",
     "count_tokens",
     "token_lower_bound",
+    "longest_token",
     "ChatTurnFragments",
     "chat_turn_fragments",
 ]
@@ -63,13 +65,20 @@ def count_tokens(tokenizer, text: str, add_special_tokens: bool = True) -> int:
     return len(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0])
 
 
-def token_lower_bound(tokenizer, text: str) -> int:
-    """At most this many characters fit in one token; the text has at least len(text) // that many tokens."""
+def longest_token(tokenizer) -> int:
+    """Characters in the tokenizer's longest vocabulary entry, computed once per tokenizer. That first call walks the
+    whole vocabulary (tens of ms for 49k entries, holding the GIL), so servers make it while they load: a request
+    that needs the bound then never pays for it beside the event loop."""
     longest = getattr(tokenizer, "_areal_lite_longest_token", None)
-    if longest is None:  # computed once per tokenizer: a pass over the whole vocabulary
+    if longest is None:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         tokenizer._areal_lite_longest_token = longest
-    return len(text) // (4 * max(longest, 1))
+    return longest
+
+
+def token_lower_bound(tokenizer, text: str) -> int:
+    """At most this many characters fit in one token; the text has at least len(text) // that many tokens."""
+    return len(text) // (4 * max(longest_token(tokenizer), 1))
 
 
 @lru_cache(maxsize=8)

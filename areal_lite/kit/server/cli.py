@@ -104,6 +104,7 @@ async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) ->
     Returns once that thread has ended, and with it the OpenMP team its loading made: the scheduler's must be the
     only one (scheduler.py, "One thread computes")."""
     from areal_lite.kit.server.weights import load_model
+    from areal_lite.utils.hf_utils import longest_token
 
     loop = asyncio.get_running_loop()
     load: asyncio.Future = loop.create_future()
@@ -111,6 +112,8 @@ async def _load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) ->
     def load_in_thread() -> None:
         try:
             result = load_model(args.model_path, args.device, args.dtype, lean=args.fast_path)
+            if result[1] is not None:  # long text prompts are bounded by it: found now, not beside the event loop
+                longest_token(result[1])
         except BaseException as e:
             loop.call_soon_threadsafe(lambda err=e: load.done() or load.set_exception(err))
         else:

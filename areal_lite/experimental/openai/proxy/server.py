@@ -48,7 +48,7 @@ from areal_lite.experimental.openai.proxy.protocol import (
     parse_chat_request,
     stream_events,
 )
-from areal_lite.utils.hf_utils import count_tokens, token_bytes, token_lower_bound
+from areal_lite.utils.hf_utils import count_tokens, longest_token, token_bytes, token_lower_bound
 from areal_lite.utils.jsonhttp import json_errors_middleware, off_loop, read_json
 from areal_lite.utils.loop_thread import LoopThread
 
@@ -152,6 +152,8 @@ class ChatCompleter:
     def __init__(self, engine, tokenizer, template: ChatTemplate, stats: Counter, context_length: Optional[int]):
         self.engine, self.tokenizer, self.template, self.stats = engine, tokenizer, template, stats
         self.context_length = context_length
+        if context_length is not None:  # what `token_lower_bound` needs, found now rather than on a long request
+            longest_token(tokenizer)
 
     def _render(self, req: ChatRequest, long: bool) -> List[int]:
         """The prompt ids of the whole conversation. A long one (over `OFF_LOOP_CHARS` characters, rendered on a
