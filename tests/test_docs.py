@@ -405,6 +405,8 @@ def test_the_cpu_generations_the_docs_name_are_their_records():
     """Where README.md, the workshop guide and docs/trl.md name a CPU's generation ("AMD EPYC (Zen 3)"), it is the one
     the record they quote ran on (`cpu_generation` of the record's `cpu_id`): VMs of different generations share
     one model name, and their speeds differ two- to threefold."""
+    import json
+
     from areal_lite.utils.machine import cpu_generation
 
     def named(bench: str, isa: str) -> str:  # "AVX2-only AMD EPYC (Zen 3"
@@ -419,6 +421,10 @@ def test_the_cpu_generations_the_docs_name_are_their_records():
     assert named("demo", "2-core AVX-512") + ")" in readme
     if _record_if_any("demo_avx2"):  # an AVX2-only CPU's demo, where one was timed
         assert named("demo_avx2", "2-core AVX2-only") + ")" in readme
+    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[01]*.ipynb"))):  # the reference runs' CPU
+        run = json.load(open(path, encoding="utf-8"))["metadata"]["areal_lite"]["reference_run"]
+        if "cpu_id" in run and run["vector_isa"] != "AVX2":  # recorded by the build tool since it names the numbers
+            assert f"AVX-512 {run['cpu_model']} ({cpu_generation(run['cpu_id'])};" in readme, path
     times = _record("notebook_times")
     if times["vector_isa"] == "AVX2" and not times.get("forced_isa"):  # the README's second notebook figure
         assert named("notebook_times", "AVX2-only") + ") by `make notebook-times`" in readme

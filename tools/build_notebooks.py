@@ -228,13 +228,14 @@ def _merge_streams(outputs: list) -> list:
 
 
 def _machine() -> dict:
-    """The CPU a reference run's times belong to (model, cores, vector ISA): times differ between CPUs."""
+    """The CPU a reference run's times belong to (model, cores, vector ISA, and the family/model numbers that name its
+    generation: VMs of different generations share one model name): times differ between CPUs."""
     if ROOT not in sys.path:  # once, not once per notebook executed
         sys.path.insert(0, ROOT)
-    from areal_lite.utils.machine import describe
+    from areal_lite.utils.machine import cpu_id, describe
 
     m = describe()
-    return {"cpu_model": m["cpu_model"], "cpu_count": m["cores"], "vector_isa": m["vector_isa"]}
+    return {"cpu_model": m["cpu_model"], "cpu_count": m["cores"], "vector_isa": m["vector_isa"], "cpu_id": cpu_id()}
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str, timeout: int = 900) -> nbformat.NotebookNode:
