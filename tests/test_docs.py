@@ -123,23 +123,32 @@ def _avx2_seconds(times: str = NOTEBOOK_TIMES) -> dict:
     return {name[:2]: r["seconds"] for name, r in record["notebooks"].items()}
 
 
+def _up_one_decimal(x: float) -> str:
+    """`x` rounded up to one decimal, as the READMEs quote minutes and GiB (a learner needs at least that much)."""
+    return f"{math.ceil(round(x * 10, 6)) / 10:.1f}"
+
+
+def _reference_runs() -> list:
+    """(notebook number "01", its committed reference run's metadata) of every English notebook."""
+    import json
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[01]*.ipynb"))):
+        run = json.load(open(path, encoding="utf-8"))["metadata"]["areal_lite"]["reference_run"]
+        out.append((os.path.basename(path)[:2], run))
+    return out
+
+
 def _reference_minutes(times: str = NOTEBOOK_TIMES) -> dict:
     """{"01": (Xeon minutes, AVX2 minutes)} as the READMEs must state them: the committed reference run's wall time in
     minutes to one decimal; then an AVX2-only CPU's time (`_avx2_seconds`) rounded up to one decimal, else the
     reference time scaled by 2.2, rounded up. A reference run made on an AVX2-only CPU gives no Xeon figure (None),
     and the AVX2 figure is the slower of it and `_avx2_seconds`."""
-    import json
-    import math
-
     avx2 = _avx2_seconds(times)
-
-    def up(minutes: float) -> str:
-        return f"{math.ceil(round(minutes * 10, 6)) / 10:.1f}"
-
+    up = _up_one_decimal
     out = {}
-    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[01]*.ipynb"))):
-        run = json.load(open(path, encoding="utf-8"))["metadata"]["areal_lite"]["reference_run"]
-        seconds, n = run["wall_seconds"], os.path.basename(path)[:2]
+    for n, run in _reference_runs():
+        seconds = run["wall_seconds"]
         if run["vector_isa"] == "AVX2":
             out[n] = (None, up(max(seconds, avx2.get(n, 0)) / 60))
         else:
@@ -264,9 +273,15 @@ def _avx2_cpus(bench: str) -> list:
     return [n for n in names if not n.endswith("_proxy")]
 
 
+def _folded(*parts: str) -> str:
+    """The file ROOT/PARTS with its line breaks and runs of spaces folded into single spaces (a quote may wrap
+    anywhere)."""
+    return " ".join(open(os.path.join(ROOT, *parts), encoding="utf-8").read().split())
+
+
 def _page_text(page: str) -> str:
-    """docs/PAGE with its line breaks and runs of spaces folded into single spaces (a quote may wrap anywhere)."""
-    return " ".join(open(os.path.join(ROOT, "docs", page), encoding="utf-8").read().split())
+    """docs/PAGE, folded (`_folded`)."""
+    return _folded("docs", page)
 
 
 def _training_minutes(after_n_steps_line: str) -> float:
@@ -302,7 +317,7 @@ def test_readmes_test_time_is_the_recorded_ci_run():
     clean clone, timed), with that record's CPU, and the run it quotes was green."""
     record = _record("ci_time")
     assert record["returncode"] == 0, "the recorded .ci/run failed: record a green one"
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    readme = _folded("README.md")
     minutes, cpu = record["seconds"] / 60, record["cpu_model"]
     quoted = f"`make test` took {minutes:.0f} min from a clean clone on the 2-core AVX-512 {cpu}"
     assert quoted in readme, f"README.md should say {quoted!r} (bench/results/ci_time.json)"
@@ -312,31 +327,24 @@ def test_readmes_test_time_is_the_recorded_ci_run():
         assert f"and {avx2['seconds'] / 60:.0f} min on the 2-core AVX2-only {avx2['cpu_model']}" in readme
 
 
-def _gib_up(x: float) -> str:
-    """A peak as the READMEs quote it: GiB rounded up to one decimal (a learner needs at least that much)."""
-    return f"{math.ceil(round(x * 10, 6)) / 10:.1f}"
-
-
 def test_the_memory_the_readmes_ask_for_is_the_recorded_peak():
     """README.md and the workshop guide say how much free memory the kit needs: `make demo`'s peak and the largest
     notebook's, as bench/memory.py recorded them (rounded up), not typed by hand; every notebook was measured."""
-    runs = _record("memory")["runs"]
+    up, runs = _up_one_decimal, _record("memory")["runs"]
     notebooks = {name: r["peak_gib"] for name, r in runs.items() if name != "demo"}
     expected = {
         os.path.basename(p)[: -len(".ipynb")] for p in glob.glob(os.path.join(ROOT, "notebooks", "en", "*.ipynb"))
     }
     assert set(notebooks) == expected, "bench/results/memory.json must measure every notebook (`make memory`)"
     largest = max(notebooks, key=notebooks.get)
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
-    quoted = (
-        f"`make demo` peaks at {_gib_up(runs['demo']['peak_gib'])} GiB and the largest notebook, {largest[:2]}, at "
-    )
-    quoted += f"{_gib_up(notebooks[largest])} GiB"
+    readme = _folded("README.md")
+    quoted = f"`make demo` peaks at {up(runs['demo']['peak_gib'])} GiB and the largest notebook, {largest[:2]}, at "
+    quoted += f"{up(notebooks[largest])} GiB"
     assert quoted in readme, f"README.md should say {quoted!r} (bench/results/memory.json)"
-    guide = " ".join(open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read().split())
+    guide = _folded("notebooks", "README.md")
     low = min(notebooks, key=notebooks.get)
-    quoted = f"from {_gib_up(notebooks[low])} GiB ({low[:2]}) to {_gib_up(notebooks[largest])} GiB ({largest[:2]})"
-    quoted += f" of memory, and `make demo` {_gib_up(runs['demo']['peak_gib'])} GiB"
+    quoted = f"from {up(notebooks[low])} GiB ({low[:2]}) to {up(notebooks[largest])} GiB ({largest[:2]})"
+    quoted += f" of memory, and `make demo` {up(runs['demo']['peak_gib'])} GiB"
     assert quoted in guide, f"notebooks/README.md should say {quoted!r} (bench/results/memory.json)"
 
 
@@ -405,8 +413,6 @@ def test_the_cpu_generations_the_docs_name_are_their_records():
     """Where README.md, the workshop guide and docs/trl.md name a CPU's generation ("AMD EPYC (Zen 3)"), it is the one
     the record they quote ran on (`cpu_generation` of the record's `cpu_id`): VMs of different generations share
     one model name, and their speeds differ two- to threefold."""
-    import json
-
     from areal_lite.utils.machine import cpu_generation
 
     def named(bench: str, isa: str) -> str:  # "AVX2-only AMD EPYC (Zen 3"
@@ -414,17 +420,13 @@ def test_the_cpu_generations_the_docs_name_are_their_records():
         assert (generation := cpu_generation(d["cpu_id"])), f"{bench}.json: no generation known for {d['cpu_id']!r}"
         return f"{isa} {d['cpu_model']} ({generation}"
 
-    def text(*parts: str) -> str:
-        return " ".join(open(os.path.join(ROOT, *parts), encoding="utf-8").read().split())
-
-    readme, guide, trl = text("README.md"), text("notebooks", "README.md"), _page_text("trl.md")
+    readme, guide, trl = _folded("README.md"), _folded("notebooks", "README.md"), _page_text("trl.md")
     assert named("demo", "2-core AVX-512") + ")" in readme
     if _record_if_any("demo_avx2"):  # an AVX2-only CPU's demo, where one was timed
         assert named("demo_avx2", "2-core AVX2-only") + ")" in readme
-    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "en", "[01]*.ipynb"))):  # the reference runs' CPU
-        run = json.load(open(path, encoding="utf-8"))["metadata"]["areal_lite"]["reference_run"]
+    for n, run in _reference_runs():  # the reference runs' CPU
         if "cpu_id" in run and run["vector_isa"] != "AVX2":  # recorded by the build tool since it names the numbers
-            assert f"AVX-512 {run['cpu_model']} ({cpu_generation(run['cpu_id'])};" in readme, path
+            assert f"AVX-512 {run['cpu_model']} ({cpu_generation(run['cpu_id'])};" in readme, n
     times = _record("notebook_times")
     if times["vector_isa"] == "AVX2" and not times.get("forced_isa"):  # the README's second notebook figure
         assert named("notebook_times", "AVX2-only") + ") by `make notebook-times`" in readme
