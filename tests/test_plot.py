@@ -19,6 +19,15 @@ from areal_lite.kit.notebook.plot import (
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Jupyter's inline backend closes a cell's figures once it has shown them; each test does so when it ends."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 def fake_stats(n=8, async_=False):
     rows = []
     for i in range(n):
