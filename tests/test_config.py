@@ -362,6 +362,7 @@ def test_the_demo_command_line_helps_and_refuses_in_one_line(capsys):
     [
         ("actor.optimizer.lrr=1e-5", "did you mean 'actor.optimizer.lr'?"),  # a typo: the close spelling
         ("actor.lr=1e-5", "did you mean 'actor.optimizer.lr'?"),  # a level off: the same name in its section
+        ("actor.lrr=1e-5", "did you mean 'actor.optimizer.lr'?"),  # both: a close spelling in its section
         ("n_samples=2", "did you mean 'gconfig.n_samples' or 'eval_gconfig.n_samples'?"),  # its section left out
     ],
 )

@@ -65,17 +65,15 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _paths_named(cls: type, name: str, prefix: str = "", depth: int = 4) -> List[str]:
-    """The dotted keys of config class `cls` whose last part is `name`, nearest first."""
-    found, deeper = [], []
+def _dotted_keys(cls: type, prefix: str = "", depth: int = 4) -> List[str]:
+    """Every dotted key of config class `cls`, down to `depth` levels: a level's own keys before those below them."""
+    here, deeper = [], []
     for f in dataclasses.fields(cls):
-        dotted = prefix + f.name
-        if f.name == name:
-            found.append(dotted)
+        here.append(prefix + f.name)
         inner, _ = _unwrap_optional(typing.get_type_hints(cls)[f.name])
         if dataclasses.is_dataclass(inner) and depth > 1:
-            deeper += _paths_named(inner, name, dotted + ".", depth - 1)
-    return found + deeper
+            deeper += _dotted_keys(inner, prefix + f.name + ".", depth - 1)
+    return here + deeper
 
 
 class _Checker:
@@ -89,7 +87,8 @@ class _Checker:
 
     def hint(self, key: str, prefix: str, fields: dict) -> str:
         """The "did you mean" of an unknown key's message: a close spelling at this level, else where the same name
-        is elsewhere (a key indented one level off, or given without its section), else a looser spelling."""
+        is elsewhere (a key indented one level off, or given without its section), else where a close spelling is
+        (both at once: `actor.lrr`), else a looser spelling at this level."""
         at = prefix + "." if prefix else ""
 
         def spelled(cutoff: float) -> List[str]:
@@ -97,8 +96,13 @@ class _Checker:
 
         near = spelled(0.8)
         if not near and self.root is not None:
-            elsewhere = _paths_named(self.root, key)
-            near = [p for p in elsewhere if p.startswith(at)] or elsewhere
+            keys = _dotted_keys(self.root)
+            leaf = {k: k.rsplit(".", 1)[-1] for k in keys}
+            for names in ([key], difflib.get_close_matches(key, sorted(set(leaf.values())), n=1, cutoff=0.8)):
+                elsewhere = [k for k in keys if leaf[k] in names]
+                near = [k for k in elsewhere if k.startswith(at)] or elsewhere
+                if near:
+                    break
         near = near or spelled(0.5)
         return f"; did you mean {' or '.join(repr(p) for p in near[:3])}?" if near else ""
 
