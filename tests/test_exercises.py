@@ -14,6 +14,7 @@ import contextlib
 import glob
 import inspect
 import io
+import itertools
 import json
 import os
 import re
@@ -976,7 +977,7 @@ def agent_ns(smollm_path):
         ),
         "rows": AGENT_ROWS,
         "reward_fn": arithmetic_reward_fn,  # the data cell's choice for the CPU profile's arithmetic
-        "data": iter([AGENT_ROWS] * 100),
+        "data": itertools.repeat(AGENT_ROWS),  # endless, as the notebook's `cycle_dataloader` is
         "engine": ScriptedReplies(tokenizer),
         "actor": FSDPPPOActor(
             PPOActorConfig(
