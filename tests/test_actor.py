@@ -842,33 +842,30 @@ def save_fsdp_batch(vocab: int, path) -> None:
     torch.save(batch, path)
 
 
-def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
-    """torchrun --nproc-per-node 2 (gloo, FSDP2 fully_shard) == one process, after one PPO step."""
+def run_fsdp_steps(
+    script_text: str, model_path: str, vocab: int, tmp_path, env: dict, timeout: float, torchrun_alone: bool
+) -> dict:
+    """`FSDP_SCRIPT` (as `script_text`) on one process and on two (torchrun, FSDP2): {1: results, 2: results}.
+    `torchrun_alone`: the one process under torchrun too, else as plain Python (no process group at all)."""
     script = tmp_path / "fsdp_step.py"
-    script.write_text(FSDP_SCRIPT)
-    save_fsdp_batch(vocab, tmp_path / "batch.pt")
-    env = child_env()
+    script.write_text(script_text)
+    batch = tmp_path / "batch.pt"
+    save_fsdp_batch(vocab, batch)
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}.pt"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            str(script),
-            tiny_model_path,
-            str(tmp_path / "batch.pt"),
-            str(out),
-            "2",
-        ]
-        if nproc == 1:
-            cmd = [sys.executable, str(script), tiny_model_path, str(tmp_path / "batch.pt"), str(out), "2"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        args = [str(script), model_path, str(batch), str(out), "2"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        cmd = [*torchrun, *args] if nproc == 2 or torchrun_alone else [sys.executable, *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[nproc] = torch.load(out)
+    return results
+
+
+def test_fsdp2_two_processes_equal_one(tiny_model_path, vocab, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, FSDP2 fully_shard) == one process, after one PPO step."""
+    results = run_fsdp_steps(FSDP_SCRIPT, tiny_model_path, vocab, tmp_path, child_env(), 300, torchrun_alone=False)
     one, two = results[1], results[2]
     torch.testing.assert_close(two["prox"], one["prox"], atol=1e-6, rtol=0)
     assert one["state"].keys() == two["state"].keys()

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from test_actor import FSDP_SCRIPT, RECEIVER, make_batch, save_fsdp_batch
+from test_actor import FSDP_SCRIPT, RECEIVER, make_batch, run_fsdp_steps
 from test_lora import PROMPTS as LORA_PROMPTS
 from test_lora import check_a_ppo_step_moves_only_the_adapter, greedy_outputs, perturb_adapter
 from test_serve import PROMPTS, call, forward_logprobs, generate
@@ -185,29 +185,9 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
 
 @two_gpus
 def test_fsdp2_on_two_gpus_equals_one_gpu(tiny_model_path, vocab, tmp_path):
-    script = tmp_path / "fsdp_step.py"
-    script.write_text(FSDP_SCRIPT.replace('device="cpu"', 'device="cuda"'))
-    save_fsdp_batch(vocab, tmp_path / "batch.pt")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"out{nproc}.pt"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            str(script),
-            tiny_model_path,
-            str(tmp_path / "batch.pt"),
-            str(out),
-            "2",
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[nproc] = torch.load(out)
+    script = FSDP_SCRIPT.replace('device="cpu"', 'device="cuda"')
+    results = run_fsdp_steps(script, tiny_model_path, vocab, tmp_path, env, 600, torchrun_alone=True)
     one, two = results[1], results[2]
     for k in one["state"]:
         torch.testing.assert_close(two["state"][k].cpu(), one["state"][k].cpu(), atol=1e-4, rtol=0)
