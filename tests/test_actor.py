@@ -36,9 +36,13 @@ from areal_lite.utils.functional import grpo_advantages, kl_estimate, normalize,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child_env() -> dict:
-    """The environment of a child Python process of these tests: this checkout importable, one torch thread each."""
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+def child_env(one_thread: bool = True) -> dict:
+    """The environment of a child Python process of these tests: this checkout importable, and (`one_thread`) one
+    OpenMP thread each."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 # ------------------------------------------------------------------------------------------------ helpers

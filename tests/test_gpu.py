@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from test_actor import FSDP_SCRIPT, RECEIVER, make_batch, run_fsdp_steps
+from test_actor import FSDP_SCRIPT, RECEIVER, child_env, make_batch, run_fsdp_steps
 from test_lora import PROMPTS as LORA_PROMPTS
 from test_lora import check_a_ppo_step_moves_only_the_adapter, greedy_outputs, perturb_adapter
 from test_serve import PROMPTS, call, forward_logprobs, generate
@@ -33,7 +33,6 @@ from areal_lite.engine.fsdp_utils.weights import init_custom_process_group
 from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one rank per device)")
 
 
@@ -159,7 +158,7 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
             "torch.cuda.set_device(1); model = AutoModelForCausalLM.from_pretrained(path).cuda()",
         )
     )
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(one_thread=False)  # the GPU processes keep their OpenMP threads
     out = tmp_path / "received"
     actor = FSDPPPOActor(PPOActorConfig(path=tiny_model_path, device="cuda:0")).initialize()
     with torch.no_grad():
@@ -185,7 +184,7 @@ def test_nccl_weight_broadcast_reaches_a_receiver_on_another_gpu(tiny_model_path
 
 @two_gpus
 def test_fsdp2_on_two_gpus_equals_one_gpu(tiny_model_path, vocab, tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(one_thread=False)  # the GPU processes keep their OpenMP threads
     script = FSDP_SCRIPT.replace('device="cpu"', 'device="cuda"')
     results = run_fsdp_steps(script, tiny_model_path, vocab, tmp_path, env, 600, torchrun_alone=True)
     one, two = results[1], results[2]
