@@ -12,7 +12,7 @@ bench/results/ci_time<tag>.json). Each writes bench/results/<name><tag>.json, th
 history first (`bench/report.py --archive`), then bench/RESULTS.md is regenerated. The tag names the CPU class:
 none on an AVX-512 CPU (the reference files), `_avx2` on an AVX2-only one, `_avx2_proxy` under bench/_machine.py's
 AVX2_PROXY_ENV, else the ISA's name; a second CPU of a class keeps the first's records with a word of its own
-(`--tag _avx2_zen2`); notebook_times.json keeps its one name (tests/test_docs.py reads it).
+(`--tag _avx2_zen2`, `--tag _avx512_xeon`); notebook_times.json keeps its one name (tests/test_docs.py reads it).
 Last it prints each target with the figure measured and whether it is met: the demo's +0.4 held-out accuracy within
 1 min of training (every run, the same rewards run to run), generation at >= 60% of the compute limit on 2 cores,
 an evaluation no dearer than a step's generation, TRL's time >= 4x the kit's, `.ci/run` <= 20 min.

@@ -643,8 +643,8 @@ KINDS = {
     "ci_time": (summarise_ci_time, latest_ci_time, ["minutes", "exit"], row_ci_time),
 }
 # bench/cpu_evidence.py's file suffixes (`--tag`), by vector ISA: the reference files (no suffix) are an AVX-512 CPU's;
-# a second CPU of a class adds its own word ("_avx2_zen2")
-CPU_CLASSES = {"_avx2_proxy": "AVX2 proxy", "_avx2": "an AVX2-only CPU"}
+# a second CPU of a class adds its own word ("_avx2_zen2"; "_avx512_xeon" beside the AVX-512 reference files)
+CPU_CLASSES = {"_avx2_proxy": "AVX2 proxy", "_avx2": "an AVX2-only CPU", "_avx512": "another AVX-512 CPU"}
 
 
 def title(name: str) -> str:

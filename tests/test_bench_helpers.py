@@ -556,6 +556,8 @@ def test_cpu_evidence_names_its_files_by_cpu_class(monkeypatch, capsys):
     report = load_bench("report")
     assert report.title("demo_avx2") == report.TITLES["demo"] + ", an AVX2-only CPU"
     assert report.title("vs_trl_avx2_zen2") == report.TITLES["vs_trl"] + ", an AVX2-only CPU, zen2"  # a second one
+    xeon = report.TITLES["vs_trl_bf16"] + ", another AVX-512 CPU, xeon"  # beside the AVX-512 reference files
+    assert report.title("vs_trl_bf16_avx512_xeon") == xeon
     assert report.title("ci_time_avx2").startswith("`.ci/run` on a clean clone") and report.title("odd") == "odd"
 
 

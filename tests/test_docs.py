@@ -266,9 +266,10 @@ def _record_if_any(bench: str) -> dict | None:
     return _record(bench) if os.path.exists(os.path.join(ROOT, "bench", "results", f"{bench}.json")) else None
 
 
-def _avx2_cpus(bench: str) -> list:
-    """The results files' names of `bench` on AVX2-only CPUs ("vs_trl_avx2", "vs_trl_avx2_zen2"), not the proxy's."""
-    paths = glob.glob(os.path.join(ROOT, "bench", "results", f"{bench}_avx2*.json"))
+def _other_cpus(bench: str) -> list:
+    """The results files' names of `bench` on the CPUs beside the AVX-512 reference one: AVX2-only CPUs ("vs_trl_avx2",
+    "vs_trl_avx2_zen2") and a second AVX-512 CPU ("vs_trl_avx512_xeon"), not the AVX2 proxy's."""
+    paths = glob.glob(os.path.join(ROOT, "bench", "results", f"{bench}_avx*.json"))
     names = sorted(os.path.basename(p)[: -len(".json")] for p in paths)
     return [n for n in names if not n.endswith("_proxy")]
 
@@ -361,9 +362,11 @@ def test_reliability_quotes_the_recorded_soak():
 
 def test_trl_page_quotes_both_recorded_runs():
     """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's, and each
-    AVX2-only CPU's (vs_trl_avx2.json, vs_trl_avx2_zen2.json: not the proxy's) where one was made."""
+    other CPU's (vs_trl_avx2.json, vs_trl_avx2_zen2.json, vs_trl_avx512_xeon.json, vs_trl_bf16_avx512_xeon.json: not
+    the proxy's) where one was made."""
     text = _page_text("trl.md")
-    records = {bench: _record(bench) for bench in ("vs_trl", "vs_trl_bf16", *_avx2_cpus("vs_trl"))}
+    others = [*_other_cpus("vs_trl"), *_other_cpus("vs_trl_bf16")]
+    records = {bench: _record(bench) for bench in ("vs_trl", "vs_trl_bf16", *others)}
     for bench, d in records.items():
         s, base = d["summary"], d["base_accuracy"]
         lo, hi = min(s["trl_over_kit_train_time"]), max(s["trl_over_kit_train_time"])
@@ -386,12 +389,13 @@ def test_trl_page_quotes_both_recorded_runs():
 
 def test_trl_page_quotes_the_kits_phases_of_its_median_repeat():
     """docs/trl.md's phase times for the kit (generate, update, weight sync) are each float32 record's median repeat's
-    (the kit run of median train time); for an AVX2-only CPU after the first, also TRL's update and generation over
-    the kit's in that repeat, and the host's matmul speed before the kit's runs (`host_mm_gflops`)."""
+    (the kit run of median train time); for a CPU after the first of its class (a Zen 2, a second AVX-512 CPU), also
+    TRL's update and generation over the kit's in that repeat, and the host's matmul speed before the kit's runs
+    (`host_mm_gflops`)."""
     import statistics
 
     text = _page_text("trl.md")
-    for bench in ("vs_trl", *_avx2_cpus("vs_trl")):
+    for bench in ("vs_trl", *_other_cpus("vs_trl")):
         d = _record(bench)
         kits = [r for r in d["runs"] if r["system"] == "kit"]
         middle = statistics.median_low(r["train_s"] for r in kits)
@@ -431,10 +435,11 @@ def test_the_cpu_generations_the_docs_name_are_their_records():
     if times["vector_isa"] == "AVX2" and not times.get("forced_isa"):  # the README's second notebook figure
         assert named("notebook_times", "AVX2-only") + ") by `make notebook-times`" in readme
         assert f"a 2-core {times['cpu_model']}, {cpu_generation(times['cpu_id'])}," in guide
-    for bench, isa in [("vs_trl", "AVX-512")] + [(b, "AVX2 only") for b in _avx2_cpus("vs_trl")]:
+    for bench in ("vs_trl", *_other_cpus("vs_trl")):
         d = _record(bench)
         family, model = d["cpu_id"].split()[1:4:2]
-        assert f"{d['cpu_model']} VM ({cpu_generation(d['cpu_id'])}, {isa}" in trl, bench
+        isa, generation = "AVX2 only" if d["vector_isa"] == "AVX2" else "AVX-512", cpu_generation(d["cpu_id"])
+        assert f"{d['cpu_model']} VM ({generation + ', ' if generation else ''}{isa}" in trl, bench
         assert f"family {family} model {model}" in trl, bench
 
 
