@@ -350,6 +350,40 @@ def test_set_torch_threads_is_capped_by_omp_num_threads(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_warm_vector_math_covers_every_function_aten_sends_to_mkl():
+    """`warm_vector_math` calls every unary op that the installed torch computes with MKL's vector math (the ops
+    ATen/cpu/vml.h implements with IMPLEMENT_VML_MKL), so none of them makes its first call on two threads at once."""
+    import re
+
+    from areal_lite.utils.device import _VML_OPS
+
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cpu", "vml.h")
+    lines = [line.strip() for line in open(header, encoding="utf-8")]
+    sent = {m.group(1) for line in lines if (m := re.match(r"IMPLEMENT_VML_MKL\((\w+),", line))}
+    assert sent and sent == set(_VML_OPS)
+
+
+WARMED = """
+import json, torch
+from torch.profiler import ProfilerActivity, profile
+from areal_lite.utils.device import _VML_OPS, set_torch_threads
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    set_torch_threads(1)
+    set_torch_threads(1)
+ops = {f"aten::{n}" for n in _VML_OPS}
+print(json.dumps(sorted([e.name, e.input_shapes[0]] for e in prof.events() if e.name in ops)))
+"""
+
+
+def test_set_torch_threads_first_runs_each_vector_math_function_on_one_element():
+    """A process's first `set_torch_threads` runs each MKL vector-math op on one element, in float32 and in float64
+    (each has its own kernel to settle), and a second call runs none: `warm_vector_math`, once per process."""
+    from areal_lite.utils.device import _VML_OPS
+
+    out = subprocess.run([sys.executable, "-c", WARMED], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == sorted([f"aten::{n}", [1]] for n in _VML_OPS for _dtype in range(2))
+
+
 HEAP = """
 import sys, torch
 from areal_lite.utils.device import keep_freed_memory

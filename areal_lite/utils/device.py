@@ -8,7 +8,8 @@ hardware (AVX-512 BF16 or AMX): without it, bf16 matmuls are emulated and slower
 instructions is not enough either (`cpu_bf16_speedup` measures), so the actor only autocasts to bf16 where it
 measured that it pays. On Linux the trainer and the embedded server keep freed memory for reuse
 (`keep_freed_memory`) rather than page-faulting it back every step, and give weights that still point into their
-checkpoint file memory of their own (`own_file_backed`).
+checkpoint file memory of their own (`own_file_backed`). Setting the threads also settles MKL's choice of kernel for
+each vector-math function on one thread first (`warm_vector_math`): a first call on two threads can compute wrong.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "is_device_name",
     "own_file_backed",
     "set_torch_threads",
+    "warm_vector_math",
     "pick_device",
 ]
 
@@ -64,11 +66,38 @@ def capped_threads(n: int) -> int:
 
 
 def set_torch_threads(n: int) -> int:
-    """`torch.set_num_threads(capped_threads(n))`; returns the count in effect (`n <= 0` leaves torch's default)."""
+    """`torch.set_num_threads(capped_threads(n))`; returns the count in effect (`n <= 0` leaves torch's default).
+    Runs `warm_vector_math` first: every process that computes sets its threads here before its first forward."""
+    warm_vector_math()
     n = capped_threads(n)
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+# ATen's float32/float64 unary ops that call MKL's vector math (VML) on each thread's chunk (ATen/cpu/vml.h)
+_VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin", "sqrt",
+            "tan", "tanh", "trunc")  # fmt: skip
+_vml_warm = False
+
+
+def warm_vector_math() -> None:
+    """Call each of ATen's MKL vector-math functions once on one element, in float32 and float64 (once per process).
+
+    Why: oneMKL picks a VML function's kernel on its first call, and when that first call runs on two OpenMP threads
+    at once one of them may compute its whole chunk with a low-accuracy kernel (pytorch/pytorch#188792). Measured on
+    a 2-core Intel Xeon: in about half of the embedded server's starts, its first prefill's RoPE table (`cos`) was
+    off by 1.5e-4 on the rows of the second thread, so the same seed gave other log-probs and, steps later, other
+    rewards. A one-element call runs on the calling thread alone and settles the choice; it costs microseconds.
+    """
+    global _vml_warm
+    if _vml_warm:
+        return
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in _VML_OPS:
+            getattr(torch, name)(one)
+    _vml_warm = True
 
 
 def keep_freed_memory() -> bool:
