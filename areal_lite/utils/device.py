@@ -85,10 +85,10 @@ def warm_vector_math() -> None:
     """Call each of ATen's MKL vector-math functions once on one element, in float32 and float64 (once per process).
 
     Why: oneMKL picks a VML function's kernel on its first call, and when that first call runs on two OpenMP threads
-    at once one of them may compute its whole chunk with a low-accuracy kernel (pytorch/pytorch#188792). Measured on
-    a 2-core Intel Xeon: in about half of the embedded server's starts, its first prefill's RoPE table (`cos`) was
-    off by 1.5e-4 on the rows of the second thread, so the same seed gave other log-probs and, steps later, other
-    rewards. A one-element call runs on the calling thread alone and settles the choice; it costs microseconds.
+    at once one of them may compute its whole chunk with a low-accuracy kernel (pytorch/pytorch#188792). On a
+    2-core Intel Xeon that struck the embedded server's first prefill in some of its starts: the RoPE table (`cos`)
+    of the second thread's rows was off in the fourth digit, so the same seed gave other log-probs and, steps later,
+    other rewards. A one-element call runs on the calling thread alone and settles the choice; it costs microseconds.
     """
     global _vml_warm
     if _vml_warm:
