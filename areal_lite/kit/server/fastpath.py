@@ -111,8 +111,10 @@ class StaticKV:
 
     Buffers are [rows, kv_heads, cols, head_dim] per layer. Decode writes one column in place, left of the window;
     rows join by writing their prefill into free rows, and the last rows move into the places of rows that leave.
-    Buffers are reallocated (live window copied) only when rows or columns run out, growing by half, and released
-    when the batch empties, so an idle server holds no cache."""
+    Buffers are reallocated (live window copied) only when rows or columns run out, growing by half, and dropped
+    when the batch empties. malloc keeps their memory for the next batch (the server's CLI sets
+    `utils.device.keep_freed_memory`): handed back to the OS, it would be page-faulted in again at every rollout,
+    dearly on a VM that returns freed pages to its host (bench/eval_cost.py times a rollout)."""
 
     def __init__(
         self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, max_rows: int = 0
@@ -208,10 +210,7 @@ class StaticKV:
         """Keep only live rows `rows`, in that order (row j becomes old row rows[j]), then drop columns that are
         padding in every row. Only the rows whose place changes are copied."""
         if not rows:
-            held = bool(self.keys)
-            self.clear()
-            if held and self.device.type == "cpu":  # malloc keeps the freed buffers otherwise: an idle server (the
-                _return_freed_memory()  # trainer's turn in RL) would still hold the cache and prefill's transients
+            self.clear()  # the memory stays with malloc for the next batch (class docstring)
             return
         m, s, e = len(rows), self.start, self.end
         moved = [j for j, r in enumerate(rows) if r != j]
