@@ -106,30 +106,42 @@ def smollm_path() -> str:
     return prepare_model("smollm2-135m-instruct")
 
 
-def _launch(model_path: str, **kw):
+def _serve(model_path: str):
+    """A real `python -m areal_lite.kit.server` process on `model_path` (one thread), yielded once it is ready and
+    stopped afterwards, also when it never became ready: the body of the server fixtures below."""
     from areal_lite.api.cli_args import EmbeddedServerConfig
     from areal_lite.kit.server.launch import launch_server
 
-    cfg = EmbeddedServerConfig(model_path=model_path, threads=1, **kw)
-    handle = launch_server(cfg, backend="embedded")
-    handle.wait_ready(timeout=180)
-    return handle
+    handle = launch_server(EmbeddedServerConfig(model_path=model_path, threads=1), backend="embedded")
+    try:
+        handle.wait_ready(timeout=180)
+        yield handle
+    finally:
+        handle.stop()
 
 
 @pytest.fixture(scope="session")
 def embedded_server(tiny_model_path):
-    """A real `python -m areal_lite.kit.server` process on the tiny model, shared by the session."""
-    handle = _launch(tiny_model_path)
-    yield handle
-    handle.stop()
+    """A real embedded server on the tiny model, shared by the session."""
+    yield from _serve(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def private_server(tiny_model_path):
+    """A server of the module's own for tests that pause it or change its weights (the shared one stays untouched)."""
+    yield from _serve(tiny_model_path)
+
+
+@pytest.fixture
+def cold_server(tiny_model_path):
+    """A server of the test's own that has served nothing yet (a test that measures a first request)."""
+    yield from _serve(tiny_model_path)
 
 
 @pytest.fixture(scope="session")
 def smollm_server(smollm_path):
     """A real embedded server on SmolLM2-135M-Instruct (slower: use only where a real model matters)."""
-    handle = _launch(smollm_path)
-    yield handle
-    handle.stop()
+    yield from _serve(smollm_path)
 
 
 @pytest.fixture

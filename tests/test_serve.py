@@ -70,20 +70,6 @@ def server(embedded_server):
 
 
 @pytest.fixture(scope="module")
-def private_server(tiny_model_path):
-    """A server of our own for tests that pause it or change its weights (the shared one stays untouched)."""
-    from areal_lite.api.cli_args import EmbeddedServerConfig
-    from areal_lite.kit.server.launch import launch_server
-
-    handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
-    try:
-        handle.wait_ready(timeout=180)
-        yield handle
-    finally:
-        handle.stop()
-
-
-@pytest.fixture(scope="module")
 def tiny(tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -272,31 +258,24 @@ def test_concurrent_requests_share_decode_steps(server):
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads the server's page faults from /proc")
-def test_a_warm_server_reuses_its_rollouts_memory(tiny_model_path):
+def test_a_warm_server_reuses_its_rollouts_memory(cold_server):
     """A rollout's KV cache and transients stay with malloc when its batch empties, so the next rollout of the same
     shape page-faults almost nothing in: handed back to the OS, they would be faulted in again every time, which a VM
     that returns freed pages to its host charges dearly."""
-    from areal_lite.kit.server.launch import launch_server
 
-    handle = launch_server(EmbeddedServerConfig(model_path=tiny_model_path, threads=1), backend="embedded")
-    try:
-        handle.wait_ready(timeout=180)
+    def minor_faults() -> int:
+        with open(f"/proc/{cold_server.proc.pid}/stat") as f:  # field 10, counted after the parenthesised name
+            return int(f.read().rsplit(")", 1)[1].split()[7])
 
-        def minor_faults() -> int:
-            with open(f"/proc/{handle.proc.pid}/stat") as f:
-                return int(f.read().rsplit(")", 1)[1].split()[7])
-
-        body = {"input_ids": list(range(10, 90)), "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
-        faults = []
-        for _ in range(5):  # 32 rows of 80 + 48 tokens, as a GRPO step sends them
-            before = minor_faults()
-            with concurrent.futures.ThreadPoolExecutor(32) as pool:
-                assert len(list(pool.map(lambda _: generate(handle.address, body), range(32)))) == 32
-            faults.append(minor_faults() - before)
-        cold, warm = faults[0], faults[2:]  # the second rollout may still grow a buffer
-        assert all(f < cold / 10 for f in warm), faults
-    finally:
-        handle.stop()
+    body = {"input_ids": list(range(10, 90)), "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
+    faults = []
+    for _ in range(5):  # 32 rows of 80 + 48 tokens, as a GRPO step sends them
+        before = minor_faults()
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            assert len(list(pool.map(lambda _: generate(cold_server.address, body), range(32)))) == 32
+        faults.append(minor_faults() - before)
+    cold, warm = faults[0], faults[2:]  # the second rollout may still grow a buffer
+    assert all(f < cold / 10 for f in warm), faults
 
 
 def test_stop_strings_stop_ids_and_length(server, tiny):
