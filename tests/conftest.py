@@ -6,6 +6,7 @@ stopped at the end of the session. Each process gets one torch thread: this suit
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -134,8 +135,15 @@ def private_server(tiny_model_path):
 
 @pytest.fixture
 def cold_server(tiny_model_path):
-    """A server of the test's own that has served nothing yet (a test that measures a first request)."""
+    """A server of the test's own, fresh: for a test that measures its first request, changes its weights or kills
+    it (stopping a server that is already gone is a no-op)."""
     yield from _serve(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """`with serve(model_path) as handle:` a ready server on another model folder, stopped on leaving the block."""
+    return contextlib.contextmanager(_serve)
 
 
 @pytest.fixture(scope="session")

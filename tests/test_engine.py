@@ -3,7 +3,7 @@
 Every test talks HTTP to `python -m areal_lite.kit.server` processes on the tiny model (one torch thread each). There is
 no pytest-asyncio here, so async parts run under `asyncio.run` inside the test -- a foreign loop for the engine,
 exactly like a notebook's top-level `await`. Extra servers (a second one with different weights, a scratch one for
-weight updates, one to kill) are launched where a test needs them.
+weight updates, one to kill) are conftest's fixtures.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import urllib.request
 import pytest
 import torch
 
-from areal_lite.api.cli_args import EmbeddedServerConfig, GenerationHyperparameters, InferenceEngineConfig
+from areal_lite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
 from areal_lite.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal_lite.engine.sglang_remote import RemoteSGLangEngine
 from areal_lite.infra.remote_inf_engine import ADDRS_ENV, EngineError
-from areal_lite.kit.server.launch import launch_server
 from areal_lite.kit.server.procs import find_free_port
 from areal_lite.utils.data import concat_padded_tensors
 from areal_lite.utils.trajectory import check_trajectory
@@ -34,12 +33,6 @@ PROMPT = [11, 523, 97, 1402, 36, 2210]
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _launch(model_path: str):
-    handle = launch_server(EmbeddedServerConfig(model_path=model_path, threads=1), backend="embedded")
-    handle.wait_ready(timeout=180)
-    return handle
 
 
 def _config(**kw) -> InferenceEngineConfig:
@@ -162,11 +155,10 @@ def perturbed_path(tiny_model_path, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server_b(perturbed_path):
+def server_b(perturbed_path, serve):
     """A second server holding different weights: its greedy output tells which server answered."""
-    handle = _launch(perturbed_path)
-    yield handle
-    handle.stop()
+    with serve(perturbed_path) as handle:
+        yield handle
 
 
 # ------------------------------------------------------------------------------------------------ agenerate
@@ -326,48 +318,45 @@ def test_server_side_abort_is_resumed(make_engine, embedded_server):
 # ------------------------------------------------------------------------------------------------ weights
 
 
-def test_update_weights_from_disk(make_engine, tiny_model_path, perturbed_path, server_b, tmp_path):
-    scratch = _launch(tiny_model_path)
-    try:
-        eng = make_engine(scratch.address)
-        before = _gen(eng).output_tokens
-        meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "weights"))
-        fut = eng.update_weights(meta)
-        # Kept: nothing can complete the future before v1 exists; the 0.3 s only gives a broken update (one that
-        # does not wait) time to show itself. The result is awaited by `fut.result` below, not by this sleep.
-        time.sleep(0.3)
-        assert not fut.done()  # waits for the trainer to publish v1
+def test_update_weights_from_disk(make_engine, perturbed_path, server_b, tmp_path, cold_server):
+    scratch = cold_server
+    eng = make_engine(scratch.address)
+    before = _gen(eng).output_tokens
+    meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "weights"))
+    fut = eng.update_weights(meta)
+    # Kept: nothing can complete the future before v1 exists; the 0.3 s only gives a broken update (one that
+    # does not wait) time to show itself. The result is awaited by `fut.result` below, not by this sleep.
+    time.sleep(0.3)
+    assert not fut.done()  # waits for the trainer to publish v1
 
-        # Publish like the trainer: write to a temporary folder, then rename it into place.
-        tmp_dir = str(tmp_path / "weights" / ".v1.tmp")
-        shutil.copytree(perturbed_path, tmp_dir)
-        os.rename(tmp_dir, meta.dir_for(1))
-        assert fut.result(timeout=60) == 1
-        assert str(_get_json(scratch.address, "/model_info")["weight_version"]) == "1"
+    # Publish like the trainer: write to a temporary folder, then rename it into place.
+    tmp_dir = str(tmp_path / "weights" / ".v1.tmp")
+    shutil.copytree(perturbed_path, tmp_dir)
+    os.rename(tmp_dir, meta.dir_for(1))
+    assert fut.result(timeout=60) == 1
+    assert str(_get_json(scratch.address, "/model_info")["weight_version"]) == "1"
 
-        eng.set_version(1)
-        after = _gen(eng)
-        assert after.output_tokens != before
-        assert after.output_tokens == _gen(make_engine(server_b.address)).output_tokens  # the same weights now
-        assert after.output_versions == [1] * after.output_len
+    eng.set_version(1)
+    after = _gen(eng)
+    assert after.output_tokens != before
+    assert after.output_tokens == _gen(make_engine(server_b.address)).output_tokens  # the same weights now
+    assert after.output_versions == [1] * after.output_len
 
-        # A broken checkpoint: the future raises with the server's message, and the server keeps serving.
-        broken = meta.dir_for(2)
-        os.makedirs(broken)
-        with open(os.path.join(broken, "config.json"), "w") as fh:
-            fh.write("{not json")
-        with pytest.raises(EngineError) as broken_err:
-            eng.update_weights(meta).result(timeout=60)
-        assert broken_err.value.status is not None and "no server answers" not in str(broken_err.value)  # it answered
-        assert _gen(eng).output_tokens == after.output_tokens
+    # A broken checkpoint: the future raises with the server's message, and the server keeps serving.
+    broken = meta.dir_for(2)
+    os.makedirs(broken)
+    with open(os.path.join(broken, "config.json"), "w") as fh:
+        fh.write("{not json")
+    with pytest.raises(EngineError) as broken_err:
+        eng.update_weights(meta).result(timeout=60)
+    assert broken_err.value.status is not None and "no server answers" not in str(broken_err.value)  # it answered
+    assert _gen(eng).output_tokens == after.output_tokens
 
-        # The server gone (a notebook's server cell run again replaces it): the error says which engine to connect.
-        scratch.stop()
-        shutil.copytree(perturbed_path, meta.dir_for(3))
-        with pytest.raises(EngineError, match=r"no server answers there.*actor\.connect_engine\(engine, meta\)"):
-            eng.update_weights(meta).result(timeout=60)
-    finally:
-        scratch.stop()
+    # The server gone (a notebook's server cell run again replaces it): the error says which engine to connect.
+    scratch.stop()
+    shutil.copytree(perturbed_path, meta.dir_for(3))
+    with pytest.raises(EngineError, match=r"no server answers there.*actor\.connect_engine\(engine, meta\)"):
+        eng.update_weights(meta).result(timeout=60)
 
 
 def test_update_weights_nccl_needs_param_specs(make_engine, embedded_server):
@@ -387,25 +376,22 @@ def _server_pid(handle) -> int:
     return int(handle.pid)
 
 
-def test_server_killed_mid_rollout_raises_in_time(make_engine, tiny_model_path):
-    victim = _launch(tiny_model_path)
-    try:
-        eng = make_engine(victim.address, request_timeout=8.0, request_retries=3)
+def test_server_killed_mid_rollout_raises_in_time(make_engine, cold_server):
+    victim = cold_server
+    eng = make_engine(victim.address, request_timeout=8.0, request_retries=3)
 
-        async def scenario():
-            progress = asyncio.ensure_future(_until_generated(victim.address, 20))
-            task = asyncio.ensure_future(eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_greedy(4000))))
-            await progress  # mid-generation by data, not after a guessed 0.5 s (4000 tokens take seconds)
-            assert not task.done()
-            os.kill(_server_pid(victim), signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(EngineError, match=victim.address):
-                await asyncio.wait_for(task, timeout=30)
-            return time.monotonic() - t0
+    async def scenario():
+        progress = asyncio.ensure_future(_until_generated(victim.address, 20))
+        task = asyncio.ensure_future(eng.agenerate(ModelRequest(input_ids=PROMPT, gconfig=_greedy(4000))))
+        await progress  # mid-generation by data, not after a guessed 0.5 s (4000 tokens take seconds)
+        assert not task.done()
+        os.kill(_server_pid(victim), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=victim.address):
+            await asyncio.wait_for(task, timeout=30)
+        return time.monotonic() - t0
 
-        assert asyncio.run(scenario()) < 9.0  # within the 8 s request budget (here: under 1 s)
-    finally:
-        victim.stop()
+    assert asyncio.run(scenario()) < 9.0  # within the 8 s request budget (here: under 1 s)
 
 
 def test_initialize_errors(monkeypatch):
