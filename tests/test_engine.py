@@ -324,10 +324,10 @@ def test_update_weights_from_disk(make_engine, perturbed_path, server_b, tmp_pat
     before = _gen(eng).output_tokens
     meta = WeightUpdateMeta.from_disk(path=str(tmp_path / "weights"))
     fut = eng.update_weights(meta)
-    # Kept: nothing can complete the future before v1 exists; the 0.3 s only gives a broken update (one that
-    # does not wait) time to show itself. The result is awaited by `fut.result` below, not by this sleep.
-    time.sleep(0.3)
-    assert not fut.done()  # waits for the trainer to publish v1
+    # It waits for the trainer to publish v1: the future itself is watched for 0.3 s, so an update that does not
+    # wait (or fails at once) shows itself here, the moment it does.
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0.3)
 
     # Publish like the trainer: write to a temporary folder, then rename it into place.
     tmp_dir = str(tmp_path / "weights" / ".v1.tmp")
