@@ -360,6 +360,12 @@ def test_reliability_quotes_the_recorded_soak():
     assert quoted in text, f"docs/reliability.md should quote the recorded soak: {quoted!r}"
 
 
+def _lo_hi(lowest: float, highest: float, fmt: str = "{:.0f}") -> str:
+    """A range as the pages print it: "lo-hi", or one figure where both ends print alike."""
+    lo, hi = fmt.format(lowest), fmt.format(highest)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def test_trl_page_quotes_both_recorded_runs():
     """docs/trl.md's ratios, times and accuracies are bench/results/vs_trl.json's and vs_trl_bf16.json's, and each
     other CPU's (vs_trl_avx2.json, vs_trl_avx2_zen2.json, vs_trl_avx512_xeon.json, vs_trl_bf16_avx512_xeon.json: not
@@ -371,10 +377,13 @@ def test_trl_page_quotes_both_recorded_runs():
         s, base = d["summary"], d["base_accuracy"]
         lo, hi = min(s["trl_over_kit_train_time"]), max(s["trl_over_kit_train_time"])
         trl, kit = s["trl"], s["kit"]
-        quoted = (f"TRL takes {s['trl_over_kit_median']:.1f}x as long as the kit ({lo:.1f}-{hi:.1f} by repeat; TRL "
-                  f"{trl['train_s_min']:.0f}-{trl['train_s_max']:.0f} s, the kit {kit['train_s_min']:.0f}-"
-                  f"{kit['train_s_max']:.0f} s); held-out accuracy {base:.2f} -> {trl['accuracy_after_median']:.2f} "
-                  f"for TRL, {base:.2f} -> {kit['accuracy_after_median']:.2f} for the kit")  # fmt: skip
+        spread = _lo_hi(lo, hi, "{:.1f}")
+        by_repeat = f"{spread} by repeat" if "-" in spread else f"{spread} in every repeat"
+        trl_s, kit_s = _lo_hi(trl["train_s_min"], trl["train_s_max"]), _lo_hi(kit["train_s_min"], kit["train_s_max"])
+        quoted = (f"TRL takes {s['trl_over_kit_median']:.1f}x as long as the kit ({by_repeat}; TRL {trl_s} s, the kit "
+                  f"{kit_s} s); held-out accuracy {base:.2f} -> "
+                  f"{trl['accuracy_after_median']:.2f} for TRL, {base:.2f} -> {kit['accuracy_after_median']:.2f} for "
+                  "the kit")  # fmt: skip
         assert quoted in text, f"docs/trl.md should quote {bench}.json: {quoted!r}"
     if "vs_trl_avx2" in records:  # the two CPUs' matmul speeds it compares are their update benches' own
         peaks = [

@@ -227,8 +227,6 @@ class StaticKV:
 def _return_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc keeps large freed blocks otherwise); a no-op elsewhere."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
